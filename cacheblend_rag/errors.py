@@ -1,0 +1,56 @@
+"""Exceptions raised by cacheblend-rag. Each names the problem and, where possible, the fix."""
+
+
+class CacheBlendError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ModelNotFoundError(CacheBlendError):
+    """No usable model at the given name or path."""
+
+
+class UnsupportedModelError(CacheBlendError):
+    """The model exists but its architecture is not one the layer-wise runtime implements."""
+
+
+class ContextLengthError(CacheBlendError, ValueError):
+    """A prompt (or prompt plus generation budget) does not fit the model's context window."""
+
+
+class FusionInputError(CacheBlendError, ValueError):
+    """The segments handed to the fusor are inconsistent (wrong KV shape, foreign model, empty...)."""
+
+
+class StoreError(CacheBlendError):
+    """The KV store or chunk store cannot serve a request (unwritable, foreign, corrupted beyond repair)."""
+
+
+class IngestError(CacheBlendError, ValueError):
+    """An input file cannot be ingested (missing, empty, binary, malformed)."""
+
+
+class InvalidChunkIdError(CacheBlendError, ValueError):
+    """A chunk id given by a caller is malformed (chunk ids are 32 lowercase hex characters)."""
+
+
+class ChunkNotFoundError(StoreError, KeyError):
+    """A well-formed chunk id that the corpus does not hold."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptKVError(StoreError):
+    """A stored chunk's KV failed its checksum when a layer was read; the entry has been removed.
+
+    The caller recomputes the chunk (and may store it again) and retries the request.
+    """
+
+    def __init__(self, key: str, message: str, layer: int | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.layer = layer
+
+
+class InvalidQueryError(CacheBlendError, ValueError):
+    """A retrieval request is malformed (empty question, top_k out of range, empty text to add)."""

@@ -1,0 +1,48 @@
+"""One settings object for the whole package, read from the environment (prefix ``CACHEBLEND_``)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import platformdirs
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class Settings(BaseSettings):
+    """Runtime configuration. Every field can be set as ``CACHEBLEND_<FIELD>`` in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="CACHEBLEND_", extra="ignore")
+
+    home: Path = Field(
+        default_factory=lambda: Path(platformdirs.user_cache_dir("cacheblend-rag")),
+        description="Cache directory for provisioned models and default stores.",
+    )
+    model: str = Field(DEFAULT_MODEL, description="Default model name or local HF directory.")
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
+    compute_dtype: str = Field(
+        "auto", description="'auto' (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16."
+    )
+    kv_dtype: str = Field("float16", description="Storage dtype of chunk KV: float16, bfloat16 or float32.")
+    threads: int = Field(0, description="Torch intra-op threads; 0 means one per core.")
+    chunk_tokens: int = Field(512, description="Maximum tokens per chunk at ingest.")
+    top_k: int = Field(6, description="Chunks retrieved per question.")
+    method: str = Field("cacheblend", description="Default PIC method.")
+    ratio: float = Field(0.15, description="Default CacheBlend recompute ratio (quality floor).")
+    ram_budget_bytes: int = Field(2 * 1024**3, description="RAM tier byte budget.")
+    disk_budget_bytes: int = Field(50 * 1024**3, description="Disk tier byte budget.")
+    index_type: str = Field("flat", description="Vector index of new stores: flat (exact), ivf or hnsw.")
+    embedder: str = Field("all-MiniLM-L6-v2", description="Embedding model name or local directory.")
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Process-wide settings (cached; call ``get_settings.cache_clear()`` after changing the environment)."""
+    return Settings()

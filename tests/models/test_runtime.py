@@ -1,0 +1,65 @@
+"""The layer-wise runtime reproduces transformers' forward of the same weights on real text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheblend_rag.models.runtime import AttentionMask
+
+NUM_TOKENS = 1000
+
+
+@pytest.fixture(scope="module")
+def real_text_run(model, musique_case):
+    """One ~1,000-token real text through transformers (logits, per-layer hidden states) and through ours."""
+    text = "\n\n".join(musique_case["paragraphs"])
+    ids = model.tokenizer.encode(text)[:NUM_TOKENS]
+    assert len(ids) == NUM_TOKENS
+    with torch.inference_mode():
+        hf = model.hf_model(torch.tensor([ids]), output_hidden_states=True)
+    ours, cache = model.prefill(ids, all_logits=True)
+    return ids, hf, ours, cache
+
+
+def test_full_prefill_matches_transformers_logits(real_text_run):
+    _, hf, ours, cache = real_text_run
+    assert ours.shape == hf.logits.shape == (1, NUM_TOKENS, 49152)
+    assert cache.length == NUM_TOKENS
+    assert (ours - hf.logits.float()).abs().max().item() <= 1e-4
+
+
+def test_layer_for_a_subset_of_positions_matches_full_prefill(model, real_text_run):
+    """What CacheBlend does: recompute some scattered tokens of a layer against the layer's full K/V."""
+    _, hf, _, cache = real_text_run
+    generator = torch.Generator().manual_seed(0)
+    subset = torch.randperm(NUM_TOKENS - 1, generator=generator)[:63]
+    positions = torch.cat([subset, torch.tensor([NUM_TOKENS - 1])]).sort().values
+    mask = AttentionMask.for_positions(positions, NUM_TOKENS)
+    assert mask.tensor is not None
+    for layer in range(model.num_layers - 1):  # transformers' last hidden state has the final norm applied
+        hidden_in = hf.hidden_states[layer][:, positions]
+        qkv = model.project_qkv(layer, hidden_in, positions)
+        assert torch.allclose(model.rope.apply(qkv.k_prerope, positions), qkv.k, atol=1e-5)
+        assert torch.allclose(qkv.k, cache.keys[layer][:, :, positions], atol=1e-4)
+        assert torch.allclose(qkv.v, cache.values[layer][:, :, positions], atol=1e-4)
+        out = model.attend_and_mlp(
+            layer,
+            hidden_in,
+            qkv.q,
+            cache.keys[layer][:, :, :NUM_TOKENS],
+            cache.values[layer][:, :, :NUM_TOKENS],
+            mask,
+        )
+        expected = hf.hidden_states[layer + 1][:, positions]
+        scale = expected.abs().max().item()
+        assert (out - expected).abs().max().item() <= 1e-5 * max(1.0, scale), f"layer {layer}"
+
+
+def test_decode_step_over_the_cache_matches_a_longer_prefill(model, real_text_run):
+    ids, hf, _, _ = real_text_run
+    prompt = ids[:200]
+    _, cache = model.prefill(prompt, extra_capacity=1)
+    step = model.forward(torch.tensor([[ids[200]]]), torch.tensor([200]), cache)
+    assert cache.length == 201
+    assert (step - hf.logits[:, 200].float()).abs().max().item() <= 1e-4
