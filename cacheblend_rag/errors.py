@@ -54,3 +54,7 @@ class CorruptKVError(StoreError):
 
 class InvalidQueryError(CacheBlendError, ValueError):
     """A retrieval request is malformed (empty question, top_k out of range, empty text to add)."""
+
+
+class EvalDataError(CacheBlendError, ValueError):
+    """An evaluation data set or results file is missing, malformed or does not match the run."""

@@ -30,6 +30,10 @@ class Settings(BaseSettings):
     threads: int = Field(0, description="Torch intra-op threads; 0 means one per core.")
     chunk_tokens: int = Field(512, description="Maximum tokens per chunk at ingest.")
     top_k: int = Field(6, description="Chunks retrieved per question.")
+    engine: str = Field(
+        "torch",
+        description="Engine: 'torch' (our PyTorch runtime) or 'vllm' (vLLM with the CacheBlend connector).",
+    )
     method: str = Field("cacheblend", description="Default PIC method.")
     ratio: float = Field(0.15, description="Default CacheBlend recompute ratio (quality floor).")
     ram_budget_bytes: int = Field(2 * 1024**3, description="RAM tier byte budget.")

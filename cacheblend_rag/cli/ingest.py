@@ -1,0 +1,96 @@
+"""``cacheblend-rag ingest``: build or update a store directory from files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..errors import CacheBlendError
+
+console = Console()
+err_console = Console(stderr=True)
+
+_STAGE_LABELS = {
+    "read": "read + chunk (files)",
+    "embed": "embed (new chunks)",
+    "index": "index",
+    "kv": "precompute KV (chunks)",
+}
+
+
+def ingest(
+    paths: Annotated[list[Path], typer.Argument(help="Files or folders (.txt, .md, .html, .pdf, .jsonl).")],
+    store: Annotated[Path, typer.Option("--store", help="Store directory (created if missing).")],
+    chunk_tokens: Annotated[
+        int | None, typer.Option("--chunk-tokens", help="Max tokens per chunk of a new store (default 512).")
+    ] = None,
+    index: Annotated[
+        str | None, typer.Option("--index", help="Vector index: flat (exact), ivf or hnsw.")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option("--model", help="Model name or local Hugging Face folder.")
+    ] = None,
+    no_kv: Annotated[
+        bool, typer.Option("--no-kv", help="Skip KV precompute (done on first use instead).")
+    ] = False,
+) -> None:
+    """Read, chunk, embed and index documents and precompute their chunks' KV. Unchanged files are skipped."""
+    from transformers.utils import logging as hf_logging
+
+    from ..ingest.pipeline import ingest as run_ingest
+
+    hf_logging.disable_progress_bar()  # our own bars only
+    try:
+        with Progress(
+            TextColumn("{task.description:<24}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=False,
+        ) as bar:
+            tasks: dict[str, TaskID] = {}
+
+            def on_progress(stage: str, done: int, total: int) -> None:
+                if stage not in tasks:  # a bar appears when its stage starts
+                    tasks[stage] = bar.add_task(_STAGE_LABELS.get(stage, stage), total=total)
+                bar.update(tasks[stage], completed=done, total=total)
+
+            summary = run_ingest(
+                paths,
+                store,
+                model=model,
+                progress=on_progress,
+                chunk_tokens=chunk_tokens,
+                index_type=index,
+                precompute_kv=not no_kv,
+            )
+    except (CacheBlendError, ValueError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from exc
+    except KeyboardInterrupt:
+        err_console.print("interrupted: files committed so far are kept; run the command again to resume")
+        raise typer.Exit(130) from None
+
+    table = Table(title=f"ingest into {summary.store_dir}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row(
+        "files",
+        f"{summary.files} ({summary.files_changed} new or changed, {summary.files_unchanged} unchanged)",
+    )
+    table.add_row("documents", str(summary.documents))
+    table.add_row("chunks", f"{summary.chunks} ({summary.new_chunks} new, {summary.removed_chunks} removed)")
+    table.add_row("tokens", f"{summary.tokens:,}")
+    table.add_row("KV", f"{summary.kv_chunks} chunks, {summary.kv_bytes / 2**20:,.1f} MiB")
+    table.add_row("time", f"{summary.seconds:.1f} s")
+    for stage, seconds in summary.stage_seconds.items():
+        table.add_row(f"  {stage}", f"{seconds:.1f} s")
+    table.add_row("chunks/s", f"{summary.chunks_per_s:.1f}")
+    table.add_row("tokens/s", f"{summary.tokens_per_s:,.0f}")
+    console.print(table)

@@ -1,0 +1,310 @@
+"""Ingest files into a store directory: read -> chunk -> embed -> index -> precompute KV.
+
+Incremental and crash-safe:
+
+- a file whose content hash is already recorded is skipped (re-ingesting an unchanged corpus does nothing);
+- a changed file replaces its documents and chunks in one SQLite transaction, so a crash (even kill -9)
+  leaves every file either fully old or fully new;
+- content-identical chunks are stored, embedded and precomputed once;
+- ``faiss.index`` is written atomically after the commits; a crash before that is detected by the
+  recorded index version and the index is rebuilt from the stored embeddings on the next open;
+- each chunk's KV is marked ready only after the KV store holds it, so an interrupted KV stage resumes
+  where it stopped on the next run, even if no file changed.
+
+Every input is read and chunked before anything is written: a bad file stops the run with an
+``IngestError`` and the store is left as it was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from filelock import FileLock, Timeout
+
+from ..errors import StoreError
+from ..retrieval.chunkdb import StoreManifest
+from ..retrieval.corpus import Corpus, check_compatible, check_new_store_dir
+from ..retrieval.embedder import get_embedder
+from ..retrieval.index import check_index_type
+from ..settings import get_settings
+from .chunker import Chunk, Chunker
+from .readers import Document, discover, read_bytes, read_file
+from .tokenizer import load_model_tokenizer
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+log = logging.getLogger(__name__)
+
+STAGES = ("read", "embed", "index", "kv")
+ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total)
+_LOCK_NAME = ".ingest.lock"
+_LOCK_TIMEOUT_S = 30.0
+
+
+@dataclass
+class IngestSummary:
+    """What one ingest run did and how long it took."""
+
+    store_dir: str
+    files: int = 0  # input files found
+    files_changed: int = 0  # new or modified files (re)ingested
+    files_unchanged: int = 0
+    documents: int = 0  # documents in the changed files
+    chunks: int = 0  # chunk occurrences in the changed files
+    new_chunks: int = 0  # distinct chunks the store did not hold
+    removed_chunks: int = 0  # chunks no document uses any more (dropped with their KV)
+    tokens: int = 0  # tokens of the chunk occurrences above
+    kv_chunks: int = 0  # chunks whose KV was precomputed in this run
+    kv_bytes: int = 0
+    seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def work_seconds(self) -> float:
+        """Time spent on the stages, without the one-time loading of tokenizer, embedder and model."""
+        return sum(s for stage, s in self.stage_seconds.items() if stage != "load")
+
+    @property
+    def chunks_per_s(self) -> float:
+        return self.chunks / self.work_seconds if self.work_seconds > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.work_seconds if self.work_seconds > 0 else 0.0
+
+
+@dataclass
+class _FilePlan:
+    path: Path
+    content_hash: str
+    size: int
+    mtime: float
+    documents: list[tuple[Document, list[Chunk]]]
+
+
+def ingest(
+    paths: Iterable[str | Path],
+    store_dir: str | Path,
+    model: str | Path | None = None,
+    progress: ProgressCallback | None = None,
+    *,
+    chunk_tokens: int | None = None,
+    index_type: str | None = None,
+    embedder: str | None = None,
+    precompute_kv: bool = True,
+    engine: Engine | None = None,
+) -> IngestSummary:
+    """Ingest ``paths`` (files or folders) into ``store_dir``; see the module docstring.
+
+    ``model``: model name or local folder (default: the settings' model). ``chunk_tokens``,
+    ``index_type``, ``embedder``: for a new store (default from settings); an existing store keeps its
+    chunk size and embedder (passing others is refused) and adopts a new index type. ``engine``: an
+    already loaded :class:`~cacheblend_rag.engine.Engine` for the KV stage (by default one is loaded on
+    ``store_dir/kv``); with ``precompute_kv=False`` chunk KV is left for the engine to compute on first use.
+    """
+    started = time.perf_counter()
+    store_dir = Path(store_dir).expanduser()
+    notify = progress or (lambda stage, done, total: None)
+    if index_type is not None:
+        check_index_type(index_type)
+    files = discover(paths)
+    tokenizer = load_model_tokenizer(model)
+    if engine is not None and engine.model.fingerprint != tokenizer.fingerprint:
+        raise StoreError(
+            "the engine given for the KV stage runs another model than the one chunks are cut for"
+        )
+    embedder_model = get_embedder(embedder)
+    manifest = StoreManifest.load(store_dir) if store_dir.is_dir() else None
+    if manifest is not None:
+        check_compatible(store_dir, manifest, tokenizer, embedder_model, chunk_tokens)
+        chunk_tokens = manifest.chunk_tokens
+    else:
+        check_new_store_dir(store_dir)
+    chunker = Chunker(tokenizer.tokenizer, chunk_tokens or get_settings().chunk_tokens)
+    summary = IngestSummary(store_dir=str(store_dir), files=len(files))
+    summary.stage_seconds["load"] = time.perf_counter() - started
+
+    created = not store_dir.exists()
+    try:
+        store_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+    except OSError as exc:
+        raise StoreError(f"cannot create store folder {store_dir}: {exc}") from exc
+    lock = FileLock(str(store_dir / _LOCK_NAME))
+    try:
+        lock.acquire(timeout=_LOCK_TIMEOUT_S)
+    except Timeout:
+        raise StoreError(
+            f"another ingest is writing to {store_dir}; try again when it has finished"
+        ) from None
+    corpus: Corpus | None = None
+    try:
+        corpus = (
+            Corpus.create(store_dir, tokenizer, embedder_model, chunk_tokens, index_type)
+            if manifest is not None
+            else None
+        )
+        plans = _read_stage(files, chunker, corpus, summary, notify)
+        if corpus is None:
+            corpus = Corpus.create(store_dir, tokenizer, embedder_model, chunker.max_tokens, index_type)
+        index_changed = index_type is not None and manifest is not None and index_type != manifest.index_type
+        removed_kv = _embed_stage(plans, corpus, summary, notify)
+        _index_stage(corpus, index_changed, summary, notify)
+        if precompute_kv:
+            _kv_stage(corpus, tokenizer.path, engine, removed_kv, summary, notify)
+    except BaseException:
+        if created and corpus is None:
+            shutil.rmtree(store_dir, ignore_errors=True)  # nothing was stored: leave no empty store behind
+        raise
+    finally:
+        if corpus is not None:
+            corpus.close()
+        lock.release()
+    summary.seconds = time.perf_counter() - started
+    log.info(
+        "ingested %d files (%d changed): %d chunks, %d new, %d tokens in %.1f s",
+        summary.files,
+        summary.files_changed,
+        summary.chunks,
+        summary.new_chunks,
+        summary.tokens,
+        summary.seconds,
+    )
+    return summary
+
+
+def _read_stage(
+    files: Sequence[Path],
+    chunker: Chunker,
+    corpus: Corpus | None,
+    summary: IngestSummary,
+    notify: ProgressCallback,
+) -> list[_FilePlan]:
+    t0 = time.perf_counter()
+    plans: list[_FilePlan] = []
+    notify("read", 0, len(files))
+    for done, path in enumerate(files, start=1):
+        data = read_bytes(path)
+        content_hash = hashlib.sha256(data).hexdigest()
+        if corpus is not None and corpus.db.file_hash(str(path)) == content_hash:
+            summary.files_unchanged += 1
+        else:
+            docs = read_file(path, data)
+            stat = path.stat()
+            plans.append(
+                _FilePlan(
+                    path,
+                    content_hash,
+                    stat.st_size,
+                    stat.st_mtime,
+                    [(d, chunker.split(d.text)) for d in docs],
+                )
+            )
+        notify("read", done, len(files))
+    summary.files_changed = len(plans)
+    summary.stage_seconds["read"] = time.perf_counter() - t0
+    return plans
+
+
+def _embed_stage(
+    plans: Sequence[_FilePlan], corpus: Corpus, summary: IngestSummary, notify: ProgressCallback
+) -> list[str]:
+    """Embed new chunks and commit file by file; returns the KV keys of chunks that were dropped."""
+    t0 = time.perf_counter()
+    unique = list(dict.fromkeys(c.chunk_id for p in plans for _, cs in p.documents for c in cs))
+    total = len(unique) - len(corpus.db.known_chunk_ids(unique))
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        notify("embed", done, total)
+
+    notify("embed", 0, total)
+    removed_kv: list[str] = []
+    for plan in plans:
+        changes = corpus.add_documents(
+            plan.documents, (str(plan.path), plan.content_hash, plan.size, plan.mtime), on_embedded=advance
+        )
+        summary.documents += len(plan.documents)
+        summary.chunks += changes.chunks
+        summary.tokens += changes.tokens
+        summary.new_chunks += len(changes.new_chunks)
+        summary.removed_chunks += len(changes.removed_chunks)
+        removed_kv.extend(changes.removed_kv_keys)
+    summary.stage_seconds["embed"] = time.perf_counter() - t0
+    return removed_kv
+
+
+def _index_stage(
+    corpus: Corpus, index_changed: bool, summary: IngestSummary, notify: ProgressCallback
+) -> None:
+    t0 = time.perf_counter()
+    notify("index", 0, 1)
+    if index_changed:
+        corpus.rebuild_index()
+    else:
+        corpus.save_index()
+    notify("index", 1, 1)
+    summary.stage_seconds["index"] = time.perf_counter() - t0
+
+
+def _kv_stage(
+    corpus: Corpus,
+    model_path: Path,
+    engine: Engine | None,
+    removed_kv: Sequence[str],
+    summary: IngestSummary,
+    notify: ProgressCallback,
+) -> None:
+    t0 = time.perf_counter()
+    todo = corpus.db.pending_kv()
+    notify("kv", 0, len(todo))
+    owned: Engine | None = None
+    if todo and engine is None:
+        from ..engine import Engine
+
+        loading = time.perf_counter()
+        engine = owned = Engine(model=model_path, store=corpus.kv_dir)
+        loaded = time.perf_counter() - loading
+        summary.stage_seconds["load"] += loaded
+        t0 += loaded
+    try:
+        for done, (chunk_id, token_ids) in enumerate(todo, start=1):
+            written = engine.ensure_chunk_kv(token_ids)
+            corpus.db.mark_kv_ready(chunk_id, engine.store.key_for(token_ids))
+            summary.kv_bytes += written
+            summary.kv_chunks += 1 if written else 0
+            notify("kv", done, len(todo))
+        if removed_kv:
+            _drop_kv(corpus, engine, removed_kv)
+    finally:
+        if owned is not None:
+            owned.store.close()
+    summary.stage_seconds["kv"] = time.perf_counter() - t0
+
+
+def _drop_kv(corpus: Corpus, engine: Engine | None, keys: Sequence[str]) -> None:
+    """Delete the KV of chunks the corpus no longer holds (their keys hash token ids no chunk has now)."""
+    from ..store.kvstore import KVStore
+
+    if engine is not None:
+        store = engine.store
+    elif corpus.kv_dir.is_dir():
+        try:
+            store = KVStore.open_existing(corpus.kv_dir, corpus.manifest.model_fingerprint)
+        except StoreError:
+            return  # no KV of this model stored yet
+    else:
+        return
+    for key in keys:
+        store.delete(key)
+    if engine is None:
+        store.close()

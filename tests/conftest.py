@@ -1,0 +1,61 @@
+"""Fixtures shared by every test area. Model-heavy ones are session-scoped: load once, reuse everywhere."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cacheblend_rag.models.loader import load_model
+from cacheblend_rag.models.runtime import LayerwiseModel
+
+DATA_DIR = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def model() -> LayerwiseModel:
+    """The default model (SmolLM2-135M-Instruct), fp32 on CPU."""
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def musique_case() -> dict:
+    """A real MuSiQue case: ``question``, ``answers``, 10 Wikipedia ``paragraphs`` (see data/README.md)."""
+    return json.loads((DATA_DIR / "musique_case0.json").read_text())
+
+
+EXAMPLES_DATA_DIR = Path(__file__).parent.parent / "examples" / "data"
+
+
+@pytest.fixture(scope="session")
+def model_tokenizer():
+    """The default model's tokenizer and fingerprint, without its weights."""
+    from cacheblend_rag.ingest.tokenizer import load_model_tokenizer
+
+    return load_model_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The default sentence embedder (all-MiniLM-L6-v2), shared by the process."""
+    from cacheblend_rag.retrieval.embedder import get_embedder
+
+    return get_embedder()
+
+
+@pytest.fixture(scope="session")
+def sample_questions() -> list[dict]:
+    """The demo questions over the sample corpus (examples/data/questions.json)."""
+    return json.loads((EXAMPLES_DATA_DIR / "questions.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def sample_store(tmp_path_factory, model_tokenizer, embedder) -> Path:
+    """The sample corpus (examples/data/corpus) ingested without KV precompute. Treat as read-only:
+    tests that change a store copy it first."""
+    from cacheblend_rag.ingest.pipeline import ingest
+
+    store = tmp_path_factory.mktemp("sample") / "store"
+    ingest([EXAMPLES_DATA_DIR / "corpus"], store, precompute_kv=False)
+    return store

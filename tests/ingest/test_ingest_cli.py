@@ -1,0 +1,67 @@
+"""``cacheblend-rag ingest``: progress and summary, incremental re-runs, KV precompute, clean failures."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from cacheblend_rag.cli import app
+from cacheblend_rag.retrieval.corpus import Corpus
+
+SAMPLE_FILE = Path(__file__).parents[2] / "examples" / "data" / "corpus" / "musique_case013.txt"
+
+
+def run_cli(*args: str):
+    """Exit code, stdout + stderr and stderr alone, whitespace-normalised (Rich wraps long lines)."""
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result.exit_code, " ".join(result.output.split()), " ".join(result.stderr.split())
+
+
+def test_ingest_prints_summary_and_rerun_is_a_noop(tmp_path, embedder):
+    store = tmp_path / "store"
+    code, output, stderr = run_cli("ingest", SAMPLE_FILE, "--store", store, "--no-kv")
+    assert code == 0, output
+    assert "1 (1 new or changed, 0 unchanged)" in output
+    assert "chunks/s" in output and "tokens/s" in output
+    with Corpus.open(store) as corpus:
+        stats = corpus.stats()
+    assert f"{stats.chunks} ({stats.chunks} new, 0 removed)" in output
+    assert "embed (new chunks) ━" in stderr and f"{stats.chunks}/{stats.chunks}" in stderr  # progress bars
+
+    code, output, _ = run_cli("ingest", SAMPLE_FILE, "--store", store, "--no-kv")
+    assert code == 0, output
+    assert "1 (0 new or changed, 1 unchanged)" in output
+
+
+def test_ingest_with_kv_precompute(tmp_path, embedder):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "short.md").write_text("# Note\n\nThe Rhine flows from the Swiss Alps into the North Sea.\n")
+    store = tmp_path / "store"
+    code, output, _ = run_cli("ingest", docs, "--store", store, "--chunk-tokens", "32")
+    assert code == 0, output
+    with Corpus.open(store) as corpus:
+        stats = corpus.stats()
+    assert stats.chunks >= 1 and stats.kv_ready == stats.chunks
+    assert f"KV │ {stats.chunks} chunks" in output
+    assert (store / "kv").is_dir()
+
+
+def test_errors_exit_nonzero_with_a_message_on_stderr(tmp_path, embedder):
+    code, _, stderr = run_cli("ingest", tmp_path / "missing.txt", "--store", tmp_path / "s")
+    assert code == 1 and stderr.startswith("error:") and "missing.txt: no such file or directory" in stderr
+    assert not (tmp_path / "s").exists()
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"id": 2}\n')
+    code, _, stderr = run_cli("ingest", bad, "--store", tmp_path / "s", "--no-kv")
+    assert code == 1 and "bad.jsonl:2: record has no 'text' field" in stderr
+    assert not (tmp_path / "s").exists()
+
+    shutil.copy(SAMPLE_FILE, tmp_path / "a.txt")
+    code, _, stderr = run_cli("ingest", tmp_path / "a.txt", "--store", tmp_path / "s", "--index", "annoy")
+    assert code == 1 and "unknown index type 'annoy'" in stderr
+    code, _, stderr = run_cli("ingest", tmp_path / "a.txt", "--store", tmp_path / "s", "--chunk-tokens", "4")
+    assert code == 1 and "at least 16 tokens" in stderr
