@@ -1,0 +1,122 @@
+"""``cacheblend-rag store``: inspect and maintain the chunk KV store of a store directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import CacheBlendError, StoreError
+
+store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the chunk KV store (DIR/kv).")
+console = Console()
+
+STORE_OPTION = typer.Option(..., "--store", help="Store directory (its KV cache lives in DIR/kv).")
+JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON.")
+
+
+def open_kv_store(store_dir: Path):
+    """The KV store of ``store_dir``; the model fingerprint comes from DIR/manifest.json, else the index."""
+    from ..store.kvstore import INDEX_NAME, KVStore
+
+    kv_root = store_dir / "kv"
+    if not (kv_root / INDEX_NAME).is_file():
+        raise StoreError(f"no KV store at {kv_root}: ingest documents into {store_dir} first")
+    fingerprint = None
+    manifest = store_dir / "manifest.json"
+    if manifest.is_file():
+        try:
+            fingerprint = json.loads(manifest.read_text()).get("model_fingerprint")
+        except (ValueError, AttributeError) as exc:
+            raise StoreError(f"unreadable store manifest {manifest}: {exc}") from exc
+    return KVStore.open_existing(kv_root, fingerprint)
+
+
+def _run(store_dir: Path, action):
+    try:
+        store = open_kv_store(store_dir)
+        try:
+            return action(store)
+        finally:
+            store.close()
+    except CacheBlendError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
+def _print_json(data) -> None:
+    console.print_json(json.dumps(data, default=str))
+
+
+@store_app.command("stats")
+def stats(store: Path = STORE_OPTION, as_json: bool = JSON_OPTION) -> None:
+    """Entries and bytes per tier, budgets, model and dtype."""
+    data = _run(store, lambda s: s.stats())
+    if as_json:
+        _print_json(data)
+        return
+    table = Table(title=f"KV store {data['root']}")
+    table.add_column("tier")
+    table.add_column("entries", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("budget", justify="right")
+    for tier in ("ram", "disk"):
+        row = data[tier]
+        table.add_row(tier, str(row["entries"]), f"{row['bytes']:,}", f"{row['budget_bytes']:,}")
+    console.print(table)
+    read_only = "  [yellow](read-only)[/yellow]" if data["read_only"] else ""
+    console.print(
+        f"model {data['model_fingerprint'][:16]}…  kv dtype {data['kv_dtype']}  "
+        f"layout v{data['layout_version']}  models in store {data['disk']['models']}{read_only}"
+    )
+
+
+@store_app.command("verify")
+def verify(
+    store: Path = STORE_OPTION,
+    repair: bool = typer.Option(False, "--repair", help="Remove corrupt files and fix the index."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Read every stored file and check it (metadata, every layer's checksum) and the index."""
+    report = _run(store, lambda s: s.verify(repair=repair))
+    if as_json:
+        _print_json(report.as_dict())
+    else:
+        console.print(f"checked {report.checked} files: {report.ok} ok, {len(report.corrupt)} corrupt")
+        for bad in report.corrupt:
+            console.print(f"  [red]corrupt[/red] {bad['key'][:16]}…: {bad['reason']}")
+        for label, keys in (
+            ("index rows without a file", report.missing_files),
+            ("files without an index row", report.orphan_files),
+            ("leftover temp files", report.stale_temp_files),
+        ):
+            if keys:
+                console.print(f"  {len(keys)} {label}")
+        if not report.clean:
+            console.print("repaired" if repair else "run again with --repair to fix")
+    if not report.clean and not repair:
+        raise typer.Exit(1)
+
+
+@store_app.command("gc")
+def gc(store: Path = STORE_OPTION, as_json: bool = JSON_OPTION) -> None:
+    """Enforce the disk budget (LRU) and reconcile the index with the files."""
+    report = _run(store, lambda s: s.gc())
+    if as_json:
+        _print_json(report)
+    else:
+        console.print(", ".join(f"{name.replace('_', ' ')}: {count}" for name, count in report.items()))
+
+
+@store_app.command("clear")
+def clear(
+    store: Path = STORE_OPTION, yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask to confirm.")
+) -> None:
+    """Remove every cached chunk KV (the documents and their index are kept)."""
+    if not yes:
+        typer.confirm(f"Remove all cached KV in {store / 'kv'}?", abort=True)
+    removed = _run(store, lambda s: s.clear())
+    console.print(f"removed {removed} chunk files")
