@@ -197,15 +197,15 @@ class LayerwiseModel:
         block = self.layers[layer]
         b, s, _ = hidden.shape
         self.attention_token_layers += b * s
-        out = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=mask.tensor,
-            is_causal=mask.is_causal,
-            scale=self.scaling,
-            enable_gqa=True,
-        )
+        if mask.is_causal:
+            # SDPA's causal CPU kernel is about twice as fast on materialised heads as with enable_gqa
+            groups = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask.tensor, scale=self.scaling, enable_gqa=True
+            )
         out = block.self_attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         hidden = hidden + out
         return hidden + block.mlp(block.post_attention_layernorm(hidden))

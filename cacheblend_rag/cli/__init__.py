@@ -1,0 +1,33 @@
+"""The ``cacheblend-rag`` command line."""
+
+from __future__ import annotations
+
+import logging
+
+import typer
+
+from .ingest import ingest
+from .models import models_app
+from .profile import profile
+from .query import query
+from .store import store_app
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Fast RAG by blending precomputed KV caches."
+)
+app.add_typer(models_app, name="models")
+app.add_typer(store_app, name="store")
+app.command("profile")(profile)
+app.command("ingest")(ingest)
+app.command("query")(query)
+
+
+@app.callback()
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level.")) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        handlers=[RichHandler(show_path=False)],
+        format="%(message)s",
+    )

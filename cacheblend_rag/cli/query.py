@@ -1,0 +1,70 @@
+"""``cacheblend-rag query``: answer a question from an ingested store."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import CacheBlendError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def query(
+    question: Annotated[str, typer.Argument(help="The question to answer.")],
+    store: Annotated[Path, typer.Option("--store", help="Store directory built by `ingest`.")],
+    top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve (default 6).")] = None,
+    method: Annotated[
+        str | None,
+        typer.Option(
+            help="cacheblend, full_recompute, full_reuse, prefix_cache or epic (default cacheblend)."
+        ),
+    ] = None,
+    ratio: Annotated[float | None, typer.Option(help="CacheBlend recompute ratio (default 0.15).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
+    chunk_id: Annotated[
+        list[str] | None,
+        typer.Option("--chunk-id", help="Use these chunks instead of retrieving (repeatable)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object with timings.")] = False,
+    stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
+    model: Annotated[str | None, typer.Option("--model", help="Model (default: the store's).")] = None,
+) -> None:
+    """Retrieve the top chunks, blend their cached KV and answer."""
+    from ..engine import SamplingParams
+    from ..rag import CacheBlendRAG
+
+    try:
+        rag = CacheBlendRAG(store, model=model)
+        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
+        results: list = []
+        for event in rag.stream(question, top_k, method, ratio, chunk_id, sampling, results):
+            if stream and not as_json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    except (CacheBlendError, ValueError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    result = results[0]
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    if stream:
+        print()
+    else:
+        console.print(result.answer, markup=False, highlight=False)
+    table = Table(show_header=False, box=None)
+    table.add_row("method", result.method)
+    table.add_row("TTFT", f"{result.ttft_s * 1000:.0f} ms")
+    table.add_row("total", f"{result.total_s:.2f} s")
+    table.add_row("reused / computed", f"{result.reused_tokens} / {result.computed_tokens} tokens")
+    table.add_row("chunks", ", ".join(result.chunk_ids))
+    err_console.print(table)

@@ -1,0 +1,76 @@
+"""Build RAG prompts as segments with the model's own chat template.
+
+The template is rendered once with a placeholder where the passages go; the text around it is tokenized
+as fresh segments and the chunks' stored token ids are spliced in between, so chunk text is never
+re-tokenized. Full prefill and every fusion method see exactly the same token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..blend.segments import ChunkKVSource, Segment
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using only the passages provided. Be brief."
+)
+DEFAULT_USER_TEMPLATE = "Passages:\n{passages}\n\nQuestion: {question}"
+CHUNK_SEPARATOR = "\n\n"
+_PLACEHOLDER = "\x00PASSAGES\x00"
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """A retrieved chunk as the engine needs it: its stored token ids, and optionally its id / KV."""
+
+    token_ids: tuple[int, ...]
+    chunk_id: str | None = None
+    kv: ChunkKVSource | None = None
+
+
+class PromptBuilder:
+    """Turns (question, chunks) or chat messages into token ids / segments for one tokenizer."""
+
+    def __init__(
+        self,
+        tokenizer,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        user_template: str = DEFAULT_USER_TEMPLATE,
+    ) -> None:
+        if "{passages}" not in user_template or "{question}" not in user_template:
+            raise ValueError("user_template must contain {passages} and {question}")
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.user_template = user_template
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a chat (list of {role, content}) with the generation prompt appended."""
+        return self.encode(self.render_chat(messages))
+
+    def rag_frame(self, question: str) -> tuple[list[int], list[int], list[int]]:
+        """(prefix, separator, suffix) token ids around the passages for ``question``."""
+        content = self.user_template.format(passages=_PLACEHOLDER, question=question)
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": content}]
+        before, after = self.render_chat(messages).split(_PLACEHOLDER)
+        return self.encode(before), self.encode(CHUNK_SEPARATOR), self.encode(after)
+
+    def rag_segments(self, question: str, chunks: Sequence[ChunkRef]) -> list[Segment]:
+        """Fresh prefix, then each chunk (cached where it has KV) separated by fresh separators, then the
+        fresh question and generation prompt."""
+        prefix, separator, suffix = self.rag_frame(question)
+        segments = [Segment.fresh(prefix)]
+        for i, chunk in enumerate(chunks):
+            if i:
+                segments.append(Segment.fresh(separator))
+            segments.append(Segment(tuple(chunk.token_ids), chunk.kv, chunk.chunk_id))
+        segments.append(Segment.fresh(suffix))
+        return [s for s in segments if len(s)]

@@ -1,0 +1,45 @@
+"""Next-token choice: greedy, or temperature + nucleus (top-p) sampling with an optional seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate. ``temperature == 0`` is greedy; ``stop`` strings end generation (excluded)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Pick one token id from float32 ``logits`` [vocab]."""
+    if params.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < params.top_p  # always keeps the top token
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    if params.temperature == 0 or params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed)
