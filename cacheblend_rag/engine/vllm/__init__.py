@@ -1,0 +1,9 @@
+"""The vLLM backend: :class:`VLLMEngine` and the CacheBlend KV connector it configures vLLM with.
+
+Importing this package does not import vLLM; constructing a :class:`VLLMEngine` does, and raises a
+:class:`~cacheblend_rag.errors.CacheBlendError` naming the ``[vllm]`` extra when it is missing.
+"""
+
+from .engine import BatchRequest, VLLMEngine, VLLMGenerationResult, import_vllm
+
+__all__ = ["BatchRequest", "VLLMEngine", "VLLMGenerationResult", "import_vllm"]

