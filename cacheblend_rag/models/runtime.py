@@ -12,6 +12,7 @@ causal mask (a token at position p sees the keys at positions 0..p).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -90,19 +91,27 @@ class KVCache:
                 store[i] = bigger
 
 
+# Ascending query positions (a CacheBlend selection) are attended in this many row blocks, each over
+# the keys up to its last position only, which skips most of the masked-out upper triangle.
+ATTENTION_ROW_BLOCKS = 4
+
+
 @dataclass(frozen=True)
 class AttentionMask:
     """Exact causal visibility for queries at given positions over keys at slots 0..T-1.
 
     Built once per forward and shared by all layers. The two common shapes need no mask tensor: a full
     prefill (queries 0..T-1, SDPA's own causal kernel) and queries that all sit at the last slot (decode).
+    Ascending positions of one sequence come with ``blocks``: (first row, end row, key length) triples.
     """
 
     tensor: torch.Tensor | None
     is_causal: bool
+    blocks: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
     def for_positions(cls, positions: torch.Tensor, key_length: int) -> AttentionMask:
+        blocks: tuple[tuple[int, int, int], ...] = ()
         if positions.dim() == 1:
             if positions.numel() == key_length and bool(
                 (positions == torch.arange(key_length, device=positions.device)).all()
@@ -110,10 +119,17 @@ class AttentionMask:
                 return cls(None, True)
             if bool((positions == key_length - 1).all()):
                 return cls(None, False)
+            if positions.numel() > 1 and bool((positions[1:] > positions[:-1]).all()):
+                bounds = torch.linspace(0, positions.numel(), ATTENTION_ROW_BLOCKS + 1).long().tolist()
+                blocks = tuple(
+                    (start, end, int(positions[end - 1]) + 1)
+                    for start, end in itertools.pairwise(bounds)
+                    if end > start
+                )
             positions = positions[None]
         key_positions = torch.arange(key_length, device=positions.device)
         # [B, 1, S, T]: the query at position p sees the keys at positions 0..p
-        return cls(key_positions[None, None, None, :] <= positions[:, None, :, None], False)
+        return cls(key_positions[None, None, None, :] <= positions[:, None, :, None], False, blocks)
 
 
 class LayerwiseModel:
@@ -202,6 +218,21 @@ class LayerwiseModel:
             groups = q.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling)
+        elif mask.blocks:
+            out = torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        q[:, :, start:end],
+                        keys[:, :, :key_end],
+                        values[:, :, :key_end],
+                        attn_mask=mask.tensor[:, :, start:end, :key_end],
+                        scale=self.scaling,
+                        enable_gqa=True,
+                    )
+                    for start, end, key_end in mask.blocks
+                ],
+                dim=2,
+            )
         else:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask.tensor, scale=self.scaling, enable_gqa=True
