@@ -1,8 +1,8 @@
 """Build RAG prompts as segments with the model's own chat template.
 
-The template is rendered once with a placeholder where the passages go; the text around it is tokenized
-as fresh segments and the chunks' stored token ids are spliced in between, so chunk text is never
-re-tokenized. Full prefill and every fusion method see exactly the same token ids.
+The template is rendered with a stand-in where the passages go; the text around it is tokenized as fresh
+segments and the chunks' stored token ids are spliced in between, so chunk text is never re-tokenized.
+Full prefill and every fusion method see exactly the same token ids.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 DEFAULT_USER_TEMPLATE = "Passages:\n{passages}\n\nQuestion: {question}"
 CHUNK_SEPARATOR = "\n\n"
-_PLACEHOLDER = "\x00PASSAGES\x00"
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,7 @@ class PromptBuilder:
         self.user_template = user_template
 
     def encode(self, text: str) -> list[int]:
+        _check_unicode(text, "prompt text")
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
@@ -58,10 +58,21 @@ class PromptBuilder:
 
     def rag_frame(self, question: str) -> tuple[list[int], list[int], list[int]]:
         """(prefix, separator, suffix) token ids around the passages for ``question``."""
-        content = self.user_template.format(passages=_PLACEHOLDER, question=question)
-        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": content}]
-        before, after = self.render_chat(messages).split(_PLACEHOLDER)
+        _check_unicode(question, "the question")
+        # Two renders with different one-character stand-ins for the passages differ only there: their
+        # common prefix and suffix are the text around the passages, whatever the question contains.
+        first, second = (self._render_rag(question, stand_in) for stand_in in ("\x00", "\x01"))
+        head = _common_prefix_length(first, second)
+        tail = _common_prefix_length(first[::-1], second[::-1])
+        if head + 1 + tail != len(first):
+            raise ValueError("the chat template must render the user message exactly once")
+        before, after = first[:head], first[len(first) - tail :]
         return self.encode(before), self.encode(CHUNK_SEPARATOR), self.encode(after)
+
+    def _render_rag(self, question: str, passages: str) -> str:
+        content = self.user_template.format(passages=passages, question=question)
+        messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": content}]
+        return self.render_chat(messages)
 
     def rag_segments(self, question: str, chunks: Sequence[ChunkRef]) -> list[Segment]:
         """Fresh prefix, then each chunk (cached where it has KV) separated by fresh separators, then the
@@ -74,3 +85,15 @@ class PromptBuilder:
             segments.append(Segment(tuple(chunk.token_ids), chunk.kv, chunk.chunk_id))
         segments.append(Segment.fresh(suffix))
         return [s for s in segments if len(s)]
+
+
+def _check_unicode(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode: lone surrogate at character {exc.start}") from None
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    shorter = min(len(a), len(b))
+    return next((i for i in range(shorter) if a[i] != b[i]), shorter)

@@ -137,13 +137,15 @@ def ingest(
         store_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     except OSError as exc:
         raise StoreError(f"cannot create store folder {store_dir}: {exc}") from exc
-    lock = FileLock(str(store_dir / _LOCK_NAME))
+    lock = FileLock(str(store_dir / _LOCK_NAME), mode=0o644)
     try:
         lock.acquire(timeout=_LOCK_TIMEOUT_S)
     except Timeout:
         raise StoreError(
             f"another ingest is writing to {store_dir}; try again when it has finished"
         ) from None
+    except OSError as exc:  # a read-only file system or folder
+        raise StoreError(f"cannot write to store {store_dir}: {exc.strerror or exc}") from exc
     corpus: Corpus | None = None
     try:
         corpus = (

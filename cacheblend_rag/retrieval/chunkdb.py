@@ -124,6 +124,7 @@ class StoreManifest:
         path = Path(store_dir) / MANIFEST_NAME
         tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+        tmp.chmod(0o644)  # never world-writable, whatever the umask
         os.replace(tmp, path)
 
 
@@ -164,7 +165,9 @@ class ChunkDB:
                 uri, uri=True, check_same_thread=False, timeout=60, isolation_level=None
             )
             self._conn.execute("PRAGMA foreign_keys = ON")
-            if not readonly:
+            if readonly:
+                self._conn = self._readable(self._conn)
+            else:
                 self._conn.execute("PRAGMA journal_mode = WAL")
                 # WAL + NORMAL: every commit survives a process crash (kill -9); only power loss can undo one
                 self._conn.execute("PRAGMA synchronous = NORMAL")
@@ -172,6 +175,18 @@ class ChunkDB:
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{self.path}: cannot open chunk database: {exc}") from exc
         self._lock = threading.RLock()
+
+    def _readable(self, conn: sqlite3.Connection) -> sqlite3.Connection:
+        try:
+            conn.execute("SELECT count(*) FROM meta").fetchone()
+            return conn
+        except sqlite3.OperationalError:
+            # A WAL database in a folder nobody can write to (read-only mount or permissions): SQLite cannot
+            # create the -shm file a plain read-only open needs, and no writer can exist, so reading the
+            # database as immutable is exact.
+            conn.close()
+            uri = f"file:{self.path}?mode=ro&immutable=1"
+            return sqlite3.connect(uri, uri=True, check_same_thread=False, timeout=60, isolation_level=None)
 
     def close(self) -> None:
         with self._lock:

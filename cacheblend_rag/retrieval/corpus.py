@@ -197,6 +197,12 @@ class Corpus:
         """The ``top_k`` chunks most similar to ``question`` (cosine of embeddings), best first."""
         if not isinstance(question, str) or not question.strip():
             raise InvalidQueryError("the question is empty")
+        try:
+            question.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidQueryError(
+                f"the question is not valid Unicode: lone surrogate at character {exc.start}"
+            ) from None
         top_k = get_settings().top_k if top_k is None else top_k
         if not isinstance(top_k, int) or not 1 <= top_k <= _MAX_TOP_K:
             raise InvalidQueryError(f"top_k must be an integer between 1 and {_MAX_TOP_K}, got {top_k!r}")
@@ -352,7 +358,7 @@ class Corpus:
 
     def _save_index(self, index, version: int) -> None:
         # the lock keeps "write file, then record its version" atomic across processes
-        with FileLock(str(self.store_dir / ".index.lock")):
+        with FileLock(str(self.store_dir / ".index.lock"), mode=0o644):
             if self.db.index_version() > version:
                 return  # another process already saved a newer index
             vector_index.write_index(index, self.store_dir / INDEX_NAME)

@@ -77,6 +77,7 @@ def write_index(index, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         faiss.write_index(index, str(tmp))
+        tmp.chmod(0o644)  # faiss creates the file with the umask's mode, which may be world-writable
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

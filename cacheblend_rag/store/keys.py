@@ -49,9 +49,12 @@ def chunk_key(model_fingerprint: str, kv_dtype: torch.dtype | str, token_ids: Se
     """Hex sha256 identifying one chunk's KV for one model, storage dtype and layout version."""
     if not model_fingerprint:
         raise ValueError("chunk_key needs a non-empty model fingerprint")
-    ids = np.asarray(token_ids, dtype=np.int64)
+    ids = np.asarray(token_ids)
     if ids.ndim != 1 or ids.size == 0:
         raise ValueError("chunk_key needs a non-empty flat sequence of token ids")
+    # no silent casts: 1.5 or "1" must not share the key of token 1
+    if ids.dtype.kind not in "iu" or (ids.dtype.kind == "u" and ids.max() > np.iinfo(np.int64).max):
+        raise ValueError(f"token ids must be integers that fit in int64, got {ids.dtype} values")
     if (ids < 0).any():
         raise ValueError("token ids must be non-negative")
     digest = hashlib.sha256()

@@ -430,7 +430,7 @@ class KVStore:
         if not index.is_file():
             raise StoreError(f"no KV store at {root} (missing {INDEX_NAME})")
         try:
-            with closing(sqlite3.connect(f"file:{index}?mode=ro", uri=True, timeout=30)) as db:
+            with closing(cls._connect_read_only(index)) as db:
                 rows = db.execute("SELECT model_fingerprint, kv_dtype, shape FROM models").fetchall()
         except sqlite3.Error as exc:
             raise StoreError(f"cannot read the KV index {index}: {exc}") from exc
