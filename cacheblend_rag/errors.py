@@ -58,3 +58,7 @@ class InvalidQueryError(CacheBlendError, ValueError):
 
 class EvalDataError(CacheBlendError, ValueError):
     """An evaluation data set or results file is missing, malformed or does not match the run."""
+
+
+class AdmissionError(CacheBlendError, ValueError):
+    """A request can never be admitted by the batch scheduler (alone it exceeds the batch KV budget)."""

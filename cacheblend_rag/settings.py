@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     )
     method: str = Field("cacheblend", description="Default PIC method.")
     ratio: float = Field(0.15, description="Default CacheBlend recompute ratio (quality floor).")
+    batch_max_requests: int = Field(8, description="Most requests the batch scheduler decodes together.")
+    batch_kv_budget_bytes: int = Field(
+        1024**3, description="Batch scheduler: most bytes of KV (compute dtype) its decode batch may hold."
+    )
     ram_budget_bytes: int = Field(2 * 1024**3, description="RAM tier byte budget.")
     disk_budget_bytes: int = Field(50 * 1024**3, description="Disk tier byte budget.")
     index_type: str = Field("flat", description="Vector index of new stores: flat (exact), ivf or hnsw.")

@@ -18,8 +18,8 @@ err_console = Console(stderr=True)
 
 
 def query(
-    question: Annotated[str, typer.Argument(help="The question to answer.")],
     store: Annotated[Path, typer.Option("--store", help="Store directory built by `ingest`.")],
+    question: Annotated[str | None, typer.Argument(help="The question to answer.")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve (default 6).")] = None,
     method: Annotated[
         str | None,
@@ -37,11 +37,32 @@ def query(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object with timings.")] = False,
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
     model: Annotated[str | None, typer.Option("--model", help="Model (default: the store's).")] = None,
+    batch: Annotated[
+        Path | None,
+        typer.Option(
+            "--batch",
+            help='Answer every question in FILE (one per line, or JSON Lines with "question") together '
+            "through the batch scheduler.",
+        ),
+    ] = None,
 ) -> None:
     """Retrieve the top chunks, blend their cached KV and answer."""
     from ..engine import SamplingParams
     from ..rag import CacheBlendRAG
 
+    if (question is None) == (batch is None):
+        err_console.print("[red]error:[/red] give either a QUESTION or --batch FILE")
+        raise typer.Exit(2)
+    if batch is not None:
+        if stream:
+            err_console.print("[red]error:[/red] --stream does not apply to --batch")
+            raise typer.Exit(2)
+        from .batch_query import query_batch_command
+
+        query_batch_command(
+            batch, store, top_k, method, ratio, max_tokens, temperature, chunk_id, as_json, model
+        )
+        return
     try:
         rag = CacheBlendRAG(store, model=model)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)

@@ -1,0 +1,112 @@
+"""``cacheblend-rag query --batch FILE``: answer many questions together through the batch scheduler."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..engine.sampling import SamplingParams
+from ..engine.scheduler import BatchRequest, BatchScheduler
+from ..errors import CacheBlendError
+from ..rag import CacheBlendRAG, QueryResult, _query_result
+from ..settings import get_settings
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def read_questions(path: Path) -> list[str]:
+    """The questions in ``path``: JSON Lines whose objects carry ``"question"`` (when the first non-blank
+    line starts with ``{``), else one question per non-blank line."""
+    try:
+        lines = [(n, line.strip()) for n, line in enumerate(path.read_text().splitlines(), 1)]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read the batch file {path}: {exc}") from None
+    lines = [(n, line) for n, line in lines if line]
+    if not lines:
+        raise ValueError(f"the batch file {path} holds no questions")
+    if not lines[0][1].startswith("{"):
+        return [line for _, line in lines]
+    questions = []
+    for n, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not a JSON object ({exc.msg})") from None
+        question = record.get("question") if isinstance(record, dict) else None
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError(f'{path}:{n}: expected an object with a non-empty "question" string')
+        questions.append(question)
+    return questions
+
+
+def answer_batch(
+    rag: CacheBlendRAG,
+    questions: Sequence[str],
+    top_k: int | None = None,
+    method: str | None = None,
+    ratio: float | None = None,
+    chunk_ids: Sequence[str] | None = None,
+    sampling: SamplingParams | None = None,
+    max_batch: int | None = None,
+) -> list[QueryResult]:
+    """Retrieve for every question, then generate all answers through one :class:`BatchScheduler`;
+    the results are in question order and equal :meth:`CacheBlendRAG.query`'s (greedy)."""
+    settings = get_settings()
+    method = method or settings.method
+    options = {"ratio": ratio if ratio is not None else settings.ratio} if method == "cacheblend" else {}
+    prepared = [rag._prepare(question, top_k, chunk_ids, method) for question in questions]
+    with BatchScheduler(rag.engine, max_batch=max_batch) as scheduler:
+        generated = scheduler.generate_batch(
+            [BatchRequest(segments, method, sampling, options) for _, segments, _ in prepared]
+        )
+    return [
+        _query_result(result, chunks, retrieval_s)
+        for result, (chunks, _, retrieval_s) in zip(generated, prepared, strict=True)
+    ]
+
+
+def query_batch_command(
+    batch: Path,
+    store: Path,
+    top_k: int | None,
+    method: str | None,
+    ratio: float | None,
+    max_tokens: int,
+    temperature: float,
+    chunk_ids: list[str] | None,
+    as_json: bool,
+    model: str | None,
+) -> None:
+    """What ``query --batch FILE`` does: answer every question of FILE and print the answers (or JSON)."""
+    try:
+        questions = read_questions(batch)
+        rag = CacheBlendRAG(store, model=model)
+        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
+        started = time.perf_counter()
+        results = answer_batch(rag, questions, top_k, method, ratio, chunk_ids, sampling)
+        seconds = time.perf_counter() - started
+    except (CacheBlendError, ValueError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    answered = list(zip(questions, results, strict=True))
+    if as_json:
+        print(json.dumps([{"question": q, **r.to_dict()} for q, r in answered], indent=2))
+        return
+    for i, (question, result) in enumerate(answered, 1):
+        console.print(f"[bold]{i}. {escape(question)}[/bold]", highlight=False)
+        console.print(result.answer, markup=False, highlight=False)
+    ttfts = sorted(r.ttft_s * 1000 for r in results)
+    table = Table(show_header=False, box=None)
+    table.add_row("questions", str(len(results)))
+    table.add_row("method", results[0].method)
+    table.add_row("total", f"{seconds:.2f} s ({len(results) / seconds:.2f} questions/s)")
+    table.add_row("TTFT", f"{ttfts[0]:.0f}–{ttfts[-1]:.0f} ms (queueing included)")
+    err_console.print(table)

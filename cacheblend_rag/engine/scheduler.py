@@ -1,0 +1,667 @@
+"""Batched serving of concurrent requests that share chunks (continuous batching over the PyTorch engine).
+
+Requests wait in one FIFO queue. A worker thread admits them in groups, as many as the decode batch has
+room for (``max_batch`` rows and a budget of KV bytes); a request that does not fit waits, and nothing
+behind it overtakes it. Each admitted group is fused request by request (the fusion methods select
+tokens per request, and on CPU a request's fusion already runs on hundreds of tokens per layer, so
+batching it gains little), but every cached chunk the group uses is read once: a chunk's layers are kept
+for the group from its first reader until its last user is fused, so a chunk shared by several requests
+is read from the RAM or disk tier once per group. Each fused prompt then joins the decode batch, whose KV
+is one buffer [rows, Hkv, capacity, d] per layer with each row at its own position; one forward per step
+generates the next token of every active row (a [B, 1] query per row, masked to that row's own slots, so
+padding and other rows never leak into an answer). A row that finishes leaves the batch at once and its
+slot is refilled by the next admitted request between two decode steps.
+
+Per request, a :class:`RequestHandle` streams :class:`TokenEvent` objects and resolves to the same
+:class:`GenerationResult` as :meth:`Engine.generate`; greedy answers equal the one-at-a-time ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..blend.fusor import FusionResult
+from ..blend.methods import RecomputeMethod, get_method
+from ..blend.segments import ChunkKVSource, Segment
+from ..errors import AdmissionError, ContextLengthError, FusionInputError
+from ..models.runtime import KVCache, LayerwiseModel
+from ..settings import get_settings
+from ..store.keys import kv_bytes_per_token
+from .engine import Engine, GenerationResult, TokenEvent
+from .prompt import ChunkRef
+from .sampling import SamplingParams, make_generator, sample_next
+from .textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+_END = object()  # closes a handle's event queue
+
+
+@dataclass
+class BatchRequest:
+    """One request for :meth:`BatchScheduler.generate_batch`: what :meth:`Engine.generate` takes."""
+
+    segments: list[Segment]
+    method: str | RecomputeMethod = "cacheblend"
+    sampling: SamplingParams | None = None
+    method_options: dict[str, Any] = field(default_factory=dict)
+
+
+class RequestHandle:
+    """A submitted request. Iterate it for its tokens as they are generated (one consumer); :meth:`result`
+    waits for the final :class:`GenerationResult` (and raises what the request failed with)."""
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+        self.future: Future[GenerationResult] = Future()
+        self.group: int | None = None  # admission group the request was fused in
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            event = self._events.get()
+            if event is _END:
+                break
+            yield event
+        self.future.result()  # re-raise the request's failure, if any
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        return self.future.result(timeout)
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def _emit(self, event: TokenEvent) -> None:
+        self._events.put(event)
+
+    def _finish(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+        self.finished_at = time.perf_counter()
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+        self._events.put(_END)
+
+
+@dataclass
+class SchedulerStats:
+    """What a :class:`BatchScheduler` has done so far."""
+
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    groups: int = 0  # admission groups; each reads a shared chunk once
+    decode_steps: int = 0
+    decode_rows: int = 0  # rows summed over decode steps: decode_rows / decode_steps is the mean batch
+    max_rows: int = 0  # most rows decoded in one step
+    peak_kv_bytes: int = 0  # largest decode-batch KV buffer allocated
+
+    @property
+    def mean_batch(self) -> float:
+        return self.decode_rows / self.decode_steps if self.decode_steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mean_batch": self.mean_batch}
+
+
+@dataclass
+class _Pending:
+    handle: RequestHandle
+    segments: list[Segment]
+    method: RecomputeMethod
+    sampling: SamplingParams
+    prompt_tokens: int
+    max_new: int
+
+    @property
+    def capacity(self) -> int:
+        """KV slots the request's row needs: the prompt and every token it may still feed back."""
+        return self.prompt_tokens + self.max_new
+
+
+@dataclass
+class _Row:
+    """A request in the decode batch: ``token`` is fed next, at ``position``."""
+
+    pending: _Pending
+    text: TextStream
+    generator: torch.Generator | None
+    fusion: dict[str, Any]
+    ttft_s: float
+    token: int = 0
+    position: int = 0
+
+
+class _SharedChunk:
+    """A chunk's KV read once for an admission group and served to every request of it that uses the
+    chunk; its layers are dropped when the last of those requests has been fused."""
+
+    def __init__(self, source: ChunkKVSource) -> None:
+        self.source = source
+        self.fingerprint = source.fingerprint
+        self.num_tokens = source.num_tokens
+        self.num_layers = source.num_layers
+        self.users = 0
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()  # the pipelined loader reads ahead on its own thread
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            kv = self._layers.get(layer)
+            if kv is None:
+                kv = self._layers[layer] = self.source.layer(layer)
+            return kv
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            if self.users == 0:
+                self._layers.clear()
+
+
+def _share_chunks(group: Sequence[_Pending]) -> list[list[Segment]]:
+    """Each request's segments with every cached source replaced by one :class:`_SharedChunk` per source.
+
+    Sources are matched by identity: the store hands out one object per chunk (its RAM-tier entry, or the
+    one live disk reader), so requests built from the same store share them, while KV a caller attached
+    by hand is never mixed with another copy that might differ in dtype.
+    """
+    shared: dict[int, _SharedChunk] = {}
+    out = []
+    for pending in group:
+        segments = []
+        for segment in pending.segments:
+            if segment.kv is None:
+                segments.append(segment)
+                continue
+            chunk = shared.get(id(segment.kv))
+            if chunk is None:
+                chunk = shared[id(segment.kv)] = _SharedChunk(segment.kv)
+            chunk.users += 1
+            segments.append(Segment(segment.token_ids, chunk, segment.chunk_id))
+        out.append(segments)
+    return out
+
+
+class _DecodeCache:
+    """The decode batch's KV: per layer [rows, Hkv, capacity, d]; active rows occupy slots 0..n-1."""
+
+    def __init__(self, model: LayerwiseModel) -> None:
+        self.model = model
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def reserve(self, rows: int, capacity: int, keep: int) -> None:
+        """Make room for ``rows`` rows of ``capacity`` slots, keeping the first ``keep`` rows' contents.
+        A new buffer is sized exactly to the request, so it never exceeds what admission allowed."""
+        if rows <= self.rows and capacity <= self.capacity:
+            return
+        fresh = self.model.new_cache(capacity, batch=rows)
+        if keep:
+            span = min(capacity, self.capacity)
+            for old, new in zip((*self.keys, *self.values), (*fresh.keys, *fresh.values), strict=True):
+                new[:keep, :, :span] = old[:keep, :, :span]
+        self.keys, self.values = fresh.keys, fresh.values
+
+    def place(self, slot: int, cache: KVCache, length: int) -> None:
+        """Copy a fused single-request cache's first ``length`` slots into row ``slot``. Slots past them
+        keep stale data, which is harmless: a row's query at position p sees only slots 0..p, and slot p is
+        written by the same forward before attention reads it."""
+        for layer in range(len(self.keys)):
+            self.keys[layer][slot, :, :length] = cache.keys[layer][0, :, :length]
+            self.values[layer][slot, :, :length] = cache.values[layer][0, :, :length]
+
+    def move(self, source: int, target: int) -> None:
+        for buf in (*self.keys, *self.values):
+            buf[target] = buf[source]
+
+    def view(self, rows: int) -> KVCache:
+        """The first ``rows`` rows as a cache whose writes land in this buffer."""
+        return KVCache([k[:rows] for k in self.keys], [v[:rows] for v in self.values])
+
+    def release(self) -> None:
+        self.keys, self.values = [], []
+
+
+class BatchScheduler:
+    """Serves concurrent requests over one :class:`Engine` in batches (see the module docstring).
+
+    ``max_batch``: most requests decoded together (default: the ``batch_max_requests`` setting).
+    ``kv_budget_bytes``: most bytes the decode batch's KV may take, counted as rows x the longest row's
+    capacity (prompt + max new tokens) x KV bytes per token in the compute dtype, which is exactly what
+    its buffer allocates (default: the ``batch_kv_budget_bytes`` setting). Transient memory is not counted:
+    the one request being fused and the layers of the chunks its group still has to fuse. :meth:`submit`
+    is thread-safe; use the scheduler as a context manager, or call :meth:`close`, to stop its worker.
+    """
+
+    def __init__(self, engine: Engine, max_batch: int | None = None, kv_budget_bytes: int | None = None):
+        settings = get_settings()
+        self.engine = engine
+        self.model = engine.model
+        self.max_batch = max_batch if max_batch is not None else settings.batch_max_requests
+        self.kv_budget_bytes = (
+            kv_budget_bytes if kv_budget_bytes is not None else settings.batch_kv_budget_bytes
+        )
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
+        self.kv_bytes_per_token = kv_bytes_per_token(self.model.shape, self.model.dtype)
+        self.stats = SchedulerStats()
+        self._waiting: deque[_Pending] = deque()
+        self._rows: list[_Row] = []
+        self._cache = _DecodeCache(self.model)
+        self._cond = threading.Condition()
+        self._closing = False
+        self._next_id = 0
+        self._thread = threading.Thread(target=self._run, name="batch-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- submitting ----------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        segments: list[Segment],
+        method: str | RecomputeMethod = "cacheblend",
+        sampling: SamplingParams | None = None,
+        **method_options,
+    ) -> RequestHandle:
+        """Queue one request (what :meth:`Engine.stream` takes); returns its handle at once. Bad input
+        (unknown method, prompt too long, a request that alone exceeds the KV budget) raises here."""
+        return self.submit_many([BatchRequest(segments, method, sampling, method_options)])[0]
+
+    def generate_batch(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
+        """:meth:`submit_many` then wait for every result, in order. The first failure is raised once all
+        requests have finished."""
+        handles = self.submit_many(requests)
+        for handle in handles:
+            handle.future.exception()  # wait for every request before raising any failure
+        return [handle.result() for handle in handles]
+
+    def submit_many(self, requests: Sequence[BatchRequest]) -> list[RequestHandle]:
+        """Queue ``requests`` at once, in order, so that they can share admission groups; returns their
+        handles. All are checked before any is queued."""
+        prepared = [self._prepare(r) for r in requests]
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("the scheduler is closed")
+            handles = []
+            for segments, method, sampling, prompt_tokens, max_new in prepared:
+                handle = RequestHandle(self._next_id)
+                self._next_id += 1
+                self._waiting.append(_Pending(handle, segments, method, sampling, prompt_tokens, max_new))
+                handles.append(handle)
+            self.stats.submitted += len(handles)
+            self._cond.notify_all()
+        return handles
+
+    def _prepare(self, request: BatchRequest):
+        method = request.method
+        if not isinstance(method, RecomputeMethod):
+            method = get_method(method, **request.method_options)
+        sampling = request.sampling or SamplingParams()
+        segments = list(request.segments)
+        self.engine.fusor.validate(segments)
+        prompt_tokens = sum(len(s) for s in segments)
+        if prompt_tokens == 0:
+            raise FusionInputError("nothing to generate from: the prompt has no tokens")
+        room = self.model.shape.max_context - prompt_tokens
+        if room < 1:
+            raise ContextLengthError(
+                f"prompt of {prompt_tokens} tokens leaves no room to generate within the model's context of "
+                f"{self.model.shape.max_context} tokens"
+            )
+        max_new = min(sampling.max_new_tokens, room)
+        needed = (prompt_tokens + max_new) * self.kv_bytes_per_token
+        if needed > self.kv_budget_bytes:
+            raise AdmissionError(
+                f"a request of {prompt_tokens} prompt + {max_new} new tokens needs {needed:,} bytes of KV, "
+                f"more than the scheduler's batch KV budget of {self.kv_budget_bytes:,} bytes; raise "
+                "kv_budget_bytes (setting batch_kv_budget_bytes) or lower max_new_tokens"
+            )
+        return segments, method, sampling, prompt_tokens, max_new
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Serve every request already submitted, then stop the worker. Later submits raise."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def __enter__(self) -> BatchScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the worker ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._waiting or self._rows or self._closing):
+                    self._cond.wait()
+                if self._closing and not (self._waiting or self._rows):
+                    self._cache.release()
+                    return
+                group = self._admit()
+            try:
+                if group:
+                    self._start(group)
+                if self._rows:
+                    self._decode_step()
+                elif not self._waiting:
+                    self._cache.release()  # idle: give the batch's memory back
+            except Exception as exc:  # a bug must not leave callers waiting forever
+                log.exception("batch scheduler step failed; failing its requests")
+                for pending in [*group, *(row.pending for row in self._rows)]:
+                    self._fail(pending, exc)
+                self._rows = []
+
+    def _batch_bytes(self, capacities: Sequence[int]) -> int:
+        return len(capacities) * max(capacities) * self.kv_bytes_per_token
+
+    def _admit(self) -> list[_Pending]:
+        """Pop, in FIFO order, the waiting requests that fit beside the active rows. Called under the lock."""
+        group: list[_Pending] = []
+        capacities = [row.pending.capacity for row in self._rows]
+        while self._waiting and len(capacities) < self.max_batch:
+            head = self._waiting[0]
+            if capacities and self._batch_bytes([*capacities, head.capacity]) > self.kv_budget_bytes:
+                break  # FIFO: whoever is behind the head waits too
+            capacities.append(self._waiting.popleft().capacity)
+            group.append(head)
+        if group:
+            self.stats.groups += 1
+            for pending in group:
+                pending.handle.group = self.stats.groups
+        return group
+
+    def _start(self, group: list[_Pending]) -> None:
+        """Fuse each request of ``group`` (sharing its chunks' reads), emit its first token and give it a
+        row in the decode batch unless it has already finished."""
+        capacities = [row.pending.capacity for row in self._rows] + [p.capacity for p in group]
+        self._cache.reserve(len(capacities), max(capacities), keep=len(self._rows))
+        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
+        for pending, segments in zip(group, _share_chunks(group), strict=True):
+            try:
+                try:
+                    fusion = self.engine.fuse(segments, pending.method)
+                finally:
+                    for segment in segments:
+                        if isinstance(segment.kv, _SharedChunk):
+                            segment.kv.release()
+                self._begin_row(pending, fusion)
+            except Exception as exc:
+                log.warning("request %d failed: %s", pending.handle.request_id, exc)
+                self._fail(pending, exc)
+
+    def _begin_row(self, pending: _Pending, fusion: FusionResult) -> None:
+        generator = make_generator(pending.sampling)
+        token = sample_next(fusion.logits, pending.sampling, generator)
+        row = _Row(
+            pending,
+            TextStream(self.model.tokenizer, self.engine.eos_ids, pending.sampling.stop, pending.max_new),
+            generator,
+            {
+                "reused_tokens": fusion.reused_tokens,
+                "computed_tokens": fusion.computed_tokens,
+                "recompute_ratio": fusion.recompute_ratio,
+                "load_wait_s": fusion.load_wait_seconds,
+            },
+            ttft_s=time.perf_counter() - pending.handle.submitted_at,
+            position=pending.prompt_tokens,
+        )
+        pending.handle.first_token_at = time.perf_counter()
+        if not self._accept(row, token):
+            self._cache.place(len(self._rows), fusion.cache, pending.prompt_tokens)
+            self._rows.append(row)
+
+    def _accept(self, row: _Row, token: int) -> bool:
+        """Record a sampled token (streaming its text); returns True when the row has finished."""
+        piece = row.text.push(token)
+        if piece is not None:
+            row.pending.handle._emit(TokenEvent(token, piece))
+        if row.text.finished:
+            self._complete(row)
+            return True
+        row.token = token
+        return False
+
+    def _decode_step(self) -> None:
+        rows = self._rows
+        device = self.model.device
+        ids = torch.tensor([[row.token] for row in rows], device=device)
+        if len(rows) == 1:  # the shape Engine.stream decodes with: no mask tensor, same kernels
+            positions = torch.tensor([rows[0].position], device=device)
+        else:
+            positions = torch.tensor([[row.position] for row in rows], device=device)
+        try:
+            with self.engine._lock:
+                logits = self.model.forward(ids, positions, self._cache.view(len(rows)))
+        except Exception as exc:
+            log.exception("decode step failed; failing its %d requests", len(rows))
+            for row in rows:
+                self._fail(row.pending, exc)
+            self._rows = []
+            return
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(rows)
+        self.stats.max_rows = max(self.stats.max_rows, len(rows))
+        finished = []
+        for slot, row in enumerate(rows):
+            row.position += 1
+            if self._accept(row, sample_next(logits[slot], row.pending.sampling, row.generator)):
+                finished.append(slot)
+        for slot in reversed(finished):  # swap the last active row into each freed slot
+            last = len(self._rows) - 1
+            if slot != last:
+                self._cache.move(last, slot)
+                self._rows[slot] = self._rows[last]
+            self._rows.pop()
+
+    def _complete(self, row: _Row) -> None:
+        pending = row.pending
+        result = GenerationResult(
+            text=row.text.text,
+            token_ids=list(row.text.token_ids),
+            method=pending.method.name,
+            finish_reason=row.text.finish_reason or "length",
+            ttft_s=row.ttft_s,
+            total_s=time.perf_counter() - pending.handle.submitted_at,
+            prompt_tokens=pending.prompt_tokens,
+            reused_tokens=row.fusion["reused_tokens"],
+            computed_tokens=row.fusion["computed_tokens"],
+            recompute_ratio=row.fusion["recompute_ratio"],
+            chunk_ids=[s.chunk_id for s in pending.segments if s.chunk_id and s.chunk_id != "prefix"],
+            method_options=pending.method.describe(),
+            load_wait_s=row.fusion["load_wait_s"],
+        )
+        self.stats.completed += 1
+        pending.handle._finish(result)
+
+    def _fail(self, pending: _Pending, error: BaseException) -> None:
+        if pending.handle.done():
+            return
+        self.stats.failed += 1
+        pending.handle._finish(error=error)
+
+
+# -- throughput benchmark ----------------------------------------------------------------------------
+
+
+class RagPromptLike(Protocol):
+    """A question and its chunks (``eval.bench.RagPrompt`` is one)."""
+
+    question: str
+    refs: list[ChunkRef]
+
+
+@dataclass
+class RagQuestion:
+    """A question with the chunks retrieved for it."""
+
+    question: str
+    refs: list[ChunkRef]
+
+
+@dataclass
+class RequestTiming:
+    """One request of a throughput run; times are from the moment all requests were submitted."""
+
+    ttft_s: float
+    latency_s: float
+    tokens: int
+    answer: str
+
+
+def bench_runner(
+    engine: Engine,
+    prompts: Sequence[RagPromptLike],
+    method: str,
+    sampling: SamplingParams,
+    ratio: float,
+    max_batch: int | None = None,
+) -> list[RequestTiming]:
+    """Serve ``prompts``, all arriving at once, through a :class:`BatchScheduler` (the throughput runner
+    ``cacheblend-rag bench`` looks up under this name). Building each prompt's segments is timed, as it is
+    for the sequential runner; the chunks' KV should already be in the store."""
+    options = {"ratio": ratio} if method == "cacheblend" else {}
+    with BatchScheduler(engine, max_batch=max_batch) as scheduler:
+        started = time.perf_counter()
+        requests = [
+            BatchRequest(engine.rag_segments(p.question, p.refs, method), method, sampling, options)
+            for p in prompts
+        ]
+        handles = scheduler.submit_many(requests)
+        results = [handle.result() for handle in handles]
+    return [
+        RequestTiming(
+            handle.first_token_at - started, handle.finished_at - started, len(result.token_ids), result.text
+        )
+        for handle, result in zip(handles, results, strict=True)
+    ]
+
+
+def run_throughput_benchmark(
+    engine: Engine,
+    prompts: Sequence[RagPromptLike],
+    concurrency_levels: Sequence[int] = (1, 4, 8, 16),
+    methods: Sequence[str] = ("full_recompute", "prefix_cache", "cacheblend"),
+    sampling: SamplingParams | None = None,
+    ratio: float | None = None,
+    max_batch: int | None = None,
+    repeats: int = 1,
+) -> dict[str, Any]:
+    """Requests/s and TTFT percentiles per method and concurrency level, side by side in one run.
+
+    At level c, the first c prompts (cycling when there are fewer) arrive together and are served by a
+    scheduler. The methods run back to back at each level, ``repeats`` times in turn, and each keeps its
+    fastest run, so that on a shared machine a burst of load elsewhere does not land on one method only;
+    ``cpu_s`` (this process's CPU time) is less sensitive to such load than wall time. The chunks' and
+    prefixes' KV is stored before any timing. Returns ``{"levels", "max_new_tokens", "repeats",
+    "methods": {method: {level: {...}}}, "speedup_vs_full_recompute": {method: {level: x}}}``.
+    """
+    sampling = sampling or SamplingParams(max_new_tokens=16)
+    ratio = ratio if ratio is not None else get_settings().ratio
+    if not prompts:
+        raise ValueError("the throughput benchmark needs at least one prompt")
+    levels = [int(c) for c in concurrency_levels]
+    if not levels or any(c < 1 for c in levels):
+        raise ValueError(f"concurrency levels must be >= 1, got {levels}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for prompt in prompts[: max(levels)]:
+        for method in methods:
+            engine.rag_segments(prompt.question, prompt.refs, method)  # stores chunk and prefix KV
+    table: dict[str, dict[int, dict[str, float]]] = {method: {} for method in methods}
+    for level in levels:
+        batch = [prompts[i % len(prompts)] for i in range(level)]
+        for _ in range(repeats):
+            for method in methods:
+                started, cpu_started = time.perf_counter(), time.process_time()
+                timings = bench_runner(engine, batch, method, sampling, ratio, max_batch)
+                seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+                log.info("throughput %s x%d: %.3f req/s", method, level, level / seconds)
+                best = table[method].get(level)
+                if best is not None and best["seconds"] <= seconds:
+                    continue
+                ttfts = [t.ttft_s for t in timings]
+                table[method][level] = {
+                    "requests": level,
+                    "seconds": seconds,
+                    "cpu_s": cpu_s,
+                    "requests_per_s": level / seconds,
+                    "tokens_per_s": sum(t.tokens for t in timings) / seconds,
+                    "ttft_p50_s": float(np.percentile(ttfts, 50)),
+                    "ttft_p95_s": float(np.percentile(ttfts, 95)),
+                }
+    speedup = {}
+    if "full_recompute" in table:
+        base = table["full_recompute"]
+        speedup = {
+            method: {level: rows[level]["requests_per_s"] / base[level]["requests_per_s"] for level in levels}
+            for method, rows in table.items()
+        }
+    return {
+        "levels": levels,
+        "max_new_tokens": sampling.max_new_tokens,
+        "repeats": repeats,
+        "methods": table,
+        "speedup_vs_full_recompute": speedup,
+    }
+
+
+def overlapping_musique_requests(
+    cases: Sequence[dict], tokenizer, count: int, chunks_per_request: int = 6, chunk_tokens: int = 150
+) -> list[RagQuestion]:
+    """``count`` MuSiQue questions (``question`` and ``ctxs`` of ``{title, text}``) whose chunk sets
+    overlap: request i takes the first half of its chunks from its own case and the rest from the next
+    case, so neighbouring requests share half their chunks. Each chunk is its paragraph's first
+    ``chunk_tokens`` tokens."""
+    if len(cases) < 2:
+        raise ValueError("overlapping requests need at least two cases")
+    own = (chunks_per_request + 1) // 2
+    if chunks_per_request < 1 or own > min(len(c["ctxs"]) for c in cases):
+        raise ValueError(f"cases have too few paragraphs for {chunks_per_request} chunks per request")
+
+    def chunk(case: int, paragraph: int) -> ChunkRef:
+        ctx = cases[case]["ctxs"][paragraph]
+        ids = tokenizer(ctx["title"] + "\n" + ctx["text"], add_special_tokens=False)["input_ids"]
+        return ChunkRef(tuple(ids[:chunk_tokens]), f"case{case}-p{paragraph}")
+
+    requests = []
+    for i in range(count):
+        case, neighbour = i % len(cases), (i + 1) % len(cases)
+        refs = [chunk(case, p) for p in range(own)]
+        refs += [chunk(neighbour, p) for p in range(chunks_per_request - own)]
+        requests.append(RagQuestion(cases[case]["question"], refs))
+    return requests
