@@ -6,6 +6,8 @@ import logging
 
 import typer
 
+from .bench import bench_command
+from .eval import eval_command
 from .ingest import ingest
 from .models import models_app
 from .profile import profile
@@ -20,6 +22,8 @@ app.add_typer(store_app, name="store")
 app.command("profile")(profile)
 app.command("ingest")(ingest)
 app.command("query")(query)
+app.command("eval")(eval_command)
+app.command("bench")(bench_command)
 
 
 @app.callback()

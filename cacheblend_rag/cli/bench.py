@@ -1,0 +1,110 @@
+"""``cacheblend-rag bench``: TTFT, prefill, store, deviation, ingest and throughput, side by side."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from ..errors import CacheBlendError
+from .eval import parse_list, settings_prefix
+
+err_console = Console(stderr=True)
+RESULTS_NAME = "bench.json"
+PLOT_NAMES = {"ttft": "ttft_vs_chunks.png", "deviation": "attention_deviation_vs_ratio.png"}
+
+
+def bench_command(
+    quick: Annotated[
+        bool,
+        typer.Option("--quick", help="Tiny sizes, one run each: checks that everything works (minutes)."),
+    ] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out", help="Folder for results/bench.json and the plots (default docs, quick: bench-tmp)."
+        ),
+    ] = None,
+    markdown: Annotated[
+        Path | None,
+        typer.Option(
+            "--markdown", help="File whose bench section is rewritten (default BENCHMARKS.md; quick: OUT/)."
+        ),
+    ] = None,
+    only: Annotated[
+        str | None,
+        typer.Option("--only", help="Comma-separated sections; the others are kept from OUT's results."),
+    ] = None,
+    repeats: Annotated[
+        int | None, typer.Option(min=1, help="Runs per timing (median kept; default 3).")
+    ] = None,
+    deviation_prompts: Annotated[
+        int | None, typer.Option("--deviation-prompts", min=1, help="Real prompts for the deviation section.")
+    ] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Model name or local HF folder.")] = None,
+    kv_dir: Annotated[
+        Path | None,
+        typer.Option("--kv-dir", help="Chunk KV of the real prompts, kept across runs (default: eval's)."),
+    ] = None,
+) -> None:
+    """Benchmark our engine against full prefill, transformers and the other PIC methods in one run."""
+    from ..eval.bench import SECTIONS, BenchConfig, run_bench
+    from ..eval.harness import write_json_atomic
+    from ..eval.report import plot_deviation, plot_ttft_sweeps, render_bench, update_markdown
+
+    out = out or Path("bench-tmp" if quick else "docs")
+    markdown = markdown or (out / "BENCHMARKS.md" if quick else Path("BENCHMARKS.md"))
+    sections = tuple(parse_list(only, str, "--only")) if only else SECTIONS
+    overrides = {"sections": sections, "model": model, "kv_dir": kv_dir}
+    if repeats is not None:
+        overrides["repeats"] = repeats
+    if deviation_prompts is not None:
+        overrides["deviation_prompts"] = deviation_prompts
+    results_path = out / "results" / RESULTS_NAME
+    command = shlex.join(
+        [
+            *settings_prefix(),
+            "cacheblend-rag",
+            "bench",
+            *(["--quick"] if quick else []),
+            *(["--out", str(out)] if out != Path("docs") else []),
+            *(["--only", only] if only else []),
+            *(["--repeats", str(repeats)] if repeats is not None else []),
+            *(["--deviation-prompts", str(deviation_prompts)] if deviation_prompts is not None else []),
+            *(["--model", model] if model else []),
+        ]
+    )
+    try:
+        config = BenchConfig.quick_config(**overrides) if quick else BenchConfig(**overrides)
+        previous = _previous(results_path, quick)
+
+        def progress(name: str, state: str) -> None:
+            err_console.print(f"bench section {name}: {state}", highlight=False)
+
+        results = run_bench(config, previous=previous, command=command, on_section=progress)
+    except (CacheBlendError, ValueError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    write_json_atomic(results, results_path)
+    plots = {}
+    if "ttft" in results["sections"]:
+        plots["ttft"] = plot_ttft_sweeps(results, out / PLOT_NAMES["ttft"])
+    if "deviation" in results["sections"]:
+        plots["deviation"] = plot_deviation(results, out / PLOT_NAMES["deviation"])
+    update_markdown(markdown, "bench", render_bench(results, markdown, plots))
+    err_console.print(f"results: {results_path}; report: {markdown}")
+
+
+def _previous(path: Path, quick: bool) -> dict | None:
+    """Earlier results in the same folder, to keep the sections not rerun (quick and full never mix)."""
+    if not path.is_file():
+        return None
+    try:
+        previous = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CacheBlendError(f"cannot read earlier bench results {path}: {exc}") from exc
+    return previous if bool(previous.get("config", {}).get("quick")) == quick else None

@@ -1,0 +1,186 @@
+"""``cacheblend-rag eval``: answer a data set with each method and score quality and fidelity."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..errors import CacheBlendError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def settings_prefix() -> list[str]:
+    """``CACHEBLEND_*=value`` for every setting that differs from its default (they change results)."""
+    from ..settings import Settings, get_settings
+
+    current, defaults = get_settings(), Settings.model_fields
+    out = []
+    for name, info in defaults.items():
+        if name == "home":
+            continue
+        value = getattr(current, name)
+        if info.default is not None and value != info.default:
+            out.append(f"CACHEBLEND_{name.upper()}={value}")
+    return out
+
+
+def parse_list(text: str, kind: type, option: str) -> list:
+    try:
+        values = [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{option}: expected a comma-separated list, got {text!r}") from None
+    if not values:
+        raise typer.BadParameter(f"{option}: give at least one value")
+    return values
+
+
+def eval_command(
+    data: Annotated[
+        str,
+        typer.Option("--data", help="A data file ({question, answers, ctxs} JSON) or musique / multinews."),
+    ] = "musique",
+    methods: Annotated[
+        str,
+        typer.Option(help="Comma-separated methods; cacheblend runs once per --ratios value, epic@K sets k."),
+    ] = "full_recompute,prefix_cache,full_reuse,cacheblend,epic",
+    ratios: Annotated[str, typer.Option(help="CacheBlend recompute ratios.")] = "0,0.05,0.1,0.15,0.2,0.3,0.5",
+    limit: Annotated[
+        int | None, typer.Option(min=1, help="Evaluate N cases chosen by --seed (all if unset).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the case selection.")] = 0,
+    top_k: Annotated[int, typer.Option("--top-k", min=1, help="Chunks per prompt.")] = 6,
+    chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", min=16, help="Most tokens per chunk.")] = 512,
+    max_new_tokens: Annotated[
+        int | None, typer.Option("--max-new-tokens", min=1, help="Default: 32 for QA, 64 for summaries.")
+    ] = None,
+    task: Annotated[
+        str, typer.Option(help="auto, qa or summary (auto: summary when no case has a question).")
+    ] = "auto",
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Results file; rerunning with it skips finished cases.")
+    ] = None,
+    markdown: Annotated[
+        Path | None, typer.Option("--markdown", help="Write the results table into this file's eval section.")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Save the quality-vs-TTFT plot (PNG) here.")
+    ] = None,
+    kv_dir: Annotated[
+        Path | None,
+        typer.Option("--kv-dir", help="Chunk KV store kept across runs (default: settings home)."),
+    ] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Model name or local HF folder.")] = None,
+) -> None:
+    """Answer each case with every method; score against the gold answers and the full_recompute answer."""
+    from ..eval.datasets import load_dataset
+    from ..eval.harness import EvalConfig, run_eval
+    from ..eval.report import eval_section_name, plot_quality_vs_ttft, render_eval, update_markdown
+
+    method_list = parse_list(methods, str, "--methods")
+    ratio_list = parse_list(ratios, float, "--ratios")
+    try:
+        dataset_name = load_dataset(data).name
+        json_path = json_path or Path(f"eval-{dataset_name}.json")
+        command = shlex.join(
+            [
+                *settings_prefix(),
+                "cacheblend-rag",
+                "eval",
+                "--data",
+                data,
+                "--methods",
+                methods,
+                "--ratios",
+                ratios,
+                *(["--limit", str(limit)] if limit is not None else []),
+                "--seed",
+                str(seed),
+                "--top-k",
+                str(top_k),
+                "--chunk-tokens",
+                str(chunk_tokens),
+                *(["--max-new-tokens", str(max_new_tokens)] if max_new_tokens else []),
+                *(["--task", task] if task != "auto" else []),
+                *(["--model", model] if model else []),
+                "--json",
+                str(json_path),
+                *(["--markdown", str(markdown)] if markdown else []),
+                *(["--plot", str(plot)] if plot else []),
+            ]
+        )
+        config = EvalConfig(
+            data=data,
+            methods=method_list,
+            ratios=ratio_list,
+            limit=limit,
+            seed=seed,
+            top_k=top_k,
+            chunk_tokens=chunk_tokens,
+            max_new_tokens=max_new_tokens,
+            task=task,
+            model=model,
+            kv_dir=kv_dir,
+            json_path=json_path,
+            command=command,
+        )
+
+        def progress(done: int, total: int, record: dict) -> None:
+            reference = record["methods"].get("full_recompute", {})
+            err_console.print(
+                f"[{done}/{total}] case {record['id']}: {record['prompt_tokens']} prompt tokens, "
+                f"full_recompute TTFT {reference.get('ttft_s', float('nan')):.2f} s",
+                highlight=False,
+            )
+
+        results = run_eval(config, on_case=progress)
+        if plot is not None:
+            plot_quality_vs_ttft(results, plot)
+        if markdown is not None:
+            update_markdown(markdown, eval_section_name(results), render_eval(results, markdown, plot))
+    except (CacheBlendError, ValueError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    _print_summary(results)
+    err_console.print(f"results: {json_path}")
+
+
+def _print_summary(results: dict) -> None:
+    summary = results["summary"]
+    table = Table(title=f"{results['config']['dataset']}: {summary['cases']} cases")
+    for column in (
+        "method",
+        "chunk recompute",
+        "TTFT med (s)",
+        "gold",
+        "agreement",
+        "1st token",
+        "KL",
+        "NLL ref",
+    ):
+        table.add_column(column, justify="right")
+    for label, e in summary["methods"].items():
+        table.add_row(
+            label,
+            *(
+                f"{e[key]:.3f}" if e.get(key) is not None else "–"
+                for key in (
+                    "chunk_recompute_ratio",
+                    "ttft_median_s",
+                    "gold",
+                    "agreement_f1",
+                    "first_token_agreement",
+                    "kl_first_token",
+                    "nll_reference",
+                )
+            ),
+        )
+    console.print(table)
+    for check in summary["checks"]:
+        console.print(f"{'PASS' if check['passed'] else 'FAIL'}: {check['claim']}", highlight=False)

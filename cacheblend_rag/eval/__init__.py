@@ -1,0 +1,23 @@
+"""Evaluation and benchmarks: ``cacheblend-rag eval`` (quality and fidelity of each method on real data)
+and ``cacheblend-rag bench`` (TTFT and the other timings, side by side), with their report and plots."""
+
+from .bench import BenchConfig, run_bench
+from .datasets import Dataset, EvalCase, load_dataset, select_cases
+from .harness import EvalConfig, run_eval, summarize
+from .metrics import continuation_nll, kl_divergence, qa_f1, rouge_l
+
+__all__ = [
+    "BenchConfig",
+    "Dataset",
+    "EvalCase",
+    "EvalConfig",
+    "continuation_nll",
+    "kl_divergence",
+    "load_dataset",
+    "qa_f1",
+    "rouge_l",
+    "run_bench",
+    "run_eval",
+    "select_cases",
+    "summarize",
+]

@@ -1,0 +1,604 @@
+"""The evaluation harness behind ``cacheblend-rag eval``.
+
+For each case: chunk every context with the ingest chunker (at most ``chunk_tokens`` tokens), retrieve the
+``top_k`` chunks by embedding similarity to the question (summaries have no question: they take the first
+``top_k`` chunks in document order), precompute the chunks' KV into a persistent KV store (reused across
+runs), then answer with every method. ``full_recompute`` runs first: its answer, first-token logits and
+answer tokens are the reference the other methods are scored against.
+
+Per method and case the results file keeps the answer, TTFT (building the segments, which includes the
+KV look-ups, plus fusion and the first token), the fusion's recompute ratio and compute fraction, and the
+metrics of :mod:`.metrics`: gold score (QA F1 or Rouge-L), agreement with the full_recompute answer
+(token F1, and Rouge-L for summaries), first-token agreement, KL of the first-token distribution against
+full prefill, and the teacher-forced NLL of the gold answer and of the full_recompute answer under the
+method's fused cache. The file is rewritten after every case, and a rerun skips cases already in it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..blend.fusor import FusionResult
+from ..blend.methods import RecomputeMethod, get_method
+from ..engine import ChunkRef, Engine, PromptBuilder, SamplingParams
+from ..errors import EvalDataError
+from ..ingest.chunker import Chunker
+from ..models.runtime import LayerwiseModel
+from ..retrieval.embedder import Embedder
+from ..settings import get_settings
+from .datasets import Dataset, EvalCase, load_dataset, select_cases
+from .metrics import continuation_nll, kl_divergence, qa_f1, rouge_l
+
+log = logging.getLogger(__name__)
+
+RESULTS_FORMAT = "cacheblend-rag-eval/1"
+REFERENCE = "full_recompute"
+DEFAULT_METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
+DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
+DEFAULT_MAX_NEW_TOKENS = {"qa": 32, "summary": 64}
+# The paper-style short-answer prompt; the model is told to answer in a few words, not a sentence.
+QA_SYSTEM = "You are a helpful assistant. Answer the question using only the passages provided."
+QA_TEMPLATE = "Passages:\n{passages}\n\nQuestion: {question}\nAnswer with a few words only, no sentence."
+SUMMARY_SYSTEM = "You are a helpful assistant that summarizes news articles."
+SUMMARY_TEMPLATE = "News articles:\n{passages}\n\n{question}"
+SUMMARY_INSTRUCTION = "Write a short summary of the news articles above."
+# Settings that change per-case results: a results file can only be resumed when they match.
+_RESUME_KEYS = (
+    "dataset_sha256",
+    "task",
+    "top_k",
+    "chunk_tokens",
+    "max_new_tokens",
+    "model_fingerprint",
+    "kv_dtype",
+    "prompt",
+)
+
+
+class RecordingEngine(Engine):
+    """The engine, keeping the last :class:`FusionResult` so its cache and logits can be scored after
+    generation (generation writes only past the prompt's slots)."""
+
+    last_fusion: FusionResult | None = None
+
+    def fuse(self, segments, method, extra_capacity=0, observer=None) -> FusionResult:
+        self.last_fusion = super().fuse(segments, method, extra_capacity, observer)
+        return self.last_fusion
+
+
+def default_kv_dir(model: LayerwiseModel) -> Path:
+    """Where eval and bench keep chunk KV across runs: one store per model under the settings' home."""
+    return get_settings().home / "eval" / "kv" / model.fingerprint[:16]
+
+
+def prompt_builder(tokenizer, task: str) -> PromptBuilder:
+    if task == "summary":
+        return PromptBuilder(tokenizer, SUMMARY_SYSTEM, SUMMARY_TEMPLATE)
+    return PromptBuilder(tokenizer, QA_SYSTEM, QA_TEMPLATE)
+
+
+def task_question(case: EvalCase, task: str) -> str:
+    return SUMMARY_INSTRUCTION if task == "summary" else case.question
+
+
+# -- methods -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One column of the results: a method name with its option, labelled e.g. ``cacheblend@0.15``."""
+
+    label: str
+    name: str
+    options: tuple[tuple[str, float], ...] = ()
+
+    def build(self) -> RecomputeMethod:
+        return get_method(self.name, **dict(self.options))
+
+    @property
+    def ratio(self) -> float | None:
+        return dict(self.options).get("ratio")
+
+
+_OPTION_OF = {"cacheblend": ("ratio", float), "epic": ("k", int)}
+
+
+def parse_method(label: str) -> MethodSpec:
+    """``name`` or ``name@value`` (cacheblend@RATIO, epic@K)."""
+    name, _, value = label.partition("@")
+    get_method(name)  # unknown names raise, listing the available ones
+    if not value:
+        return MethodSpec(label, name)
+    if name not in _OPTION_OF:
+        raise ValueError(f"method {name!r} takes no @option (only {', '.join(_OPTION_OF)} do)")
+    option, kind = _OPTION_OF[name]
+    try:
+        parsed = kind(value)
+    except ValueError:
+        raise ValueError(f"bad option in {label!r}: {option} must be a {kind.__name__}") from None
+    spec = MethodSpec(f"{name}@{parsed:g}", name, ((option, parsed),))
+    spec.build()  # validates the value (e.g. a ratio outside [0, 1])
+    return spec
+
+
+def method_specs(methods: Sequence[str], ratios: Sequence[float]) -> list[MethodSpec]:
+    """Expand ``methods`` (plain ``cacheblend`` once per ratio) into specs, the reference first."""
+    specs: list[MethodSpec] = []
+    for label in methods:
+        if label == "cacheblend":
+            specs.extend(parse_method(f"cacheblend@{r:g}") for r in ratios)
+        else:
+            specs.append(parse_method(label))
+    specs = list({s.label: s for s in specs}.values())
+    if not any(s.label == REFERENCE for s in specs):
+        specs.insert(0, MethodSpec(REFERENCE, REFERENCE))
+    return sorted(specs, key=lambda s: s.label != REFERENCE)
+
+
+# -- retrieval ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetrievedChunk:
+    context: int  # index of the context the chunk was cut from
+    chunk: int  # index of the chunk within that context
+    token_ids: tuple[int, ...]
+    score: float | None  # cosine similarity to the question (None: taken in document order)
+
+
+def retrieve_chunks(
+    case: EvalCase, chunker: Chunker, embedder: Embedder | None, top_k: int, task: str
+) -> tuple[list[RetrievedChunk], int]:
+    """The chunks a case's prompt holds, in prompt order, and how many chunks the case has in all.
+
+    QA: the ``top_k`` most similar to the question, best first (the paper's retrieval). Summaries: the
+    first ``top_k`` chunks in document order."""
+    pieces: list[tuple[int, int, tuple[int, ...], str]] = []
+    for i, context in enumerate(case.contexts):
+        for j, chunk in enumerate(chunker.split(context.document)):
+            pieces.append((i, j, chunk.token_ids, chunk.text))
+    if not pieces:
+        raise EvalDataError(f"case {case.case_id}: its contexts give no tokens")
+    if task == "summary":
+        return [RetrievedChunk(i, j, ids, None) for i, j, ids, _ in pieces[:top_k]], len(pieces)
+    if embedder is None:
+        raise ValueError("QA retrieval needs an embedder")
+    vectors = embedder.embed([text for *_, text in pieces])
+    scores = vectors @ embedder.embed_query(case.question)
+    order = np.argsort(-scores, kind="stable")[:top_k]
+    chosen = [RetrievedChunk(*pieces[k][:3], float(scores[k])) for k in order]
+    return chosen, len(pieces)
+
+
+# -- the run -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalConfig:
+    """What ``cacheblend-rag eval`` runs (see the CLI for the meaning of each option)."""
+
+    data: str
+    methods: Sequence[str] = DEFAULT_METHODS
+    ratios: Sequence[float] = DEFAULT_RATIOS
+    limit: int | None = None
+    seed: int = 0
+    top_k: int = 6
+    chunk_tokens: int = 512
+    max_new_tokens: int | None = None  # default per task: DEFAULT_MAX_NEW_TOKENS
+    task: str = "auto"
+    model: str | None = None
+    kv_dir: Path | None = None
+    json_path: Path | None = None
+    command: str = ""
+
+
+@dataclass
+class EvalRun:
+    """A loaded model, engine and retrieval set up for one data set."""
+
+    dataset: Dataset
+    task: str
+    specs: list[MethodSpec]
+    engine: RecordingEngine
+    chunker: Chunker
+    embedder: Embedder | None
+    sampling: SamplingParams
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRun:
+    from ..models.loader import load_model
+    from ..retrieval.embedder import get_embedder
+
+    dataset = load_dataset(config.data)
+    task = dataset.task if config.task == "auto" else config.task
+    if task not in ("qa", "summary"):
+        raise ValueError(f"unknown task {config.task!r}: use auto, qa or summary")
+    if config.top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {config.top_k}")
+    specs = method_specs(config.methods, config.ratios)
+    model = model or load_model(config.model)
+    kv_dir = Path(config.kv_dir) if config.kv_dir is not None else default_kv_dir(model)
+    engine = RecordingEngine(model, kv_dir, prompt_builder(model.tokenizer, task))
+    max_new = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task]
+    builder = engine.prompts
+    run_config = {
+        "data": str(config.data),
+        "dataset": dataset.name,
+        "dataset_path": str(dataset.path),
+        "dataset_sha256": dataset.sha256,
+        "task": task,
+        "limit": config.limit,
+        "seed": config.seed,
+        "top_k": config.top_k,
+        "chunk_tokens": config.chunk_tokens,
+        "max_new_tokens": max_new,
+        "model": model.name,
+        "model_fingerprint": model.fingerprint,
+        "compute_dtype": str(model.dtype).removeprefix("torch."),
+        "kv_dtype": engine.store.kv_dtype_name,
+        "kv_dir": str(kv_dir),
+        "retrieval": "top-k by cosine similarity (all-MiniLM-L6-v2)" if task == "qa" else "first k chunks",
+        "prompt": {
+            "system": builder.system_prompt,
+            "user_template": builder.user_template,
+            "question": SUMMARY_INSTRUCTION if task == "summary" else "{question}",
+        },
+    }
+    return EvalRun(
+        dataset=dataset,
+        task=task,
+        specs=specs,
+        engine=engine,
+        chunker=Chunker(model.tokenizer, config.chunk_tokens),
+        embedder=get_embedder() if task == "qa" else None,
+        sampling=SamplingParams(max_new_tokens=max_new),
+        config=run_config,
+    )
+
+
+def store_in_ram(engine: Engine, question: str, refs: Sequence[ChunkRef]) -> None:
+    """Compute and store whatever KV the methods will reuse (the chunks, and the prompt prefix that
+    prefix_cache reuses), and bring it into the RAM tier, so every method's TTFT is measured with its
+    KV in RAM."""
+    for method in ("cacheblend", "prefix_cache"):
+        for segment in engine.rag_segments(question, refs, method):
+            if segment.kv is not None:
+                for layer in range(segment.kv.num_layers):  # a chunk read in full is promoted to RAM
+                    segment.kv.layer(layer)
+
+
+def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[MethodSpec]) -> dict[str, Any]:
+    """Retrieve, precompute and answer ``case`` with each of ``specs`` (the reference must be first)."""
+    if not specs or specs[0].label != REFERENCE:
+        raise ValueError(f"{REFERENCE} must be the first method: it is the reference of the others")
+    engine, task = run.engine, run.task
+    question = task_question(case, task)
+    top_k = run.config["top_k"]
+    retrieved, total_chunks = retrieve_chunks(case, run.chunker, run.embedder, top_k, task)
+    refs = [ChunkRef(r.token_ids) for r in retrieved]
+    started = time.perf_counter()
+    store_in_ram(engine, question, refs)
+    precompute_s = time.perf_counter() - started
+
+    chunk_mask = chunk_positions(engine.prompts, question, refs)
+    tokenizer = engine.model.tokenizer
+    gold_ids = tokenizer(case.answers[0], add_special_tokens=False)["input_ids"]
+    reference: dict[str, Any] = {}
+    methods: dict[str, dict[str, Any]] = {}
+    prompt_tokens = 0
+    for spec in specs:
+        t0 = time.perf_counter()
+        segments = engine.rag_segments(question, refs, spec.name)
+        segments_s = time.perf_counter() - t0
+        result = engine.generate(segments, spec.build(), run.sampling)
+        fusion = engine.last_fusion
+        assert fusion is not None
+        prompt_tokens = fusion.num_tokens
+        if spec.label == REFERENCE:
+            reference = {"text": result.text, "ids": result.token_ids, "logits": fusion.logits}
+        methods[spec.label] = _score(
+            run, case, spec, result, fusion, segments_s, gold_ids, reference, chunk_mask
+        )
+        engine.last_fusion = None
+    return {
+        "id": case.case_id,
+        "question": case.question,
+        "answers": list(case.answers),
+        "chunks_total": total_chunks,
+        "retrieved": [
+            {"context": r.context, "chunk": r.chunk, "tokens": len(r.token_ids), "score": r.score}
+            for r in retrieved
+        ],
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": sum(len(r.token_ids) for r in retrieved),
+        "precompute_s": precompute_s,
+        "methods": methods,
+    }
+
+
+def gold_score(task: str, answer: str, answers: Sequence[str]) -> float:
+    """Rouge-L for summaries, LongBench QA F1 otherwise."""
+    return rouge_l(answer, answers) if task == "summary" else qa_f1(answer, answers)
+
+
+def chunk_positions(builder: PromptBuilder, question: str, refs: Sequence[ChunkRef]) -> torch.Tensor:
+    """Bool mask over the RAG prompt's positions: True where a retrieved chunk's tokens sit. The layout
+    is the same whichever method builds the segments (prefix_cache only regroups them)."""
+    prefix, separator, suffix = builder.rag_frame(question)
+    mask = [False] * len(prefix)
+    for i, ref in enumerate(refs):
+        mask += [False] * (len(separator) if i else 0) + [True] * len(ref.token_ids)
+    return torch.tensor(mask + [False] * len(suffix))
+
+
+def chunk_recompute_ratio(fusion: FusionResult, chunk_mask: torch.Tensor) -> float:
+    """Share of the retrieved chunks' tokens recomputed at the last layer (comparable across methods:
+    ``recompute_ratio`` counts only segments a method treats as cached, e.g. just the prefix for
+    prefix_cache)."""
+    if chunk_mask.numel() != fusion.num_tokens:
+        raise ValueError(f"chunk mask covers {chunk_mask.numel()} positions, the prompt {fusion.num_tokens}")
+    return float(chunk_mask[fusion.selected].sum()) / max(1, int(chunk_mask.sum()))
+
+
+def _score(
+    run: EvalRun,
+    case: EvalCase,
+    spec: MethodSpec,
+    result,
+    fusion: FusionResult,
+    segments_s: float,
+    gold_ids: list[int],
+    reference: dict[str, Any],
+    chunk_mask: torch.Tensor,
+) -> dict[str, Any]:
+    model = run.engine.model
+    n = fusion.num_tokens
+    first_token = int(fusion.logits.argmax())
+    record = {
+        "answer": result.text,
+        "answer_tokens": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "ttft_s": segments_s + result.ttft_s,
+        "segments_s": segments_s,
+        "fusion_s": fusion.seconds,
+        "load_wait_s": fusion.load_wait_seconds,
+        "total_s": segments_s + result.total_s,
+        "recompute_ratio": fusion.recompute_ratio,
+        "chunk_recompute_ratio": chunk_recompute_ratio(fusion, chunk_mask),
+        "compute_fraction": fusion.compute_fraction,
+        "reused_tokens": fusion.reused_tokens,
+        "computed_tokens": fusion.computed_tokens,
+        "first_token": first_token,
+        "gold": gold_score(run.task, result.text, case.answers),
+        "agreement_f1": qa_f1(result.text, [reference["text"]]),
+        "first_token_agreement": first_token == int(reference["logits"].argmax()),
+        "kl_first_token": kl_divergence(reference["logits"], fusion.logits),
+        "nll_gold": continuation_nll(model, fusion.cache, n, fusion.logits, gold_ids),
+        "nll_reference": continuation_nll(model, fusion.cache, n, fusion.logits, reference["ids"]),
+    }
+    if run.task == "summary":
+        record["agreement_rouge_l"] = rouge_l(result.text, [reference["text"]])
+    if spec.options:
+        record["options"] = dict(spec.options)
+    return record
+
+
+def run_eval(
+    config: EvalConfig,
+    model: LayerwiseModel | None = None,
+    on_case: Callable[[int, int, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run (or resume) an evaluation; returns the results object, also written to ``config.json_path``
+    after every case when given."""
+    run = setup_run(config, model)
+    cases = select_cases(run.dataset.cases, config.limit, config.seed)
+    results = _start_results(run, config)
+    done = {c["id"]: c for c in results["cases"]}
+    labels = [s.label for s in run.specs]
+    for position, case in enumerate(cases, start=1):
+        previous = done.get(case.case_id)
+        missing = [s for s in run.specs if previous is None or s.label not in previous["methods"]]
+        if missing:
+            if previous is not None and missing[0].label != REFERENCE:
+                # the reference's answer and logits are needed again; its rerun is deterministic
+                missing.insert(0, next(s for s in run.specs if s.label == REFERENCE))
+            record = evaluate_case(run, case, missing)
+            log.info("case %d: %s", case.case_id, ", ".join(s.label for s in missing))
+            if previous is not None:
+                previous["methods"].update(record["methods"])
+                record = previous
+            done[case.case_id] = record
+            results["cases"] = sorted(done.values(), key=lambda c: c["id"])
+            results["summary"] = summarize(results, labels)
+            if config.json_path is not None:
+                save_results(results, config.json_path)
+        if on_case is not None:
+            on_case(position, len(cases), done[case.case_id])
+    selected = {c.case_id for c in cases}
+    results["summary"] = summarize(results, labels, selected)
+    if config.json_path is not None:
+        save_results(results, config.json_path)
+    return results
+
+
+def _start_results(run: EvalRun, config: EvalConfig) -> dict[str, Any]:
+    path = config.json_path
+    if path is not None and Path(path).is_file():
+        results = load_results(path)
+        stored = results.get("config", {})
+        for key in _RESUME_KEYS:
+            if stored.get(key) != run.config.get(key):
+                raise EvalDataError(
+                    f"{path} was produced with another {key} ({stored.get(key)!r}, now {run.config[key]!r}); "
+                    "give a new --json file to start over"
+                )
+        results["config"] = {**stored, **run.config}
+    else:
+        results = {"format": RESULTS_FORMAT, "config": run.config, "commands": [], "cases": []}
+    results["machine"] = machine_info()
+    if config.command:
+        results["commands"].append(config.command)
+    return results
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise EvalDataError(f"cannot read results file {path}: {exc}") from exc
+    if not isinstance(results, dict) or results.get("format") != RESULTS_FORMAT:
+        raise EvalDataError(f"{path} is not a cacheblend-rag eval results file (format {RESULTS_FORMAT})")
+    return results
+
+
+def save_results(results: dict[str, Any], path: str | Path) -> None:
+    """Write atomically: a crash mid-write leaves the previous file."""
+    write_json_atomic(results, path)
+
+
+def write_json_atomic(data: Any, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+# -- summary -----------------------------------------------------------------------------------------
+
+_MEAN_FIELDS = (
+    "gold",
+    "agreement_f1",
+    "agreement_rouge_l",
+    "first_token_agreement",
+    "kl_first_token",
+    "nll_gold",
+    "nll_reference",
+    "recompute_ratio",
+    "chunk_recompute_ratio",
+    "compute_fraction",
+)
+
+
+def summarize(
+    results: dict[str, Any], labels: Sequence[str] | None = None, case_ids: set[int] | None = None
+) -> dict[str, Any]:
+    """Per-method means (medians for times) over the cases, and the issue's checks on them."""
+    cases = [c for c in results["cases"] if case_ids is None or c["id"] in case_ids]
+    if labels is None:
+        labels = list(dict.fromkeys(label for c in cases for label in c["methods"]))
+    table: dict[str, dict[str, Any]] = {}
+    for label in labels:
+        rows = [c["methods"][label] for c in cases if label in c["methods"]]
+        if not rows:
+            continue
+        entry: dict[str, Any] = {"cases": len(rows)}
+        for name in _MEAN_FIELDS:
+            values = [float(r[name]) for r in rows if r.get(name) is not None]
+            if values:
+                entry[name] = statistics.fmean(values)
+        entry["ttft_median_s"] = statistics.median(r["ttft_s"] for r in rows)
+        entry["ttft_mean_s"] = statistics.fmean(r["ttft_s"] for r in rows)
+        speedups = [
+            c["methods"][REFERENCE]["ttft_s"] / c["methods"][label]["ttft_s"]
+            for c in cases
+            if label in c["methods"] and REFERENCE in c["methods"]
+        ]
+        if speedups:
+            entry["speedup_median"] = statistics.median(speedups)
+        options = rows[0].get("options")
+        if options:
+            entry["options"] = options
+        table[label] = entry
+    return {"cases": len(cases), "methods": table, "checks": _checks(table, results["config"]["task"])}
+
+
+def _checks(table: dict[str, dict[str, Any]], task: str) -> list[dict[str, Any]]:
+    """Issue 7's claims, evaluated on this run's numbers (pass or fail, with the numbers)."""
+    blend, reference, reuse = table.get("cacheblend@0.15"), table.get(REFERENCE), table.get("full_reuse")
+    if blend is None or reference is None:
+        return []
+    checks = []
+    cheap = {
+        label: entry
+        for label, entry in table.items()
+        if label != REFERENCE and entry.get("chunk_recompute_ratio", 1.0) <= 0.2 + 1e-9
+    }
+    best = max(cheap, key=lambda label: cheap[label]["agreement_f1"])
+    checks.append(
+        {
+            "claim": "cacheblend@0.15 has the best agreement F1 of the methods recomputing <= 20% of tokens",
+            "passed": cheap[best]["agreement_f1"] <= blend["agreement_f1"] + 1e-12,
+            "detail": {label: round(e["agreement_f1"], 4) for label, e in cheap.items()},
+        }
+    )
+    gap = reference["gold"] - blend["gold"]
+    checks.append(
+        {
+            "claim": f"gold {'Rouge-L' if task == 'summary' else 'F1'} gap of cacheblend@0.15 to "
+            "full_recompute <= 0.02",
+            "passed": gap <= 0.02,
+            "detail": {"full_recompute": reference["gold"], "cacheblend@0.15": blend["gold"], "gap": gap},
+        }
+    )
+    if reuse is not None:
+        checks.append(
+            {
+                "claim": "full_reuse is worse than cacheblend@0.15 on agreement and on the NLL of the "
+                "full_recompute answer",
+                "passed": reuse["agreement_f1"] < blend["agreement_f1"]
+                and reuse.get("nll_reference", 0.0) > blend.get("nll_reference", 0.0),
+                "detail": {
+                    "agreement_f1": [reuse["agreement_f1"], blend["agreement_f1"]],
+                    "nll_reference": [reuse.get("nll_reference"), blend.get("nll_reference")],
+                },
+            }
+        )
+    return checks
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, cores, library versions and threads: printed with every published number."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_average": list(os.getloadavg()),
+        "timestamp": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }

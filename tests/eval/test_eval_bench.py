@@ -1,0 +1,97 @@
+"""`cacheblend-rag bench --quick`: every section runs and the JSON and markdown have their structure.
+Timings are not checked (the quick sizes are too small to mean anything)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from cacheblend_rag.cli import app
+from cacheblend_rag.eval.bench import QUERY_METHODS, SECTIONS, THROUGHPUT_METHODS, TTFT_COLUMNS
+from cacheblend_rag.eval.report import update_markdown
+
+
+def test_update_markdown_replaces_only_its_section(tmp_path):
+    path = tmp_path / "B.md"
+    update_markdown(path, "a", "first")
+    update_markdown(path, "b", "other")
+    update_markdown(path, "a", "second $1 \\1")  # replacement text is taken literally
+    text = path.read_text()
+    assert text.startswith("# Benchmarks")
+    assert "<!-- BEGIN a -->\nsecond $1 \\1\n<!-- END a -->" in text and "first" not in text
+    assert text.index("BEGIN a") < text.index("BEGIN b") and "other" in text
+
+
+def test_bench_quick_runs_every_section(tmp_path):
+    out, kv = tmp_path / "out", tmp_path / "kv"
+    result = CliRunner().invoke(app, ["bench", "--quick", "--out", str(out), "--kv-dir", str(kv)])
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results" / "bench.json").read_text())
+    assert results["format"] == "cacheblend-rag-bench/1" and results["config"]["quick"] is True
+    assert {"cpu", "cores", "threads", "torch"} <= set(results["machine"])
+    sections = results["sections"]
+    assert set(sections) == set(SECTIONS)
+    assert all(s["seconds"] > 0 and "load_average" in s for s in sections.values())
+
+    ttft = sections["ttft"]
+    assert {(p["num_chunks"], p["chunk_tokens"]) for p in ttft["points"]} == {(2, 64), (3, 64), (3, 32)}
+    for point in ttft["points"]:
+        assert set(point["ttft_s"]) == set(TTFT_COLUMNS) and min(point["ttft_s"].values()) > 0
+        assert point["compute_fraction"]["full_prefill"] == 1.0
+        assert point["compute_fraction"]["full_reuse"] < point["compute_fraction"]["cacheblend_ram"] < 1.0
+    assert (ttft["headline"]["num_chunks"], ttft["headline"]["chunk_tokens"]) == (3, 64)
+    assert [type(c["passed"]) for c in ttft["checks"]] == [bool, bool]
+
+    prefill = sections["prefill"]
+    assert prefill["tokens"] == 256 and prefill["max_abs_logit_diff"] < 1e-3
+    assert sections["store"]["storage_bytes"]["float16"]["bytes_per_token"] == 23040
+    assert set(sections["store"]["loading"]["load_all_layers_s"]) == {"ram", "disk_warm", "disk_cold"}
+
+    deviation = sections["deviation"]
+    assert deviation["prompts"] == 2
+    assert set(deviation["summary"]) == {
+        "cacheblend@0",
+        "cacheblend@0.15",
+        "epic@16",
+        f"epic@{deviation['epic_matched_k']}",
+        "full_reuse",
+    }
+    assert all(len(p["methods"]["full_reuse"]["attention_per_layer"]) == 30 for p in deviation["per_prompt"])
+
+    ingest = sections["ingest"]
+    assert ingest["files"] == 1 and ingest["chunks"] > 0 and ingest["tokens_per_s"] > 0
+    assert set(ingest["query_ttft_median_s"]) == set(QUERY_METHODS)
+
+    throughput = sections["throughput"]
+    sequential, scheduled = throughput["runners"]["sequential"], throughput["runners"]["scheduler"]
+    assert set(sequential) == set(scheduled) == set(THROUGHPUT_METHODS)
+    assert all(r["requests"] == 2 and r["ttft_p50_s"] <= r["ttft_p95_s"] for r in sequential.values())
+    assert all(set(levels) == {"1", "2"} for levels in scheduled.values())
+    # greedy answers through the scheduler equal the one-at-a-time ones
+    same = [c for c in throughput["checks"] if "one-at-a-time" in c["claim"]]
+    assert len(same) == 3 and all(c["passed"] for c in same)
+
+    markdown = (out / "BENCHMARKS.md").read_text()
+    assert "<!-- BEGIN bench -->" in markdown and "<!-- END bench -->" in markdown
+    for title in ("Time to first token", "issue 2", "issue 3", "issue 4", "issue 5", "Throughput"):
+        assert title in markdown
+    assert "cacheblend-rag bench --quick" in markdown
+    assert (out / "ttft_vs_chunks.png").stat().st_size > 10_000
+    assert "](attention_deviation_vs_ratio.png)" in markdown
+
+    # a partial rerun replaces its section and keeps the others
+    again = CliRunner().invoke(
+        app, ["bench", "--quick", "--out", str(out), "--kv-dir", str(kv), "--only", "prefill"]
+    )
+    assert again.exit_code == 0, again.output
+    rerun = json.loads((out / "results" / "bench.json").read_text())
+    assert rerun["sections"]["ttft"] == sections["ttft"]
+    assert (
+        rerun["sections"]["prefill"]["machine"]["timestamp"] != ""
+        and "--only prefill" in rerun["commands"]["prefill"]
+    )
+    assert rerun["sections"]["prefill"]["samples"] != prefill["samples"]
+
+    bad = CliRunner().invoke(app, ["bench", "--quick", "--out", str(out), "--only", "nope"])
+    assert bad.exit_code == 1 and "unknown bench section" in bad.output

@@ -1,0 +1,71 @@
+"""Bundled data sets, seeded case selection and bad data files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from cacheblend_rag.errors import EvalDataError
+from cacheblend_rag.eval.datasets import load_dataset, select_cases
+
+
+def test_bundled_data_sets_load_with_their_tasks():
+    musique = load_dataset("musique")
+    assert len(musique.cases) == 60 and musique.task == "qa"
+    assert all(c.question and c.answers and len(c.contexts) == 10 for c in musique.cases)
+    news = load_dataset("multinews")
+    assert len(news.cases) == 30 and news.task == "summary"
+    assert all(not c.question and c.answers[0] for c in news.cases)
+    # ids are the cases' indices in the original files
+    assert musique.cases[0].case_id == 4 and len({c.case_id for c in musique.cases}) == 60
+
+
+def test_selection_is_seeded_and_nested():
+    cases = load_dataset("musique").cases
+    ten, twenty = select_cases(cases, 10, seed=0), select_cases(cases, 20, seed=0)
+    assert {c.case_id for c in ten} < {c.case_id for c in twenty}
+    assert [c.case_id for c in ten] == sorted(c.case_id for c in ten)
+    assert {c.case_id for c in select_cases(cases, 10, seed=1)} != {c.case_id for c in ten}
+    assert len(select_cases(cases, None, seed=0)) == len(select_cases(cases, 1000, seed=0)) == 60
+    with pytest.raises(ValueError, match="limit"):
+        select_cases(cases, 0, seed=0)
+
+
+def test_bundled_subset_is_what_the_seed_selects(tmp_path):
+    """A file holding more cases selects the bundled subset's cases for --limit 60 --seed 0."""
+    bundled = load_dataset("musique")
+    raw = json.loads(gzip.decompress(bundled.path.read_bytes()))
+    padded = raw + [{**raw[0], "id": i} for i in range(150) if i not in {c["id"] for c in raw}]
+    path = tmp_path / "padded.json"
+    path.write_text(json.dumps(padded))
+    chosen = select_cases(load_dataset(path).cases, 60, seed=0)
+    assert [c.case_id for c in chosen] == [c.case_id for c in bundled.cases]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json", "not a \\(gzipped\\) JSON"),
+        ("[]", "non-empty JSON list"),
+        ('[{"question": "q", "ctxs": [{"title": "", "text": "t"}]}]', "'answers'"),
+        ('[{"question": "q", "answers": ["a"], "ctxs": []}]', "'ctxs'"),
+        ('[{"question": "q", "answers": ["a"], "ctxs": [{"title": "t"}]}]', "ctxs\\[0\\]"),
+        ('[{"question": "q", "answers": ["a"], "ctxs": [{"text": "  "}]}]', "every context is empty"),
+        (
+            json.dumps([{"id": 1, "answers": ["a"], "ctxs": [{"text": t}]} for t in "xy"]),
+            "twice",
+        ),
+    ],
+)
+def test_bad_data_files_are_refused_with_the_problem_named(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(EvalDataError, match=message):
+        load_dataset(path)
+
+
+def test_unknown_data_set_name():
+    with pytest.raises(EvalDataError, match="musique"):
+        load_dataset("no-such-data")

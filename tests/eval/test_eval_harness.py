@@ -1,0 +1,137 @@
+"""The eval harness on tiny real cases: every method, the metrics' invariants, resuming, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cacheblend_rag.cli import app
+from cacheblend_rag.errors import EvalDataError
+from cacheblend_rag.eval.datasets import load_dataset
+from cacheblend_rag.eval.harness import EvalConfig, method_specs, parse_method, run_eval
+from cacheblend_rag.eval.metrics import normalize_answer
+
+METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
+LABELS = {"full_recompute", "prefix_cache", "full_reuse", "cacheblend@0", "cacheblend@0.15", "epic"}
+
+
+def tiny_data(tmp_path, name: str, cases: int, contexts: int, chars: int):
+    """Real cases of a bundled set with fewer, shorter contexts (keeps each prompt to ~150 tokens)."""
+    items = []
+    for case in load_dataset(name).cases[:cases]:
+        ctxs = [{"title": c.title, "text": c.text[:chars]} for c in case.contexts[:contexts]]
+        items.append(
+            {"id": case.case_id, "question": case.question, "answers": list(case.answers), "ctxs": ctxs}
+        )
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(items))
+    return path
+
+
+def test_method_labels():
+    specs = method_specs(["cacheblend", "epic", "epic@32"], [0.15, 0])
+    assert [s.label for s in specs] == [
+        "full_recompute",
+        "cacheblend@0.15",
+        "cacheblend@0",
+        "epic",
+        "epic@32",
+    ]
+    assert specs[1].build().ratio == 0.15 and specs[4].build().k == 32
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_method("nope")
+    with pytest.raises(ValueError, match="ratio"):
+        parse_method("cacheblend@1.5")
+    with pytest.raises(ValueError, match="no @option"):
+        parse_method("full_reuse@3")
+
+
+@pytest.fixture(scope="module")
+def qa_run(tmp_path_factory, model):
+    tmp = tmp_path_factory.mktemp("eval")
+    config = EvalConfig(
+        data=str(tiny_data(tmp, "musique", cases=2, contexts=3, chars=350)),
+        methods=METHODS,
+        ratios=(0.0, 0.15),
+        top_k=3,
+        chunk_tokens=48,
+        max_new_tokens=4,
+        kv_dir=tmp / "kv",
+        json_path=tmp / "results.json",
+    )
+    return config, run_eval(config, model=model)
+
+
+def test_eval_scores_every_method_against_the_reference(qa_run):
+    config, results = qa_run
+    assert len(results["cases"]) == 2
+    for case in results["cases"]:
+        assert set(case["methods"]) == LABELS
+        assert len(case["retrieved"]) == 3 and all(r["tokens"] <= 48 for r in case["retrieved"])
+        scores = [r["score"] for r in case["retrieved"]]
+        assert scores == sorted(scores, reverse=True)
+        reference = case["methods"]["full_recompute"]
+        assert reference["agreement_f1"] == 1.0 or not normalize_answer(reference["answer"])
+        assert reference["first_token_agreement"] is True
+        assert reference["kl_first_token"] == pytest.approx(0.0, abs=1e-6)
+        assert reference["chunk_recompute_ratio"] == 1.0
+        assert case["methods"]["full_reuse"]["chunk_recompute_ratio"] == 0.0
+        assert 0.1 <= case["methods"]["cacheblend@0.15"]["chunk_recompute_ratio"] <= 0.25
+        # prefix_cache reuses the first chunk only
+        first = case["retrieved"][0]["tokens"] / case["cached_tokens"]
+        assert case["methods"]["prefix_cache"]["chunk_recompute_ratio"] == pytest.approx(1 - first)
+        # prefix reuse is exact: same first-token distribution as full prefill
+        assert case["methods"]["prefix_cache"]["kl_first_token"] < 1e-4
+        for label, m in case["methods"].items():
+            assert m["ttft_s"] > 0 and m["nll_gold"] > 0, label
+            assert 0 <= m["gold"] <= 1 and 0 <= m["agreement_f1"] <= 1
+            assert m["kl_first_token"] >= 0
+    summary = results["summary"]
+    assert summary["cases"] == 2 and set(summary["methods"]) == LABELS
+    assert summary["methods"]["full_recompute"]["speedup_median"] == 1.0
+    assert {c["claim"][:30] for c in summary["checks"]} and all("passed" in c for c in summary["checks"])
+    on_disk = json.loads(config.json_path.read_text())
+    assert on_disk["cases"] == results["cases"] and on_disk["config"]["top_k"] == 3
+
+
+def test_rerun_skips_finished_cases_and_adds_new_methods(qa_run, model):
+    config, first = qa_run
+    again = run_eval(config, model=model)
+    assert again["cases"] == first["cases"]  # nothing recomputed: timings identical
+
+    extended = EvalConfig(**{**config.__dict__, "ratios": (0.0, 0.15, 0.3), "limit": 1})
+    results = run_eval(extended, model=model)
+    case = next(c for c in results["cases"] if "cacheblend@0.3" in c["methods"])
+    before = next(c for c in first["cases"] if c["id"] == case["id"])
+    assert case["methods"]["cacheblend@0.15"] == before["methods"]["cacheblend@0.15"]
+    assert results["summary"]["cases"] == 1
+
+    with pytest.raises(EvalDataError, match="top_k"):
+        run_eval(EvalConfig(**{**config.__dict__, "top_k": 2}), model=model)
+
+
+def test_eval_cli_summary_task_writes_json_markdown_and_plot(tmp_path):
+    data = tiny_data(tmp_path, "multinews", cases=1, contexts=2, chars=400)
+    out, markdown, plot = tmp_path / "news.json", tmp_path / "BENCH.md", tmp_path / "q.png"
+    markdown.write_text("# Benchmarks\n\n<!-- BEGIN other -->\nkept\n<!-- END other -->\n")
+    args = [
+        "eval", "--data", str(data), "--methods", "full_recompute,full_reuse,cacheblend", "--ratios", "0.15",
+        "--top-k", "2", "--chunk-tokens", "64", "--max-new-tokens", "6", "--json", str(out),
+        "--markdown", str(markdown), "--plot", str(plot), "--kv-dir", str(tmp_path / "kv"),
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads(out.read_text())
+    assert results["config"]["task"] == "summary"
+    case = results["cases"][0]
+    assert all(r["score"] is None for r in case["retrieved"])  # summaries take chunks in document order
+    assert {"agreement_rouge_l", "gold", "nll_gold"} <= set(case["methods"]["cacheblend@0.15"])
+    text = markdown.read_text()
+    assert "<!-- BEGIN other -->\nkept" in text and "<!-- BEGIN eval-multinews -->" in text
+    assert "gold Rouge-L" in text and "cacheblend-rag eval --data" in text and "](q.png)" in text
+    assert plot.stat().st_size > 10_000
+
+    bad = CliRunner().invoke(app, ["eval", "--data", str(tmp_path / "missing.json")])
+    assert bad.exit_code == 1 and "no data set" in bad.output

@@ -1,0 +1,76 @@
+"""Metrics against hand-computed values, and the teacher-forced NLL against a plain full prefill."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cacheblend_rag.eval.metrics import (
+    continuation_nll,
+    kl_divergence,
+    normalize_answer,
+    qa_f1,
+    rouge_l,
+    token_f1,
+)
+
+
+def test_normalize_answer_drops_case_punctuation_articles_and_spaces():
+    assert normalize_answer("  The Cat, sat on a MAT!  ") == "cat sat on mat"
+    assert normalize_answer("An apple.") == "apple"
+    assert normalize_answer("theatre") == "theatre"  # articles only as whole words
+
+
+def test_token_f1_known_values():
+    # prediction {cat, sat}; gold {cat, sat, down}: P = 1, R = 2/3
+    assert token_f1("the cat sat", "a cat sat down") == pytest.approx(0.8)
+    assert token_f1("Paris", "paris.") == 1.0
+    assert token_f1("London", "Paris") == 0.0
+    assert token_f1("", "Paris") == 0.0
+    # repeated tokens count once per occurrence in both
+    assert token_f1("x b b", "b b c") == pytest.approx(2 / 3)
+
+
+def test_qa_f1_takes_the_best_gold_answer():
+    assert qa_f1("Exeter College, Oxford", ["Oxford University", "Exeter College"]) == pytest.approx(0.8)
+    assert qa_f1("nothing", ["Exeter College"]) == 0.0
+
+
+def test_rouge_l_known_values():
+    # LCS "the cat on the mat" = 5 of 6 tokens each side
+    assert rouge_l("the cat sat on the mat", ["the cat lay on the mat"]) == pytest.approx(5 / 6)
+    # LCS (a, c, d) is not contiguous: P = 3/4, R = 3/5
+    assert rouge_l("a b c d", ["a x c y d"]) == pytest.approx(2 * 0.75 * 0.6 / 1.35)
+    assert rouge_l("Same Words.", ["same words"]) == 1.0
+    assert rouge_l("", ["anything"]) == 0.0
+    assert rouge_l("a b", ["x", "b a"]) == pytest.approx(0.5)  # best reference
+
+
+def test_kl_divergence_known_value():
+    p = torch.log(torch.tensor([0.5, 0.5]))
+    q = torch.log(torch.tensor([0.9, 0.1]))
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    assert kl_divergence(p, q) == pytest.approx(expected, rel=1e-6)
+    assert kl_divergence(q, q) == pytest.approx(0.0, abs=1e-12)
+    assert kl_divergence(p + 3.0, q) == pytest.approx(expected, rel=1e-6)  # logits, not probabilities
+
+
+def test_continuation_nll_equals_full_prefill_likelihood(model):
+    tok = model.tokenizer
+    prompt = tok("The capital of France is", add_special_tokens=False)["input_ids"]
+    answer = tok(" Paris, a city on the Seine.", add_special_tokens=False)["input_ids"]
+    logits, _ = model.prefill(prompt + answer, all_logits=True)
+    log_probs = torch.log_softmax(logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+    expected = -log_probs.gather(1, torch.tensor(answer)[:, None]).mean().item()
+
+    next_logits, cache = model.prefill(prompt, extra_capacity=4)  # the cache must grow past its capacity
+    assert continuation_nll(model, cache, len(prompt), next_logits[0], answer) == pytest.approx(
+        expected, abs=1e-4
+    )
+    # the prompt's slots are untouched: scoring again gives the same number
+    assert continuation_nll(model, cache, len(prompt), next_logits[0], answer) == pytest.approx(
+        expected, abs=1e-4
+    )
+    assert continuation_nll(model, cache, len(prompt), next_logits[0], []) is None
