@@ -59,3 +59,14 @@ def sample_store(tmp_path_factory, model_tokenizer, embedder) -> Path:
     store = tmp_path_factory.mktemp("sample") / "store"
     ingest([EXAMPLES_DATA_DIR / "corpus"], store, precompute_kv=False)
     return store
+
+
+@pytest.fixture(scope="session")
+def rag_store(tmp_path_factory, sample_store) -> Path:
+    """A writable copy of the sample store for end-to-end tests (integrations, examples). Chunk KV computed
+    by one test stays in it for the next; tests may add documents to it but must not remove any."""
+    import shutil
+
+    store = tmp_path_factory.mktemp("rag") / "store"
+    shutil.copytree(sample_store, store)
+    return store

@@ -1,0 +1,414 @@
+"""Serve prompts that a framework (LangChain, LlamaIndex) has already written out as text.
+
+A framework hands the model a finished prompt: retrieved passages pasted into a template. To reuse chunk
+KV, :class:`PromptFrontend` cuts that text back into segments:
+
+- **explicit documents** (the framework passes the documents it pasted, e.g. our RAG chains do): each
+  document's text is located in the prompt; a stored chunk keeps its id, any other text is chunked,
+  added to the store (so the next prompt recognises it) and its KV computed once;
+- **recognition** (a stock chain that passes only text): :class:`ChunkTextIndex` finds every span of the
+  prompt that is exactly the text of a stored chunk.
+
+Matched spans become cached segments with the chunk's *stored* token ids and KV; the text around them
+(chat template, instructions, the question) is tokenized as fresh segments. Every method (full recompute
+included) sees the same token ids for one prompt, so their answers are comparable token for token.
+
+:func:`get_frontend` and :func:`get_corpus` share one engine per (store, model) and one corpus per store
+across the process, so every LLM, chat model and retriever object over a store uses the same model, and
+their requests meet in one :class:`~cacheblend_rag.engine.scheduler.BatchScheduler`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .blend.methods import available_methods
+from .blend.segments import Segment
+from .engine import Engine, GenerationResult, SamplingParams, TokenEvent
+from .engine.scheduler import BatchRequest, BatchScheduler
+from .errors import ChunkNotFoundError, InvalidChunkIdError
+from .ingest.chunker import Chunker, validate_chunk_id
+from .rag import CacheBlendRAG
+from .retrieval.corpus import Corpus
+from .settings import get_settings
+
+log = logging.getLogger(__name__)
+
+ANCHOR_CHARS = 32  # chunks shorter than this are not recognised: too little to save, too easy to mistake
+_ID_BATCH = 500
+
+
+@dataclass(frozen=True)
+class DocumentRef:
+    """A document the caller knows is pasted into the prompt: its exact text and, if known, chunk id."""
+
+    text: str
+    chunk_id: str | None = None
+
+
+@dataclass(frozen=True)
+class ChunkSpan:
+    """``text[start:end]`` of a prompt is the text of a chunk with these token ids."""
+
+    start: int
+    end: int
+    chunk_id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """One prompt to answer: its full text (chat template already applied) and how to generate."""
+
+    text: str
+    documents: tuple[DocumentRef, ...] = ()
+    method: str = "cacheblend"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    method_options: dict = field(default_factory=dict)
+
+
+def text_request(
+    text: str,
+    documents: Sequence[DocumentRef] = (),
+    *,
+    method: str | None = None,
+    ratio: float | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop: Sequence[str] | None = None,
+) -> TextRequest:
+    """A :class:`TextRequest` from the usual generation options. ``method`` and CacheBlend's ``ratio``
+    default to the settings'; an unknown method is refused here, before any work."""
+    method = method or get_settings().method
+    if method not in available_methods():
+        raise ValueError(f"unknown method {method!r}; available: {', '.join(available_methods())}")
+    options = {"ratio": get_settings().ratio if ratio is None else ratio} if method == "cacheblend" else {}
+    sampling = SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ())
+    )
+    return TextRequest(text, tuple(documents), method, sampling, options)
+
+
+class ChunkTextIndex:
+    """Finds the text of stored chunks inside any text.
+
+    Every chunk is indexed by the hash of the first :data:`ANCHOR_CHARS` characters (its anchor) of each
+    of its forms: the exact text, and the forms frameworks turn it into — stripped of surrounding
+    whitespace (LlamaIndex's compact synthesizers), and escaped as inside a Python string literal (stock
+    ``SimpleSummarize`` in llama-index-core 0.14 pastes ``str(list_of_texts)``). :meth:`find` slides over
+    the text once, looks each window up in the anchor table and confirms a hit by comparing the whole form,
+    taking the longest match; matches do not overlap. Cost: one dict look-up per character of the prompt
+    plus one database look-up per anchor hit, whatever the store's size and however the passages are
+    separated. An exact match carries the chunk's stored token ids (and so its stored KV); another form is
+    tokenized afresh and its KV cached under those ids on first sight, so later prompts reuse it too.
+
+    The table follows the store: chunks added or removed since the last call are picked up first.
+    """
+
+    def __init__(self, corpus: Corpus) -> None:
+        self.corpus = corpus
+        # anchor hash -> [(form length, chunk id, form)], longest first
+        self._anchors: dict[int, list[tuple[int, str, int]]] = {}
+        self._anchors_of: dict[str, list[int]] = {}  # chunk id -> its anchor hashes
+        self._version = -1
+        self._lock = threading.Lock()
+
+    def find(self, text: str, start: int = 0, end: int | None = None) -> list[ChunkSpan]:
+        """Non-overlapping spans of ``text[start:end]`` that are a stored chunk in one of its forms."""
+        end = len(text) if end is None else end
+        anchors = self._current()
+        spans: list[ChunkSpan] = []
+        i = start
+        while i <= end - ANCHOR_CHARS:
+            span = None
+            for length, chunk_id, form in anchors.get(hash(text[i : i + ANCHOR_CHARS]), ()):
+                if i + length <= end:
+                    span = self._confirm(text[i : i + length], chunk_id, form, i)
+                    if span is not None:
+                        break
+            if span is None:
+                i += 1
+            else:
+                spans.append(span)
+                i = span.end
+        return spans
+
+    def _confirm(self, candidate: str, chunk_id: str, form: int, at: int) -> ChunkSpan | None:
+        if form == EXACT:
+            found = self.corpus.find_by_text(candidate)
+            if found is None:
+                return None
+            return ChunkSpan(at, at + len(candidate), found.chunk_id, found.token_ids)
+        try:
+            (chunk,) = self.corpus.get_chunks([chunk_id])
+        except ChunkNotFoundError:
+            return None  # removed since the table was synced
+        if chunk_forms(chunk.text).get(form) != candidate:
+            return None
+        return ChunkSpan(at, at + len(candidate), chunk_id, tuple(self.corpus.chunker.tokenize(candidate)))
+
+    def _current(self) -> dict[int, list[tuple[int, str, int]]]:
+        with self._lock:
+            version = self.corpus.db.version()
+            if version != self._version:
+                self._sync()
+                self._version = version
+            return self._anchors
+
+    def _sync(self) -> None:
+        stored = set(self.corpus.db.iter_chunk_ids())
+        for chunk_id in [c for c in self._anchors_of if c not in stored]:
+            for key in self._anchors_of.pop(chunk_id):
+                entries = self._anchors[key]
+                entries[:] = [e for e in entries if e[1] != chunk_id]
+        added = [c for c in stored if c not in self._anchors_of]
+        for first in range(0, len(added), _ID_BATCH):
+            for chunk in self.corpus.get_chunks(added[first : first + _ID_BATCH]):
+                keys = []
+                for form, text in chunk_forms(chunk.text).items():
+                    key = hash(text[:ANCHOR_CHARS])
+                    entries = self._anchors.setdefault(key, [])
+                    entries.append((len(text), chunk.chunk_id, form))
+                    entries.sort(reverse=True)  # longest first: a chunk that extends a shorter one wins
+                    keys.append(key)
+                self._anchors_of[chunk.chunk_id] = keys
+
+
+EXACT, STRIPPED, ESCAPED, ESCAPED_QUOTES = range(4)
+
+
+def chunk_forms(text: str) -> dict[int, str]:
+    """The forms of a chunk's text that :class:`ChunkTextIndex` recognises, each at least
+    :data:`ANCHOR_CHARS` long and distinct: exact, stripped, and escaped as Python's ``repr`` writes a
+    string (with ``'`` left alone, or escaped as in a literal that holds both kinds of quote)."""
+    forms: dict[int, str] = {}
+    for form, variant in (
+        (EXACT, text),
+        (STRIPPED, text.strip()),
+        (ESCAPED, repr(text)[1:-1]),
+        (ESCAPED_QUOTES, repr(text + "'\"")[1:-4]),
+    ):
+        if len(variant) >= ANCHOR_CHARS and variant not in forms.values():
+            forms[form] = variant
+    return forms
+
+
+class PromptFrontend:
+    """Turns finished prompt texts into segments and answers them with one engine (see the module doc).
+
+    ``store_dir``: an ingested store (chunks are recognised in it and documents added to it); without one,
+    nothing is recognised and explicit documents are only KV-cached (in the engine's default KV store).
+    ``model``: default the store's model (or the settings' model without a store).
+    """
+
+    def __init__(self, store_dir: str | Path | None = None, model: str | Path | None = None) -> None:
+        if store_dir is not None:
+            self.rag: CacheBlendRAG | None = CacheBlendRAG(store_dir, model=model)
+            self.engine: Engine = self.rag.engine
+            self.corpus: Corpus | None = self.rag.corpus
+            self.index: ChunkTextIndex | None = ChunkTextIndex(self.rag.corpus)
+        else:
+            self.rag, self.corpus, self.index = None, None, None
+            self.engine = Engine(model)
+        self._chunker: Chunker | None = None
+        self._scheduler: BatchScheduler | None = None
+        self._scheduler_lock = threading.Lock()
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model.name
+
+    @property
+    def context_window(self) -> int:
+        return self.engine.model.shape.max_context
+
+    def render_chat(self, messages: Sequence[dict]) -> str:
+        """The model's chat template applied to ``messages`` ({role, content}), generation prompt added."""
+        return self.engine.prompts.render_chat(messages)
+
+    def chunk_documents(self, chunk_ids: Sequence[str]) -> list[DocumentRef]:
+        """Stored chunks, by id, as documents to pass with a prompt."""
+        if self.corpus is None:
+            raise ValueError("chunk ids were passed as documents, but there is no store to look them up in")
+        return [DocumentRef(c.text, c.chunk_id) for c in self.corpus.get_chunks(chunk_ids)]
+
+    # -- segments ------------------------------------------------------------------------------------
+
+    def spans(
+        self, text: str, documents: Sequence[DocumentRef] = (), recognise: bool = True, remember: bool = True
+    ) -> list[ChunkSpan]:
+        """Where chunks sit in ``text``: the given documents first, then (with ``recognise``) stored chunks
+        found in the text between them. ``remember``: add documents the store lacks to it."""
+        spans: list[ChunkSpan] = []
+        cursor = 0
+        for doc in documents:
+            if not doc.text.strip():
+                continue
+            at = self._locate(text, doc.text, cursor, spans)
+            if at is None:
+                log.warning(
+                    "a document passed with the prompt does not appear in it verbatim; it is computed as "
+                    "plain prompt text (first characters: %r)",
+                    doc.text[:40],
+                )
+                continue
+            for chunk_id, chunk_text, token_ids in self._document_chunks(doc, remember):
+                spans.append(ChunkSpan(at, at + len(chunk_text), chunk_id, token_ids))
+                at += len(chunk_text)
+            cursor = at
+        spans.sort(key=lambda s: s.start)
+        if recognise and self.index is not None:
+            gaps, previous = [], 0
+            for span in spans:
+                gaps.append((previous, span.start))
+                previous = span.end
+            gaps.append((previous, len(text)))
+            spans.extend(
+                found for a, b in gaps if b - a >= ANCHOR_CHARS for found in self.index.find(text, a, b)
+            )
+            spans.sort(key=lambda s: s.start)
+        return spans
+
+    def segments(
+        self,
+        text: str,
+        documents: Sequence[DocumentRef] = (),
+        method: str = "cacheblend",
+        recognise: bool = True,
+        remember: bool = True,
+    ) -> list[Segment]:
+        """Fresh segments for the text between chunk spans, cached ones (stored token ids, with their KV
+        unless ``method`` recomputes everything) for the spans."""
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("the prompt is empty")
+        reuse = method != "full_recompute"
+        segments: list[Segment] = []
+        previous = 0
+        for span in self.spans(text, documents, recognise, remember):
+            segments.append(Segment.fresh(self.engine.prompts.encode(text[previous : span.start])))
+            kv = self.engine.chunk_kv(span.token_ids) if reuse else None
+            segments.append(Segment(span.token_ids, kv, span.chunk_id))
+            previous = span.end
+        segments.append(Segment.fresh(self.engine.prompts.encode(text[previous:])))
+        return [s for s in segments if len(s)]
+
+    def _locate(self, text: str, needle: str, cursor: int, taken: list[ChunkSpan]) -> int | None:
+        if not needle:
+            return None
+        for start in (cursor, 0):
+            at = text.find(needle, start)
+            while at >= 0:
+                if not any(at < s.end and s.start < at + len(needle) for s in taken):
+                    return at
+                at = text.find(needle, at + 1)
+        return None
+
+    def _document_chunks(self, doc: DocumentRef, remember: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(chunk id, text, token ids) of the chunks that make up ``doc.text``, in order."""
+        corpus = self.corpus
+        if corpus is not None:
+            if doc.chunk_id is not None:
+                try:
+                    (stored,) = corpus.get_chunks([validate_chunk_id(doc.chunk_id)])
+                    if stored.text == doc.text:
+                        return [(stored.chunk_id, stored.text, stored.token_ids)]
+                except (InvalidChunkIdError, ChunkNotFoundError):
+                    pass  # an id from another system: fall back to the text
+            found = corpus.find_by_text(doc.text)
+            if found is not None:
+                return [(found.chunk_id, found.text, found.token_ids)]
+            if remember and not corpus.db.readonly:
+                (ids,) = corpus.add_texts([doc.text])
+                return [(c.chunk_id, c.text, c.token_ids) for c in corpus.get_chunks(ids)]
+        return [(c.chunk_id, c.text, c.token_ids) for c in self.chunker.split(doc.text)]
+
+    @property
+    def chunker(self) -> Chunker:
+        if self.corpus is not None:
+            return self.corpus.chunker
+        if self._chunker is None:
+            self._chunker = Chunker(self.engine.model.tokenizer, get_settings().chunk_tokens)
+        return self._chunker
+
+    # -- generation ----------------------------------------------------------------------------------
+
+    @property
+    def scheduler(self) -> BatchScheduler:
+        """The batch scheduler every answer goes through (started on first use)."""
+        with self._scheduler_lock:
+            if self._scheduler is None:
+                self._scheduler = BatchScheduler(self.engine)
+            return self._scheduler
+
+    def stream(
+        self,
+        request: TextRequest,
+        results: list[GenerationResult] | None = None,
+        recognise: bool = True,
+        remember: bool = True,
+    ) -> Iterator[TokenEvent]:
+        """Yield the answer's tokens; its :class:`GenerationResult` is appended to ``results`` at the end.
+
+        Requests go through the engine's :class:`BatchScheduler`, so concurrent calls (a chat model's
+        ``batch``, concurrent async calls) are decoded together and share their chunks' reads."""
+        segments = self.segments(request.text, request.documents, request.method, recognise, remember)
+        handle = self.scheduler.submit(segments, request.method, request.sampling, **request.method_options)
+        yield from handle
+        if results is not None:
+            results.append(handle.result())
+
+    def generate(
+        self, request: TextRequest, recognise: bool = True, remember: bool = True
+    ) -> GenerationResult:
+        results: list[GenerationResult] = []
+        for _ in self.stream(request, results, recognise, remember):
+            pass
+        return results[0]
+
+    def generate_batch(
+        self, requests: Sequence[TextRequest], recognise: bool = True, remember: bool = True
+    ) -> list[GenerationResult]:
+        """Answer every request in one submission to the batch scheduler; results in order."""
+        batch = [
+            BatchRequest(
+                self.segments(r.text, r.documents, r.method, recognise, remember),
+                r.method,
+                r.sampling,
+                r.method_options,
+            )
+            for r in requests
+        ]
+        return self.scheduler.generate_batch(batch)
+
+
+_frontends: dict[tuple[str | None, str | None], PromptFrontend] = {}
+_corpora: dict[str, Corpus] = {}
+_shared_lock = threading.Lock()
+
+
+def _store_key(store_dir: str | Path) -> str:
+    return str(Path(store_dir).expanduser().resolve())
+
+
+def get_frontend(store_dir: str | Path | None = None, model: str | Path | None = None) -> PromptFrontend:
+    """The process-wide :class:`PromptFrontend` for (store, model), loaded on first use."""
+    key = (_store_key(store_dir) if store_dir is not None else None, str(model) if model else None)
+    with _shared_lock:
+        if key not in _frontends:
+            _frontends[key] = PromptFrontend(key[0], model)
+        return _frontends[key]
+
+
+def get_corpus(store_dir: str | Path) -> Corpus:
+    """The process-wide :class:`Corpus` of a store directory (for retrievers: no model is loaded)."""
+    key = _store_key(store_dir)
+    with _shared_lock:
+        if key not in _corpora:
+            _corpora[key] = Corpus.open(key)
+        return _corpora[key]

@@ -1,0 +1,153 @@
+"""``ChatCacheBlend``: a LangChain chat model that answers with blended chunk KV caches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import Field
+
+from cacheblend_rag.engine import GenerationResult
+from cacheblend_rag.frontend import TextRequest
+
+from ._base import PROVIDER, CacheBlendParams, response_metadata, usage_metadata
+
+# A message may name the stored chunks pasted into it: HumanMessage(text, additional_kwargs={KEY: [ids]}).
+MESSAGE_CHUNK_IDS_KEY = "cacheblend_chunk_ids"
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
+
+
+class ChatCacheBlend(CacheBlendParams, BaseChatModel):
+    """Chat model over the cacheblend-rag engine (the model's own chat template is applied).
+
+    Drop it into any chain in place of another chat model; see :class:`CacheBlendParams` for how chunk KV
+    is found. Each answer's ``usage_metadata["input_token_details"]["cache_read"]`` counts the prompt tokens
+    whose KV was reused, and ``response_metadata`` holds ``ttft_s``, ``method``, ``recompute_ratio`` and
+    ``chunk_ids``. Text only: no tool calling, structured output or image input.
+
+    Example:
+        .. code-block:: python
+
+            llm = ChatCacheBlend(store_dir="my-store", max_tokens=128)
+            chain = retriever | format_docs | prompt | llm
+    """
+
+    streaming: bool = Field(default=False, description="Stream through callbacks even on invoke.")
+
+    @property
+    def _llm_type(self) -> str:
+        return "cacheblend-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "store_dir": self.store_dir,
+            "model": self.model,
+            "method": self.method,
+            "ratio": self.ratio,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider=PROVIDER,
+            ls_model_name=kwargs.get("model") or self._model_label(),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+        )
+        if stops := stop or self.stop:
+            params["ls_stop"] = stops
+        return params
+
+    def _chat_request(
+        self, messages: Sequence[BaseMessage], stop: list[str] | None, options: dict[str, Any]
+    ) -> TextRequest:
+        chat, chunk_ids = _to_chat(messages)
+        if chunk_ids:
+            options = {**options, "documents": [*(options.get("documents") or ()), *chunk_ids]}
+        return self._request(self._frontend().render_chat(chat), stop, options)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        request = self._chat_request(messages, stop, kwargs)
+        results: list[GenerationResult] = []
+        for _ in self._tokens(request, results):
+            pass
+        result = results[0]
+        meta = response_metadata(result, self._frontend().model_name)
+        message = AIMessage(
+            content=result.text, usage_metadata=usage_metadata(result), response_metadata=meta
+        )
+        return ChatResult(
+            generations=[
+                ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})
+            ],
+            llm_output={"model_name": meta["model_name"]},
+        )
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        request = self._chat_request(messages, stop, kwargs)
+        results: list[GenerationResult] = []
+        for event in self._tokens(request, results):
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=event.text))
+            if run_manager is not None:
+                run_manager.on_llm_new_token(event.text, chunk=chunk)
+            yield chunk
+        result = results[0]
+        # Usage and metadata once, on the closing chunk, so that adding chunks up counts them once.
+        yield ChatGenerationChunk(
+            message=AIMessageChunk(
+                content="",
+                usage_metadata=usage_metadata(result),
+                response_metadata=response_metadata(result, self._frontend().model_name),
+                chunk_position="last",
+            ),
+            generation_info={"finish_reason": result.finish_reason},
+        )
+
+
+def _to_chat(messages: Sequence[BaseMessage]) -> tuple[list[dict[str, str]], list[str]]:
+    """({role, content} dicts for the chat template, chunk ids named by the messages)."""
+    chat: list[dict[str, str]] = []
+    chunk_ids: list[str] = []
+    for message in messages:
+        role = message.role if isinstance(message, ChatMessage) else _ROLES.get(message.type)
+        if role is None:
+            raise ValueError(f"ChatCacheBlend cannot take a {message.type!r} message")
+        chat.append({"role": role, "content": _text(message)})
+        chunk_ids.extend(message.additional_kwargs.get(MESSAGE_CHUNK_IDS_KEY, ()))
+    return chat, chunk_ids
+
+
+def _text(message: BaseMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for block in message.content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif block.get("type") == "text":
+            parts.append(block["text"])
+        else:
+            raise ValueError(f"ChatCacheBlend takes text only; a message holds a {block.get('type')!r} block")
+    return "".join(parts)

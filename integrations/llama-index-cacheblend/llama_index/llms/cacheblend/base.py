@@ -1,0 +1,262 @@
+"""``CacheBlendLLM``: a LlamaIndex LLM that answers with blended chunk KV caches."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+)
+from llama_index.core.bridge.pydantic import Field, field_validator
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.schema import BaseNode, NodeWithScore
+
+from cacheblend_rag.blend.methods import available_methods
+from cacheblend_rag.engine import GenerationResult, TokenEvent
+from cacheblend_rag.frontend import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
+from cacheblend_rag.settings import get_settings
+
+# What may be passed as ``documents``: retrieved nodes (their id and raw text) or stored chunk ids.
+DocumentLike = NodeWithScore | BaseNode | str
+
+_T = TypeVar("_T")
+
+
+class CacheBlendLLM(CustomLLM):
+    """LLM over the cacheblend-rag engine; the model's own chat template is applied.
+
+    Chunk KV is reused two ways. A prompt that contains the exact text of stored chunks (any stock query
+    engine over :class:`~llama_index.retrievers.cacheblend.CacheBlendRetriever`) has those spans
+    recognised; and ``documents=`` (nodes or chunk ids, as
+    :class:`~llama_index.llms.cacheblend.CacheBlendSynthesizer` passes them) names the chunks in the
+    prompt outright. Documents the store lacks are added to it and their KV computed on first sight.
+
+    Each response's ``additional_kwargs`` hold token counts (``prompt_tokens``, ``completion_tokens``,
+    ``total_tokens``, ``cached_tokens`` = prompt tokens whose KV was reused) and ``raw`` the engine's full
+    report (``ttft_s``, ``method``, ``recompute_ratio``, ``chunk_ids``...). Objects over the same store
+    and model share one engine in the process.
+    """
+
+    store_dir: str | None = Field(
+        default=None, description="Store built by `cacheblend-rag ingest`; None: no chunk recognition."
+    )
+    model: str | None = Field(
+        default=None, description="Model name or folder (default: the store's model, else the settings')."
+    )
+    method: str = Field(default_factory=lambda: get_settings().method, description="PIC method.")
+    ratio: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="CacheBlend recompute ratio (default: the settings')."
+    )
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, description="Sampling seed (with temperature > 0).")
+    stop: list[str] | None = Field(default=None, description="Stop strings (excluded from the output).")
+    apply_chat_template: bool = Field(
+        default=True, description="complete(): send the prompt as a user turn of the chat template."
+    )
+    recognise_chunks: bool = Field(
+        default=True, description="Search prompts for the text of stored chunks to reuse their KV."
+    )
+    remember_documents: bool = Field(default=True, description="Add passed documents the store lacks to it.")
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        if value not in available_methods():
+            raise ValueError(f"unknown method {value!r}; available: {', '.join(available_methods())}")
+        return value
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheBlendLLM"
+
+    @property
+    def frontend(self) -> PromptFrontend:
+        """The shared engine front end for this LLM's store and model (loaded on first use)."""
+        return get_frontend(self.store_dir, self.model)
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        return LLMMetadata(
+            context_window=self.frontend.context_window,
+            num_output=self.max_tokens,
+            is_chat_model=True,
+            model_name=self.model or self.frontend.model_name,
+        )
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def _request(self, text: str, options: dict[str, Any]) -> TextRequest:
+        documents = options.pop("documents", None) or ()
+        known = {"method", "ratio", "max_tokens", "temperature", "top_p", "seed", "stop"}
+        unknown = set(options) - known
+        if unknown:
+            raise TypeError(
+                f"unsupported option(s) {', '.join(sorted(unknown))}; supported: documents, "
+                + ", ".join(sorted(known))
+            )
+        return text_request(
+            text,
+            self._document_refs(documents),
+            method=options.get("method", self.method),
+            ratio=options.get("ratio", self.ratio),
+            max_tokens=options.get("max_tokens", self.max_tokens),
+            temperature=options.get("temperature", self.temperature),
+            top_p=options.get("top_p", self.top_p),
+            seed=options.get("seed", self.seed),
+            stop=options.get("stop", self.stop),
+        )
+
+    def _document_refs(self, documents: Sequence[DocumentLike]) -> list[DocumentRef]:
+        refs: list[DocumentRef] = []
+        for doc in documents:
+            node = doc.node if isinstance(doc, NodeWithScore) else doc
+            if isinstance(node, str):
+                refs.extend(self.frontend.chunk_documents([node]))
+            elif isinstance(node, BaseNode):
+                refs.append(DocumentRef(node.get_content(), node.node_id))
+            else:
+                raise TypeError(f"documents must be nodes or chunk ids, got {type(doc).__name__}")
+        return refs
+
+    def _completion_text(self, prompt: str, formatted: bool) -> str:
+        if not self.apply_chat_template:
+            return prompt if formatted else self.completion_to_prompt(prompt)
+        turns = (
+            [ChatMessage(role=MessageRole.SYSTEM, content=self.system_prompt)] if self.system_prompt else []
+        )
+        return self._chat_text([*turns, ChatMessage(role=MessageRole.USER, content=prompt)])
+
+    def _chat_text(self, messages: Sequence[ChatMessage]) -> str:
+        return self.frontend.render_chat([{"role": m.role.value, "content": _text(m)} for m in messages])
+
+    def _tokens(self, request: TextRequest, results: list[GenerationResult]) -> Iterator[TokenEvent]:
+        return self.frontend.stream(request, results, self.recognise_chunks, self.remember_documents)
+
+    def _run(self, request: TextRequest) -> GenerationResult:
+        results: list[GenerationResult] = []
+        for _ in self._tokens(request, results):
+            pass
+        return results[0]
+
+    def _stream_texts(self, request: TextRequest) -> Iterator[tuple[str, str, GenerationResult | None]]:
+        """(text so far, delta, None) per token, then (full text, "", result) once at the end."""
+        results: list[GenerationResult] = []
+        text = ""
+        for event in self._tokens(request, results):
+            text += event.text
+            yield text, event.text, None
+        yield results[0].text, "", results[0]
+
+    # -- completion ----------------------------------------------------------------------------------
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        result = self._run(self._request(self._completion_text(prompt, formatted), kwargs))
+        return CompletionResponse(text=result.text, raw=_report(result), additional_kwargs=_usage(result))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        request = self._request(self._completion_text(prompt, formatted), kwargs)
+
+        def gen() -> CompletionResponseGen:
+            for text, delta, result in self._stream_texts(request):
+                if result is None:
+                    yield CompletionResponse(text=text, delta=delta)
+                else:
+                    yield CompletionResponse(
+                        text=text, delta="", raw=_report(result), additional_kwargs=_usage(result)
+                    )
+
+        return gen()
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(
+        self, prompt: str, formatted: bool = False, **kwargs: Any
+    ) -> CompletionResponseAsyncGen:
+        return _in_thread(lambda: self.stream_complete(prompt, formatted, **kwargs))
+
+    # -- chat ----------------------------------------------------------------------------------------
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        result = self._run(self._request(self._chat_text(messages), kwargs))
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
+            raw=_report(result),
+            additional_kwargs=_usage(result),
+        )
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        request = self._request(self._chat_text(messages), kwargs)
+
+        def gen() -> ChatResponseGen:
+            for text, delta, result in self._stream_texts(request):
+                message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+                if result is None:
+                    yield ChatResponse(message=message, delta=delta)
+                else:
+                    yield ChatResponse(
+                        message=message, delta="", raw=_report(result), additional_kwargs=_usage(result)
+                    )
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await asyncio.to_thread(self.chat, messages, **kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return _in_thread(lambda: self.stream_chat(messages, **kwargs))
+
+
+async def _in_thread(make: Callable[[], Iterator[_T]]) -> AsyncIterator[_T]:
+    """Drive a blocking generator from worker threads, one item at a time, so the event loop stays free."""
+    iterator = await asyncio.to_thread(make)
+    done = object()
+    while (item := await asyncio.to_thread(next, iterator, done)) is not done:
+        yield item
+
+
+def _text(message: ChatMessage) -> str:
+    parts = []
+    for block in message.blocks:
+        if not isinstance(block, TextBlock):
+            raise ValueError(f"CacheBlendLLM takes text only; a message holds a {type(block).__name__}")
+        parts.append(block.text)
+    return "".join(parts)
+
+
+def _usage(result: GenerationResult) -> dict[str, int]:
+    output = len(result.token_ids)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": output,
+        "total_tokens": result.prompt_tokens + output,
+        "cached_tokens": result.reused_tokens,
+    }
+
+
+def _report(result: GenerationResult) -> dict[str, Any]:
+    report = result.to_dict()
+    report.pop("token_ids")
+    return report
