@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .engine import ChunkRef, Engine, GenerationResult, SamplingParams, TokenEvent
+from .engine import ChunkRef, Engine, GenerationResult, SamplingParams, TokenEvent, create_engine
 from .errors import StoreError
 from .retrieval.corpus import Corpus, RetrievedChunk
 from .settings import get_settings
@@ -39,12 +39,20 @@ class QueryResult:
 class CacheBlendRAG:
     """Retrieval plus the engine over one store directory built by ``cacheblend-rag ingest``."""
 
-    def __init__(self, store_dir: str | Path, engine: Engine | None = None, model: str | Path | None = None):
+    def __init__(
+        self,
+        store_dir: str | Path,
+        engine: Engine | None = None,
+        model: str | Path | None = None,
+        engine_kind: str | None = None,
+    ):
+        """Open ``store_dir``; without an ``engine``, build one of ``engine_kind`` ("torch" or "vllm",
+        default: the ``engine`` setting) over the store's model."""
         self.corpus = Corpus.open(store_dir)
         manifest = self.corpus.manifest
         if engine is None:
             recorded = manifest.model_path if Path(manifest.model_path).is_dir() else manifest.model
-            engine = Engine(model or recorded, store=self.corpus.kv_dir)
+            engine = create_engine(engine_kind, model or recorded, store=self.corpus.kv_dir)
         self.engine = engine
         if manifest.model_fingerprint != self.engine.model.fingerprint:
             raise StoreError(

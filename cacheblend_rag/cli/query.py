@@ -37,6 +37,9 @@ def query(
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object with timings.")] = False,
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
     model: Annotated[str | None, typer.Option("--model", help="Model (default: the store's).")] = None,
+    engine: Annotated[
+        str | None, typer.Option("--engine", help="torch (default) or vllm (needs the [vllm] extra).")
+    ] = None,
     batch: Annotated[
         Path | None,
         typer.Option(
@@ -64,7 +67,7 @@ def query(
         )
         return
     try:
-        rag = CacheBlendRAG(store, model=model)
+        rag = CacheBlendRAG(store, model=model, engine_kind=engine)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
         results: list = []
         for event in rag.stream(question, top_k, method, ratio, chunk_id, sampling, results):
