@@ -23,6 +23,7 @@ from ..store.kvstore import KVStore, tier_of
 from ..store.pipeline import PipelinedLayerLoader
 from .prompt import ChunkRef, PromptBuilder
 from .sampling import SamplingParams, make_generator, sample_next
+from .textstream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -203,28 +204,16 @@ class Engine:
         max_new = min(sampling.max_new_tokens, room)
         fusion = self.fuse(segments, recompute, extra_capacity=max_new)
         generator = make_generator(sampling)
-        tokenizer = self.model.tokenizer
-        cache, logits, position = fusion.cache, fusion.logits, prompt_tokens
-        generated: list[int] = []
-        emitted, ttft, finish = "", 0.0, "length"
-        for step in range(max_new):
+        answer = TextStream(self.model.tokenizer, self.eos_ids, sampling.stop, max_new)
+        cache, logits, position, ttft = fusion.cache, fusion.logits, prompt_tokens, 0.0
+        while True:
             token = sample_next(logits, sampling, generator)
-            if step == 0:
+            if not answer.token_ids:
                 ttft = time.perf_counter() - started
-            if token in self.eos_ids:
-                finish = "stop"
-                break
-            generated.append(token)
-            text = tokenizer.decode(generated, skip_special_tokens=True)
-            cut = _first_stop(text, sampling.stop)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-            # Hold back a trailing partial UTF-8 sequence until the next token completes it.
-            if cut is not None or not text.endswith("\ufffd"):
-                if len(text) > len(emitted):
-                    yield TokenEvent(token, text[len(emitted) :])
-                emitted = text
-            if finish == "stop" or step == max_new - 1:
+            piece = answer.push(token)
+            if piece is not None:
+                yield TokenEvent(token, piece)
+            if answer.finished:
                 break
             with self._lock:
                 logits = self.model.forward(
@@ -236,12 +225,10 @@ class Engine:
         if result is not None:
             result.append(
                 GenerationResult(
-                    text=emitted
-                    if finish == "stop"
-                    else tokenizer.decode(generated, skip_special_tokens=True),
-                    token_ids=generated,
+                    text=answer.text,
+                    token_ids=answer.token_ids,
                     method=recompute.name,
-                    finish_reason=finish,
+                    finish_reason=answer.finish_reason or "length",
                     ttft_s=ttft,
                     total_s=time.perf_counter() - started,
                     prompt_tokens=prompt_tokens,
@@ -276,11 +263,6 @@ class Engine:
         for _ in self.stream(segments, method, sampling, result, **method_options):
             pass
         return result[0]
-
-
-def _first_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None
 
 
 def _eos_ids(model: LayerwiseModel) -> set[int]:
