@@ -60,5 +60,9 @@ class EvalDataError(CacheBlendError, ValueError):
     """An evaluation data set or results file is missing, malformed or does not match the run."""
 
 
+class MethodOptionError(CacheBlendError, ValueError):
+    """An unknown method, or options a method does not take or whose values it refuses."""
+
+
 class AdmissionError(CacheBlendError, ValueError):
     """A request can never be admitted by the batch scheduler (alone it exceeds the batch KV budget)."""

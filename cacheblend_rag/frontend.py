@@ -26,9 +26,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .blend.methods import available_methods
+from .blend.methods import MethodSpec
 from .blend.segments import Segment
-from .engine import Engine, GenerationResult, SamplingParams, TokenEvent
+from .engine import ChunkRef, Engine, GenerationResult, SamplingParams, TokenEvent
+from .engine.prompt import PromptPart
 from .engine.scheduler import BatchRequest, BatchScheduler
 from .errors import ChunkNotFoundError, InvalidChunkIdError
 from .ingest.chunker import Chunker, validate_chunk_id
@@ -66,9 +67,8 @@ class TextRequest:
 
     text: str
     documents: tuple[DocumentRef, ...] = ()
-    method: str = "cacheblend"
+    method: MethodSpec = field(default_factory=lambda: MethodSpec.parse(get_settings().method))
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    method_options: dict = field(default_factory=dict)
 
 
 def text_request(
@@ -83,16 +83,14 @@ def text_request(
     seed: int | None = None,
     stop: Sequence[str] | None = None,
 ) -> TextRequest:
-    """A :class:`TextRequest` from the usual generation options. ``method`` and CacheBlend's ``ratio``
-    default to the settings'; an unknown method is refused here, before any work."""
-    method = method or get_settings().method
-    if method not in available_methods():
-        raise ValueError(f"unknown method {method!r}; available: {', '.join(available_methods())}")
-    options = {"ratio": get_settings().ratio if ratio is None else ratio} if method == "cacheblend" else {}
+    """A :class:`TextRequest` from the usual generation options. ``method`` (a name or spec such as
+    ``cacheblend@0.3``) defaults to the settings'; ``ratio`` sets the recompute ratio of a method that has
+    one, and without it the loading controller chooses. A bad method or option is refused here."""
+    spec = MethodSpec.parse(method or get_settings().method).with_ratio(ratio)
     sampling = SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ())
     )
-    return TextRequest(text, tuple(documents), method, sampling, options)
+    return TextRequest(text, tuple(documents), spec, sampling)
 
 
 class ChunkTextIndex:
@@ -279,24 +277,22 @@ class PromptFrontend:
         self,
         text: str,
         documents: Sequence[DocumentRef] = (),
-        method: str = "cacheblend",
+        method: str | MethodSpec = "cacheblend",
         recognise: bool = True,
         remember: bool = True,
     ) -> list[Segment]:
-        """Fresh segments for the text between chunk spans, cached ones (stored token ids, with their KV
-        unless ``method`` recomputes everything) for the spans."""
+        """Fresh segments for the text between chunk spans and chunk segments (stored token ids) for the
+        spans, with the KV ``method`` reuses attached."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the prompt is empty")
-        reuse = method != "full_recompute"
-        segments: list[Segment] = []
+        parts: list[PromptPart] = []
         previous = 0
         for span in self.spans(text, documents, recognise, remember):
-            segments.append(Segment.fresh(self.engine.prompts.encode(text[previous : span.start])))
-            kv = self.engine.chunk_kv(span.token_ids) if reuse else None
-            segments.append(Segment(span.token_ids, kv, span.chunk_id))
+            parts.append(tuple(self.engine.prompts.encode(text[previous : span.start])))
+            parts.append(ChunkRef(span.token_ids, span.chunk_id))
             previous = span.end
-        segments.append(Segment.fresh(self.engine.prompts.encode(text[previous:])))
-        return [s for s in segments if len(s)]
+        parts.append(tuple(self.engine.prompts.encode(text[previous:])))
+        return self.engine.segments(parts, method)
 
     def _locate(self, text: str, needle: str, cursor: int, taken: list[ChunkSpan]) -> int | None:
         if not needle:
@@ -358,7 +354,7 @@ class PromptFrontend:
         Requests go through the engine's :class:`BatchScheduler`, so concurrent calls (a chat model's
         ``batch``, concurrent async calls) are decoded together and share their chunks' reads."""
         segments = self.segments(request.text, request.documents, request.method, recognise, remember)
-        handle = self.scheduler.submit(segments, request.method, request.sampling, **request.method_options)
+        handle = self.scheduler.submit(segments, request.method, request.sampling)
         yield from handle
         if results is not None:
             results.append(handle.result())
@@ -377,10 +373,7 @@ class PromptFrontend:
         """Answer every request in one submission to the batch scheduler; results in order."""
         batch = [
             BatchRequest(
-                self.segments(r.text, r.documents, r.method, recognise, remember),
-                r.method,
-                r.sampling,
-                r.method_options,
+                self.segments(r.text, r.documents, r.method, recognise, remember), r.method, r.sampling
             )
             for r in requests
         ]

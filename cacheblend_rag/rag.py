@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .blend.methods import MethodSpec
 from .engine import ChunkRef, Engine, GenerationResult, SamplingParams, TokenEvent, create_engine
 from .errors import StoreError
 from .retrieval.corpus import Corpus, RetrievedChunk
@@ -65,7 +66,7 @@ class CacheBlendRAG:
         return self.corpus.search(question, top_k or get_settings().top_k)
 
     def _prepare(
-        self, question: str, top_k: int | None, chunk_ids: Sequence[str] | None, method: str
+        self, question: str, top_k: int | None, chunk_ids: Sequence[str] | None, method: MethodSpec
     ) -> tuple[list[RetrievedChunk], list, float]:
         started = time.perf_counter()
         chunks = (
@@ -102,13 +103,10 @@ class CacheBlendRAG:
     ) -> Iterator[TokenEvent]:
         """Like :meth:`query`, yielding tokens as they come; the :class:`QueryResult` is appended to
         ``results`` when given."""
-        method = method or get_settings().method
-        chunks, segments, retrieval_s = self._prepare(question, top_k, chunk_ids, method)
-        options = (
-            {"ratio": ratio if ratio is not None else get_settings().ratio} if method == "cacheblend" else {}
-        )
+        spec = MethodSpec.parse(method or get_settings().method).with_ratio(ratio)
+        chunks, segments, retrieval_s = self._prepare(question, top_k, chunk_ids, spec)
         generated: list[GenerationResult] = []
-        yield from self.engine.stream(segments, method, sampling, generated, **options)
+        yield from self.engine.stream(segments, spec, sampling, generated)
         if results is not None:
             results.append(_query_result(generated[0], chunks, retrieval_s))
 

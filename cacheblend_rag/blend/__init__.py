@@ -1,25 +1,33 @@
 """Position-independent caching: PIC methods, the fusor and the loading controller."""
 
+from .controller import Decision, LoadingController, Profile
 from .fusor import FusionResult, Fusor
 from .methods import (
     CacheBlend,
     Epic,
     FullRecompute,
     FullReuse,
-    FusionPlan,
-    LayerState,
+    MethodSpec,
     PrefixCache,
     RecomputeMethod,
+    ResolvedMethod,
+    Reuse,
     available_methods,
     get_method,
+    method_class,
+    parse_method,
     register_method,
+    resolve_method,
+    reuse_of,
 )
+from .plan import FusionPlan, LayerState
 from .segments import ChunkKV, ChunkKVSource, DirectLayerKV, LayerKVProvider, Segment
 
 __all__ = [
     "CacheBlend",
     "ChunkKV",
     "ChunkKVSource",
+    "Decision",
     "DirectLayerKV",
     "Epic",
     "FullRecompute",
@@ -29,10 +37,19 @@ __all__ = [
     "Fusor",
     "LayerKVProvider",
     "LayerState",
+    "LoadingController",
+    "MethodSpec",
     "PrefixCache",
+    "Profile",
     "RecomputeMethod",
+    "ResolvedMethod",
+    "Reuse",
     "Segment",
     "available_methods",
     "get_method",
+    "method_class",
+    "parse_method",
     "register_method",
+    "resolve_method",
+    "reuse_of",
 ]

@@ -156,7 +156,19 @@ class LoadingController:
         cls, model: LayerwiseModel, r_floor: float | None = None, home: Path | None = None
     ) -> LoadingController:
         """The controller for ``model`` on its device, with the saved profile if there is one."""
-        path = profile_path(model.fingerprint, model.device, home)
+        return cls.for_fingerprint(model.fingerprint, model.device, r_floor, home)
+
+    @classmethod
+    def for_fingerprint(
+        cls,
+        fingerprint: str,
+        device: torch.device | str,
+        r_floor: float | None = None,
+        home: Path | None = None,
+    ) -> LoadingController:
+        """The controller for the model of ``fingerprint`` on ``device`` (a saved profile if any), for
+        engines that hold no :class:`LayerwiseModel` in this process."""
+        path = profile_path(fingerprint, device, home)
         profile = Profile.load(path) if path.is_file() else None
         return cls(profile, r_floor)
 

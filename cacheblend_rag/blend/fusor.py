@@ -23,7 +23,8 @@ import torch
 
 from ..errors import ContextLengthError, FusionInputError
 from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
-from .methods import FusionPlan, LayerState, RecomputeMethod
+from .methods import RecomputeMethod
+from .plan import FusionPlan, LayerState
 from .segments import DirectLayerKV, LayerKVProvider, Segment
 
 # Called at every layer with (layer, query positions, q [1, H, S, d], keys [1, Hkv, T, d], mask): lets
@@ -42,7 +43,7 @@ class FusionResult:
     qkv_tokens_per_layer: list[int] = field(default_factory=list)
     attended_tokens_per_layer: list[int] = field(default_factory=list)
     seconds: float = 0.0
-    load_wait_seconds: float = 0.0
+    load_wait_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -182,7 +183,7 @@ class Fusor:
             qkv_tokens_per_layer=qkv_counts,
             attended_tokens_per_layer=attended_counts,
             seconds=time.perf_counter() - started,
-            load_wait_seconds=load_wait,
+            load_wait_s=load_wait,
         )
 
     def _place_cached(

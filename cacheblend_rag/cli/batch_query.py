@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..blend.methods import MethodSpec
 from ..engine.sampling import SamplingParams
 from ..engine.scheduler import BatchRequest, BatchScheduler
 from ..errors import CacheBlendError
@@ -59,13 +60,11 @@ def answer_batch(
 ) -> list[QueryResult]:
     """Retrieve for every question, then generate all answers through one :class:`BatchScheduler`;
     the results are in question order and equal :meth:`CacheBlendRAG.query`'s (greedy)."""
-    settings = get_settings()
-    method = method or settings.method
-    options = {"ratio": ratio if ratio is not None else settings.ratio} if method == "cacheblend" else {}
-    prepared = [rag._prepare(question, top_k, chunk_ids, method) for question in questions]
+    spec = MethodSpec.parse(method or get_settings().method).with_ratio(ratio)
+    prepared = [rag._prepare(question, top_k, chunk_ids, spec) for question in questions]
     with BatchScheduler(rag.engine, max_batch=max_batch) as scheduler:
         generated = scheduler.generate_batch(
-            [BatchRequest(segments, method, sampling, options) for _, segments, _ in prepared]
+            [BatchRequest(segments, spec, sampling) for _, segments, _ in prepared]
         )
     return [
         _query_result(result, chunks, retrieval_s)

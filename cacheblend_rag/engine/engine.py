@@ -13,15 +13,15 @@ import torch
 
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionResult, Fusor
-from ..blend.methods import RecomputeMethod, get_method
+from ..blend.methods import MethodSpec, RecomputeMethod, resolve_method, reuse_of
 from ..blend.segments import ChunkKV, ChunkKVSource, Segment
 from ..errors import ContextLengthError, CorruptKVError, StoreError
 from ..models.loader import load_model
 from ..models.runtime import LayerwiseModel
 from ..settings import get_settings
-from ..store.kvstore import KVStore, tier_of
+from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader
-from .prompt import ChunkRef, PromptBuilder
+from .prompt import ChunkRef, PromptBuilder, PromptPart, layout_segments
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
@@ -125,29 +125,19 @@ class Engine:
     # -- building requests ---------------------------------------------------------------------------
 
     def rag_segments(
-        self, question: str, chunks: Sequence[ChunkRef], method: str | RecomputeMethod
+        self, question: str, chunks: Sequence[ChunkRef], method: str | MethodSpec | RecomputeMethod
     ) -> list[Segment]:
-        """Segments for a RAG prompt, with KV attached where ``method`` will reuse it.
-
-        ``full_recompute`` loads nothing. ``prefix_cache`` reuses the KV of the prompt's own prefix
-        (template + first chunk, cached under those exact ids, as a prefix cache would hold it) and
-        computes the rest.
-        """
-        name = method if isinstance(method, str) else method.name
+        """Segments for a RAG prompt, with the KV ``method`` reuses attached (see :func:`layout_segments`)."""
         if not question.strip():
             raise ValueError("the question is empty")
-        if name == "full_recompute":
-            return self.prompts.rag_segments(question, [ChunkRef(c.token_ids, c.chunk_id) for c in chunks])
-        if name == "prefix_cache":
-            segments = self.prompts.rag_segments(
-                question, [ChunkRef(c.token_ids, c.chunk_id) for c in chunks]
-            )
-            prefix_len = len(segments[0]) + (len(segments[1]) if len(segments) > 2 else 0)
-            ids = [t for s in segments for t in s.token_ids]
-            head = Segment.cached(ids[:prefix_len], self.chunk_kv(ids[:prefix_len]), "prefix")
-            return [head, Segment.fresh(ids[prefix_len:])]
-        refs = [ChunkRef(c.token_ids, c.chunk_id, c.kv or self.chunk_kv(c.token_ids)) for c in chunks]
-        return self.prompts.rag_segments(question, refs)
+        return self.segments(self.prompts.rag_parts(question, chunks), method)
+
+    def segments(
+        self, parts: Sequence[PromptPart], method: str | MethodSpec | RecomputeMethod
+    ) -> list[Segment]:
+        """Segments of a prompt laid out as fresh token runs and chunks, with the KV ``method`` reuses
+        (from the store, computed and stored on a miss)."""
+        return layout_segments(parts, reuse_of(method), self.chunk_kv)
 
     def chat_segments(self, messages: Sequence[dict]) -> list[Segment]:
         return [Segment.fresh(self.prompts.chat_ids(messages))]
@@ -180,7 +170,7 @@ class Engine:
     def stream(
         self,
         segments: list[Segment],
-        method: str | RecomputeMethod = "cacheblend",
+        method: str | MethodSpec | RecomputeMethod = "cacheblend",
         sampling: SamplingParams | None = None,
         result: list[GenerationResult] | None = None,
         **method_options,
@@ -190,11 +180,8 @@ class Engine:
         started = time.perf_counter()
         sampling = sampling or SamplingParams()
         prompt_tokens = sum(len(s) for s in segments)
-        decision = None
-        if method == "cacheblend" and method_options.get("ratio") is None:
-            decision = self._choose_ratio(segments, prompt_tokens)
-            method_options = {**method_options, "ratio": decision.ratio}
-        recompute = method if isinstance(method, RecomputeMethod) else get_method(method, **method_options)
+        resolved = resolve_method(method, segments, self.controller, method_options)
+        recompute = resolved.method
         room = self.model.shape.max_context - prompt_tokens
         if room < 1:
             raise ContextLengthError(
@@ -235,26 +222,17 @@ class Engine:
                     reused_tokens=fusion.reused_tokens,
                     computed_tokens=fusion.computed_tokens,
                     recompute_ratio=fusion.recompute_ratio,
-                    chunk_ids=[s.chunk_id for s in segments if s.chunk_id and s.chunk_id != "prefix"],
+                    chunk_ids=[s.chunk_id for s in segments if s.chunk_id],
                     method_options=recompute.describe(),
-                    load_wait_s=fusion.load_wait_seconds,
-                    controller=decision.to_dict() if decision is not None else None,
+                    load_wait_s=fusion.load_wait_s,
+                    controller=resolved.controller,
                 )
             )
-
-    def _choose_ratio(self, segments: list[Segment], prompt_tokens: int):
-        """The controller's ratio for this prompt: matched to the slowest tier the chunks load from."""
-        sources = [s.kv for s in segments if s.kv is not None]
-        cached = sum(s.num_tokens for s in sources)
-        tier = "disk" if any(tier_of(s) == "disk" for s in sources) else "ram"
-        decision = self.controller.choose(cached, prompt_tokens, tier)
-        log.info("controller: r=%.3f tier=%s (%s)", decision.ratio, decision.tier, decision.reason)
-        return decision
 
     def generate(
         self,
         segments: list[Segment],
-        method: str | RecomputeMethod = "cacheblend",
+        method: str | MethodSpec | RecomputeMethod = "cacheblend",
         sampling: SamplingParams | None = None,
         **method_options,
     ) -> GenerationResult:

@@ -7,9 +7,10 @@ Full prefill and every fusion method see exactly the same token ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..blend.methods import Reuse
 from ..blend.segments import ChunkKVSource, Segment
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -26,6 +27,43 @@ class ChunkRef:
     token_ids: tuple[int, ...]
     chunk_id: str | None = None
     kv: ChunkKVSource | None = None
+
+
+# A prompt laid out before any KV is attached: runs of fresh token ids and the chunks between them.
+PromptPart = tuple[int, ...] | ChunkRef
+
+
+def part_ids(part: PromptPart) -> tuple[int, ...]:
+    return tuple(part.token_ids) if isinstance(part, ChunkRef) else part
+
+
+def layout_segments(
+    parts: Sequence[PromptPart], reuses: Reuse, kv_for: Callable[[Sequence[int]], ChunkKVSource]
+) -> list[Segment]:
+    """Segments of a prompt with the KV a method that ``reuses`` it needs, from ``kv_for(token_ids)``:
+
+    - nothing: every part fresh (chunks keep their ids);
+    - chunks: each chunk with its own KV (``ChunkRef.kv`` when given);
+    - prefix: the prompt's head through its first chunk (the first part when it has no chunk) as one
+      cached segment, its KV computed for exactly those ids as a prefix cache holds it; the rest fresh.
+    """
+    parts = [p for p in parts if part_ids(p)]
+    if reuses is Reuse.PREFIX:
+        ids = [t for p in parts for t in part_ids(p)]
+        first = next((i for i, p in enumerate(parts) if isinstance(p, ChunkRef)), 0 if len(parts) > 1 else -1)
+        end = sum(len(part_ids(p)) for p in parts[: first + 1])
+        if end == 0:
+            return [Segment.fresh(ids)]
+        return [Segment.cached(ids[:end], kv_for(ids[:end])), Segment.fresh(ids[end:])]
+    segments = []
+    for part in parts:
+        if not isinstance(part, ChunkRef):
+            segments.append(Segment.fresh(part))
+        elif reuses is Reuse.CHUNKS:
+            segments.append(Segment.cached(part.token_ids, part.kv or kv_for(part.token_ids), part.chunk_id))
+        else:
+            segments.append(Segment(tuple(part.token_ids), None, part.chunk_id))
+    return segments
 
 
 class PromptBuilder:
@@ -74,17 +112,24 @@ class PromptBuilder:
         messages = [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": content}]
         return self.render_chat(messages)
 
-    def rag_segments(self, question: str, chunks: Sequence[ChunkRef]) -> list[Segment]:
-        """Fresh prefix, then each chunk (cached where it has KV) separated by fresh separators, then the
-        fresh question and generation prompt."""
+    def rag_parts(self, question: str, chunks: Sequence[ChunkRef]) -> list[PromptPart]:
+        """Fresh prefix, then each chunk separated by fresh separators, then the fresh question and
+        generation prompt (empty parts dropped)."""
         prefix, separator, suffix = self.rag_frame(question)
-        segments = [Segment.fresh(prefix)]
+        parts: list[PromptPart] = [tuple(prefix)]
         for i, chunk in enumerate(chunks):
             if i:
-                segments.append(Segment.fresh(separator))
-            segments.append(Segment(tuple(chunk.token_ids), chunk.kv, chunk.chunk_id))
-        segments.append(Segment.fresh(suffix))
-        return [s for s in segments if len(s)]
+                parts.append(tuple(separator))
+            parts.append(chunk)
+        parts.append(tuple(suffix))
+        return [p for p in parts if part_ids(p)]
+
+    def rag_segments(self, question: str, chunks: Sequence[ChunkRef]) -> list[Segment]:
+        """:meth:`rag_parts` as segments, each chunk cached where it carries KV."""
+        return [
+            Segment(tuple(p.token_ids), p.kv, p.chunk_id) if isinstance(p, ChunkRef) else Segment.fresh(p)
+            for p in self.rag_parts(question, chunks)
+        ]
 
 
 def _check_unicode(text: str, what: str) -> None:

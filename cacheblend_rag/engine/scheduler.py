@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..blend.fusor import FusionResult
-from ..blend.methods import RecomputeMethod, get_method
+from ..blend.methods import MethodSpec, RecomputeMethod, resolve_method
 from ..blend.segments import ChunkKVSource, Segment
 from ..errors import AdmissionError, ContextLengthError, FusionInputError
 from ..models.runtime import KVCache, LayerwiseModel
@@ -53,7 +53,7 @@ class BatchRequest:
     """One request for :meth:`BatchScheduler.generate_batch`: what :meth:`Engine.generate` takes."""
 
     segments: list[Segment]
-    method: str | RecomputeMethod = "cacheblend"
+    method: str | MethodSpec | RecomputeMethod = "cacheblend"
     sampling: SamplingParams | None = None
     method_options: dict[str, Any] = field(default_factory=dict)
 
@@ -126,6 +126,7 @@ class _Pending:
     sampling: SamplingParams
     prompt_tokens: int
     max_new: int
+    controller: dict[str, Any] | None = None  # the loading controller's decision, when it chose the ratio
 
     @property
     def capacity(self) -> int:
@@ -312,21 +313,29 @@ class BatchScheduler:
             if self._closing:
                 raise RuntimeError("the scheduler is closed")
             handles = []
-            for segments, method, sampling, prompt_tokens, max_new in prepared:
+            for segments, resolved, sampling, prompt_tokens, max_new in prepared:
                 handle = RequestHandle(self._next_id)
                 self._next_id += 1
-                self._waiting.append(_Pending(handle, segments, method, sampling, prompt_tokens, max_new))
+                self._waiting.append(
+                    _Pending(
+                        handle,
+                        segments,
+                        resolved.method,
+                        sampling,
+                        prompt_tokens,
+                        max_new,
+                        resolved.controller,
+                    )
+                )
                 handles.append(handle)
             self.stats.submitted += len(handles)
             self._cond.notify_all()
         return handles
 
     def _prepare(self, request: BatchRequest):
-        method = request.method
-        if not isinstance(method, RecomputeMethod):
-            method = get_method(method, **request.method_options)
-        sampling = request.sampling or SamplingParams()
         segments = list(request.segments)
+        resolved = resolve_method(request.method, segments, self.engine.controller, request.method_options)
+        sampling = request.sampling or SamplingParams()
         self.engine.fusor.validate(segments)
         prompt_tokens = sum(len(s) for s in segments)
         if prompt_tokens == 0:
@@ -345,7 +354,7 @@ class BatchScheduler:
                 f"more than the scheduler's batch KV budget of {self.kv_budget_bytes:,} bytes; raise "
                 "kv_budget_bytes (setting batch_kv_budget_bytes) or lower max_new_tokens"
             )
-        return segments, method, sampling, prompt_tokens, max_new
+        return segments, resolved, sampling, prompt_tokens, max_new
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -435,7 +444,7 @@ class BatchScheduler:
                 "reused_tokens": fusion.reused_tokens,
                 "computed_tokens": fusion.computed_tokens,
                 "recompute_ratio": fusion.recompute_ratio,
-                "load_wait_s": fusion.load_wait_seconds,
+                "load_wait_s": fusion.load_wait_s,
             },
             ttft_s=time.perf_counter() - pending.handle.submitted_at,
             position=pending.prompt_tokens,
@@ -501,9 +510,10 @@ class BatchScheduler:
             reused_tokens=row.fusion["reused_tokens"],
             computed_tokens=row.fusion["computed_tokens"],
             recompute_ratio=row.fusion["recompute_ratio"],
-            chunk_ids=[s.chunk_id for s in pending.segments if s.chunk_id and s.chunk_id != "prefix"],
+            chunk_ids=[s.chunk_id for s in pending.segments if s.chunk_id],
             method_options=pending.method.describe(),
             load_wait_s=row.fusion["load_wait_s"],
+            controller=pending.controller,
         )
         self.stats.completed += 1
         pending.handle._finish(result)
@@ -554,12 +564,11 @@ def bench_runner(
     """Serve ``prompts``, all arriving at once, through a :class:`BatchScheduler` (the throughput runner
     ``cacheblend-rag bench`` looks up under this name). Building each prompt's segments is timed, as it is
     for the sequential runner; the chunks' KV should already be in the store."""
-    options = {"ratio": ratio} if method == "cacheblend" else {}
+    spec = MethodSpec.parse(method).with_ratio(ratio)
     with BatchScheduler(engine, max_batch=max_batch) as scheduler:
         started = time.perf_counter()
         requests = [
-            BatchRequest(engine.rag_segments(p.question, p.refs, method), method, sampling, options)
-            for p in prompts
+            BatchRequest(engine.rag_segments(p.question, p.refs, spec), spec, sampling) for p in prompts
         ]
         handles = scheduler.submit_many(requests)
         results = [handle.result() for handle in handles]

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..blend.diagnostics import measure_deviation
+from ..blend.methods import Reuse, parse_method
 from ..engine import ChunkRef, Engine, SamplingParams
 from ..engine.scheduler import RagQuestion, RequestTiming, bench_runner, overlapping_musique_requests
 from ..errors import EvalDataError
@@ -47,7 +48,6 @@ from .harness import (
     RecordingEngine,
     default_kv_dir,
     machine_info,
-    parse_method,
     prompt_builder,
     retrieve_chunks,
     store_in_ram,
@@ -180,11 +180,11 @@ def _engine_ttft(
     engine: RecordingEngine, question: str, refs: list[ChunkRef], label: str, ratio: float
 ) -> dict[str, float]:
     method, tier = TTFT_COLUMNS[label]
-    spec = parse_method(f"cacheblend@{ratio:g}" if method == "cacheblend" else method)
+    spec = parse_method(method).with_ratio(ratio)
     if tier == "disk":
         engine.store.evict_ram()
     started = time.perf_counter()
-    segments = engine.rag_segments(question, refs, spec.name)
+    segments = engine.rag_segments(question, refs, spec)
     segments_s = time.perf_counter() - started
     result = engine.generate(segments, spec.build(), SamplingParams(max_new_tokens=1))
     fusion = engine.last_fusion
@@ -192,7 +192,7 @@ def _engine_ttft(
     out = {
         "ttft_s": segments_s + result.ttft_s,
         "compute_fraction": fusion.compute_fraction,
-        "load_wait_s": fusion.load_wait_seconds,
+        "load_wait_s": fusion.load_wait_s,
         "prompt_tokens": fusion.num_tokens,
     }
     engine.last_fusion = None
@@ -217,7 +217,7 @@ def measure_ttft_point(
     """All TTFT columns at one (chunk count, chunk length) point, interleaved, median of ``repeats``."""
     refs = [ChunkRef(ids) for ids in chunks]
     store_in_ram(engine, question, refs)
-    prompt_ids = [t for s in engine.rag_segments(question, refs, "full_recompute") for t in s.token_ids]
+    prompt_ids = [t for s in engine.rag_segments(question, refs, Reuse.NOTHING) for t in s.token_ids]
     samples: dict[str, list[float]] = {label: [] for label in TTFT_COLUMNS}
     extra: dict[str, dict[str, float]] = {}
     for _ in range(repeats):
@@ -402,7 +402,7 @@ def section_deviation(ctx: BenchContext) -> dict[str, Any]:
         specs = [parse_method(label) for label in labels]
         per_prompt = []
         for prompt in prompts:
-            segments = engine.rag_segments(prompt.question, prompt.refs, "cacheblend")
+            segments = engine.rag_segments(prompt.question, prompt.refs, Reuse.CHUNKS)
             deviations = measure_deviation(engine.fusor, segments, [s.build() for s in specs])
             per_prompt.append(
                 {
@@ -503,8 +503,9 @@ def section_ingest(ctx: BenchContext) -> dict[str, Any]:
         queries: dict[str, list[dict[str, Any]]] = {m: [] for m in QUERY_METHODS}
         for question in questions:
             for method in QUERY_METHODS:
-                ratio = config.ratio if method == "cacheblend" else None
-                result = rag.query(question["question"], config.top_k, method, ratio, sampling=sampling)
+                result = rag.query(
+                    question["question"], config.top_k, method, config.ratio, sampling=sampling
+                )
                 queries[method].append(
                     {
                         "question": question["question"],
@@ -556,13 +557,13 @@ def run_sequential(
     engine: Engine, prompts: Sequence[RagQuestion], method: str, sampling: SamplingParams, ratio: float
 ) -> list[RequestTiming]:
     """The baseline without a scheduler: requests that arrive together are served one after another."""
-    options = {"ratio": ratio} if method == "cacheblend" else {}
+    spec = parse_method(method).with_ratio(ratio)
     started = time.perf_counter()
     timings = []
     for prompt in prompts:
-        segments = engine.rag_segments(prompt.question, prompt.refs, method)
+        segments = engine.rag_segments(prompt.question, prompt.refs, spec)
         before = time.perf_counter() - started
-        result = engine.generate(segments, method, sampling, **options)
+        result = engine.generate(segments, spec, sampling)
         elapsed = time.perf_counter() - started
         timings.append(RequestTiming(before + result.ttft_s, elapsed, len(result.token_ids), result.text))
     return timings

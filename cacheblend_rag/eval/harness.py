@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..blend.fusor import FusionResult
-from ..blend.methods import RecomputeMethod, get_method
+from ..blend.methods import MethodSpec, Reuse, parse_method
 from ..engine import ChunkRef, Engine, PromptBuilder, SamplingParams
 from ..errors import EvalDataError
 from ..ingest.chunker import Chunker
@@ -96,51 +96,16 @@ def task_question(case: EvalCase, task: str) -> str:
 # -- methods -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MethodSpec:
-    """One column of the results: a method name with its option, labelled e.g. ``cacheblend@0.15``."""
-
-    label: str
-    name: str
-    options: tuple[tuple[str, float], ...] = ()
-
-    def build(self) -> RecomputeMethod:
-        return get_method(self.name, **dict(self.options))
-
-    @property
-    def ratio(self) -> float | None:
-        return dict(self.options).get("ratio")
-
-
-_OPTION_OF = {"cacheblend": ("ratio", float), "epic": ("k", int)}
-
-
-def parse_method(label: str) -> MethodSpec:
-    """``name`` or ``name@value`` (cacheblend@RATIO, epic@K)."""
-    name, _, value = label.partition("@")
-    get_method(name)  # unknown names raise, listing the available ones
-    if not value:
-        return MethodSpec(label, name)
-    if name not in _OPTION_OF:
-        raise ValueError(f"method {name!r} takes no @option (only {', '.join(_OPTION_OF)} do)")
-    option, kind = _OPTION_OF[name]
-    try:
-        parsed = kind(value)
-    except ValueError:
-        raise ValueError(f"bad option in {label!r}: {option} must be a {kind.__name__}") from None
-    spec = MethodSpec(f"{name}@{parsed:g}", name, ((option, parsed),))
-    spec.build()  # validates the value (e.g. a ratio outside [0, 1])
-    return spec
-
-
 def method_specs(methods: Sequence[str], ratios: Sequence[float]) -> list[MethodSpec]:
-    """Expand ``methods`` (plain ``cacheblend`` once per ratio) into specs, the reference first."""
+    """Expand ``methods`` into specs, the reference first: a plain method with a recompute ratio (e.g.
+    ``cacheblend``) once per ratio of ``ratios``."""
     specs: list[MethodSpec] = []
     for label in methods:
-        if label == "cacheblend":
-            specs.extend(parse_method(f"cacheblend@{r:g}") for r in ratios)
+        spec = parse_method(label)
+        if not spec.options and spec.method_class.ratio_option is not None:
+            specs.extend(spec.with_ratio(r) for r in ratios)
         else:
-            specs.append(parse_method(label))
+            specs.append(spec)
     specs = list({s.label: s for s in specs}.values())
     if not any(s.label == REFERENCE for s in specs):
         specs.insert(0, MethodSpec(REFERENCE, REFERENCE))
@@ -270,11 +235,10 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
 
 
 def store_in_ram(engine: Engine, question: str, refs: Sequence[ChunkRef]) -> None:
-    """Compute and store whatever KV the methods will reuse (the chunks, and the prompt prefix that
-    prefix_cache reuses), and bring it into the RAM tier, so every method's TTFT is measured with its
-    KV in RAM."""
-    for method in ("cacheblend", "prefix_cache"):
-        for segment in engine.rag_segments(question, refs, method):
+    """Compute and store whatever KV the methods will reuse (the chunks, and the prompt's prefix), and
+    bring it into the RAM tier, so every method's TTFT is measured with its KV in RAM."""
+    for reuse in (Reuse.CHUNKS, Reuse.PREFIX):
+        for segment in engine.rag_segments(question, refs, reuse):
             if segment.kv is not None:
                 for layer in range(segment.kv.num_layers):  # a chunk read in full is promoted to RAM
                     segment.kv.layer(layer)
@@ -301,7 +265,7 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[MethodSpec]) -> 
     prompt_tokens = 0
     for spec in specs:
         t0 = time.perf_counter()
-        segments = engine.rag_segments(question, refs, spec.name)
+        segments = engine.rag_segments(question, refs, spec)
         segments_s = time.perf_counter() - t0
         result = engine.generate(segments, spec.build(), run.sampling)
         fusion = engine.last_fusion
@@ -374,7 +338,7 @@ def _score(
         "ttft_s": segments_s + result.ttft_s,
         "segments_s": segments_s,
         "fusion_s": fusion.seconds,
-        "load_wait_s": fusion.load_wait_seconds,
+        "load_wait_s": fusion.load_wait_s,
         "total_s": segments_s + result.total_s,
         "recompute_ratio": fusion.recompute_ratio,
         "chunk_recompute_ratio": chunk_recompute_ratio(fusion, chunk_mask),

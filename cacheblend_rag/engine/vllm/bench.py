@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...blend.methods import Reuse, parse_method
 from ..prompt import ChunkRef
 from ..sampling import SamplingParams
 
@@ -81,7 +82,7 @@ def run(config: VLLMBenchConfig, work_dir: Path) -> dict[str, Any]:
     try:
         question, chunks = rag_prompt(config, engine.model.tokenizer)
         precompute_started = time.perf_counter()
-        engine.rag_segments(question, chunks, "cacheblend")  # the worker precomputes and stores chunk KV
+        engine.rag_segments(question, chunks, Reuse.CHUNKS)  # the worker precomputes and stores chunk KV
         precompute_s = time.perf_counter() - precompute_started
         samples: dict[str, list[float]] = {FULL: [], BLEND: []}
         blends, first_tokens = [], {}
@@ -90,13 +91,12 @@ def run(config: VLLMBenchConfig, work_dir: Path) -> dict[str, Any]:
                 round_started = time.perf_counter()
                 segments = engine.rag_segments(question, chunks, method)
                 segments_s = time.perf_counter() - round_started
-                options = {"ratio": config.ratio} if method == "cacheblend" else {}
-                result = engine.generate(segments, method, first_token, **options)
+                result = engine.generate(segments, parse_method(method).with_ratio(config.ratio), first_token)
                 first_tokens[label] = result.token_ids
                 if repeat == 0:
                     continue
                 samples[label].append(segments_s + result.ttft_s)
-                if method == "cacheblend":
+                if label == BLEND:
                     blends.append(result)
         medians = {label: statistics.median(values) for label, values in samples.items()}
         prompt_tokens = blends[-1].prompt_tokens

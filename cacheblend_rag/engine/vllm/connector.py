@@ -214,7 +214,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 "recompute_ratio": fusion.recompute_ratio,
                 "fusion_s": fused_s,
                 "write_s": time.perf_counter() - started - fused_s,
-                "load_wait_s": fusion.load_wait_seconds,
+                "load_wait_s": fusion.load_wait_s,
             },
         )
 

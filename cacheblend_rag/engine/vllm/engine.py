@@ -15,8 +15,9 @@ Design (docs/vllm.md has the long form):
   layer would tie fusion to vLLM internals per model family. Our runtime already runs every supported
   family layer-wise, and its fused KV is by construction the PyTorch engine's. The cost is a second copy of
   the weights in the worker (0.5 GB for the default model in fp32).
-* ``full_recompute`` is vLLM's own prefill (no claim); ``prefix_cache`` is vLLM's own prefix cache (exact
-  KV reuse of shared prefixes, when ``enable_prefix_caching``). Blended requests get a ``cache_salt``
+* A method that reuses nothing (``full_recompute``) is vLLM's own prefill (no claim); one that reuses the
+  prompt's prefix (``prefix_cache``) is vLLM's own prefix cache (exact KV reuse of shared prefixes, when
+  ``enable_prefix_caching``). Blended requests get a ``cache_salt``
   derived from their segmentation and method, so their approximate KV is never served from the prefix
   cache to an exact request with the same tokens.
 * The main process loads no weights: the tokenizer and fingerprint come from the model folder, the model
@@ -35,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...blend.methods import RecomputeMethod, get_method
+from ...blend.controller import LoadingController
+from ...blend.methods import MethodSpec, RecomputeMethod, Reuse, resolve_method, reuse_of
 from ...blend.segments import Segment
 from ...errors import CacheBlendError, ContextLengthError, StoreError, UnsupportedModelError
 from ...ingest.tokenizer import load_model_tokenizer
@@ -46,7 +48,7 @@ from ...settings import get_settings
 from ...store.keys import dtype_name
 from ...store.kvstore import KVStore
 from ..engine import GenerationResult, TokenEvent
-from ..prompt import ChunkRef, PromptBuilder
+from ..prompt import ChunkRef, PromptBuilder, layout_segments
 from ..sampling import SamplingParams
 from .driver import EngineDriver, Submission
 from .protocol import BlendRequest
@@ -56,8 +58,6 @@ log = logging.getLogger(__name__)
 CONNECTOR_NAME = "CacheBlendConnector"
 CONNECTOR_MODULE = "cacheblend_rag.engine.vllm.connector"
 WORKER_EXTENSION = "cacheblend_rag.engine.vllm.worker.CacheBlendWorkerExtension"
-# Served by vLLM itself: full_recompute is its prefill, prefix_cache its prefix cache.
-NATIVE_METHODS = frozenset({"full_recompute", "prefix_cache"})
 # vLLM on CPU sizes its KV cache from a fraction of RAM unless given bytes; this holds two requests of
 # 8k tokens in fp32 for the default model, without taking memory other processes need.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -107,6 +107,7 @@ class _Prepared:
     blend: BlendRequest | None
     prompt_tokens: int
     chunk_ids: list[str]
+    controller: dict[str, Any] | None = None
     started: float = 0.0
     first_token_at: float | None = None
     output: Any = None  # the last vllm RequestOutput
@@ -195,6 +196,7 @@ class VLLMEngine:
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
         self.eos_ids = _eos_ids(path, self.model.tokenizer)
+        self.controller = LoadingController.for_fingerprint(self.model.fingerprint, device)
 
     @property
     def fingerprint(self) -> str:
@@ -229,24 +231,23 @@ class VLLMEngine:
     # -- building requests ---------------------------------------------------------------------------
 
     def rag_segments(
-        self, question: str, chunks: Sequence[ChunkRef], method: str | RecomputeMethod
+        self, question: str, chunks: Sequence[ChunkRef], method: str | MethodSpec | RecomputeMethod
     ) -> list[Segment]:
-        """Segments for a RAG prompt. For a fusing method each chunk carries its KV source from the store,
-        precomputed (by the worker) first where missing; for vLLM-native methods none is needed."""
-        name = method if isinstance(method, str) else method.name
+        """Segments for a RAG prompt. For a method that blends chunks each chunk carries its KV source
+        from the store, precomputed (by the worker) first where missing; the others are served by vLLM
+        itself (its prefill, its prefix cache) and need no KV."""
         if not question.strip():
             raise ValueError("the question is empty")
-        if name in NATIVE_METHODS:
-            return self.prompts.rag_segments(question, [ChunkRef(c.token_ids, c.chunk_id) for c in chunks])
-        missing = [
-            list(c.token_ids)
-            for c in chunks
-            if c.kv is None and not self.store.contains(self.store.key_for(c.token_ids))
-        ]
-        if missing:
-            self._rpc("cacheblend_ensure_chunks", missing)
-        refs = [ChunkRef(c.token_ids, c.chunk_id, c.kv or self._stored(c.token_ids)) for c in chunks]
-        return self.prompts.rag_segments(question, refs)
+        reuses = Reuse.CHUNKS if reuse_of(method) is Reuse.CHUNKS else Reuse.NOTHING
+        if reuses is Reuse.CHUNKS:
+            missing = [
+                list(c.token_ids)
+                for c in chunks
+                if c.kv is None and not self.store.contains(self.store.key_for(c.token_ids))
+            ]
+            if missing:
+                self._rpc("cacheblend_ensure_chunks", missing)
+        return layout_segments(self.prompts.rag_parts(question, chunks), reuses, self._stored)
 
     def _stored(self, token_ids: Sequence[int]):
         key = self.store.key_for(token_ids)
@@ -265,14 +266,15 @@ class VLLMEngine:
     def _prepare(
         self,
         segments: list[Segment],
-        method: str | RecomputeMethod,
+        method: str | MethodSpec | RecomputeMethod,
         sampling: SamplingParams | None,
         method_options: dict[str, Any],
     ) -> _Prepared:
         from vllm import SamplingParams as VSamplingParams
 
         sampling = sampling or SamplingParams()
-        recompute = method if isinstance(method, RecomputeMethod) else get_method(method, **method_options)
+        resolved = resolve_method(method, segments, self.controller, method_options)
+        recompute = resolved.method
         ids = [t for s in segments for t in s.token_ids]
         if not ids:
             raise ValueError("the prompt has no tokens")
@@ -284,14 +286,13 @@ class VLLMEngine:
             )
         key = uuid.uuid4().hex
         blend = None
-        if recompute.name not in NATIVE_METHODS and any(s.is_cached for s in segments):
-            options = {k: v for k, v in recompute.describe().items() if k != "method"}
+        if recompute.reuses is Reuse.CHUNKS and any(s.is_cached for s in segments):
             blend = BlendRequest(
                 key,
                 tuple(len(s) for s in segments),
                 tuple(s.is_cached for s in segments),
                 recompute.name,
-                options,
+                recompute.options(),
             )
             if blend.claim_end == 0:
                 blend = None  # no cached chunk before the question: nothing to blend
@@ -310,8 +311,8 @@ class VLLMEngine:
             skip_special_tokens=True,
             extra_args=extra_args,
         )
-        chunk_ids = [s.chunk_id for s in segments if s.chunk_id and s.chunk_id != "prefix"]
-        return _Prepared(key, prompt, params, recompute, blend, len(ids), chunk_ids)
+        chunk_ids = [s.chunk_id for s in segments if s.chunk_id]
+        return _Prepared(key, prompt, params, recompute, blend, len(ids), chunk_ids, resolved.controller)
 
     def _drive(self, requests: list[_Prepared]) -> Iterator[_Prepared]:
         """Submit ``requests`` to the driver and yield a request each time it has new output, until all
@@ -376,6 +377,7 @@ class VLLMEngine:
             chunk_ids=request.chunk_ids,
             method_options=request.method.describe(),
             load_wait_s=float(stats.get("load_wait_s", 0.0)),
+            controller=request.controller,
             claimed_tokens=claimed,
             vllm_cached_tokens=cached,
             fusion_s=float(stats.get("fusion_s", 0.0)),

@@ -10,7 +10,7 @@ from langchain_core.documents import Document
 from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, Field, field_validator
 
-from cacheblend_rag.blend.methods import available_methods
+from cacheblend_rag.blend.methods import MethodSpec
 from cacheblend_rag.engine import GenerationResult, TokenEvent
 from cacheblend_rag.frontend import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
 from cacheblend_rag.retrieval.chunkdb import StoreManifest
@@ -62,8 +62,7 @@ class CacheBlendParams(BaseModel):
     @field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        if value not in available_methods():
-            raise ValueError(f"unknown method {value!r}; available: {', '.join(available_methods())}")
+        MethodSpec.parse(value)  # an unknown method or a bad option is refused here, naming the problem
         return value
 
     def _frontend(self) -> PromptFrontend:

@@ -23,7 +23,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.schema import BaseNode, NodeWithScore
 
-from cacheblend_rag.blend.methods import available_methods
+from cacheblend_rag.blend.methods import MethodSpec
 from cacheblend_rag.engine import GenerationResult, TokenEvent
 from cacheblend_rag.frontend import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
 from cacheblend_rag.settings import get_settings
@@ -75,8 +75,7 @@ class CacheBlendLLM(CustomLLM):
     @field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
-        if value not in available_methods():
-            raise ValueError(f"unknown method {value!r}; available: {', '.join(available_methods())}")
+        MethodSpec.parse(value)  # an unknown method or a bad option is refused here, naming the problem
         return value
 
     @classmethod

@@ -1,0 +1,79 @@
+"""The token layout the fusor works on, and what a method sees at a check layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import FusionInputError
+from .segments import Segment
+
+
+@dataclass
+class FusionPlan:
+    """The token layout of one request: where each segment lands and which positions are cached."""
+
+    segments: list[Segment]
+    token_ids: torch.Tensor  # [T]
+    cached_mask: torch.Tensor  # [T] bool: position belongs to a cached segment
+    must_compute: torch.Tensor  # [T] bool: fresh text plus the last prompt token
+    spans: list[tuple[int, int]]  # [start, end) of every segment
+
+    @classmethod
+    def from_segments(cls, segments: list[Segment]) -> FusionPlan:
+        if not segments or sum(len(s) for s in segments) == 0:
+            raise FusionInputError("nothing to fuse: the prompt has no tokens")
+        spans, start = [], 0
+        for segment in segments:
+            spans.append((start, start + len(segment)))
+            start += len(segment)
+        cached = torch.zeros(start, dtype=torch.bool)
+        for segment, (s, e) in zip(segments, spans, strict=True):
+            cached[s:e] = segment.is_cached
+        must = ~cached
+        must[-1] = True  # next-token logits need the last token's hidden state at every layer
+        ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long)
+        return cls(segments, ids, cached, must, spans)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.numel()
+
+    @property
+    def num_cached(self) -> int:
+        return int((self.cached_mask & ~self.must_compute).sum())
+
+    def cached_spans(self) -> list[tuple[int, int]]:
+        return [span for seg, span in zip(self.segments, self.spans, strict=True) if seg.is_cached]
+
+
+@dataclass
+class LayerState:
+    """What a method sees at a check layer: this layer's fresh K/V for the candidate positions (those
+    computed at the previous layer) beside the cached K/V at the same positions."""
+
+    layer: int
+    plan: FusionPlan
+    candidates: torch.Tensor  # [S] positions, ascending
+    fresh_k: torch.Tensor  # [Hkv, S, d], rotated to the candidates' positions
+    fresh_v: torch.Tensor
+    cached_k: torch.Tensor  # [Hkv, S, d], re-rotated to the same positions
+    cached_v: torch.Tensor
+
+    def deviation(self, signal: str = "v") -> torch.Tensor:
+        """Per-candidate squared L2 deviation of fresh from cached K, V, or both (each scaled by its mean
+        cached norm so neither dominates)."""
+
+        def dev(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+            return (fresh.float() - cached.float()).pow(2).sum(dim=(0, 2))
+
+        if signal == "k":
+            return dev(self.fresh_k, self.cached_k)
+        if signal == "v":
+            return dev(self.fresh_v, self.cached_v)
+        if signal == "kv":
+            k_scale = self.cached_k.float().pow(2).sum(dim=(0, 2)).mean().clamp_min(1e-6)
+            v_scale = self.cached_v.float().pow(2).sum(dim=(0, 2)).mean().clamp_min(1e-6)
+            return dev(self.fresh_k, self.cached_k) / k_scale + dev(self.fresh_v, self.cached_v) / v_scale
+        raise ValueError(f"unknown deviation signal {signal!r}: use 'k', 'v' or 'kv'")
