@@ -22,15 +22,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .blend.methods import MethodSpec
 from .blend.segments import Segment
-from .engine import ChunkRef, Engine, GenerationResult, SamplingParams, TokenEvent
-from .engine.prompt import PromptPart
-from .engine.scheduler import BatchRequest, BatchScheduler
+from .engine import (
+    BatchRequest,
+    BatchScheduler,
+    ChunkRef,
+    Engine,
+    GenerationResult,
+    PromptPart,
+    RequestHandle,
+    SamplingParams,
+)
 from .errors import ChunkNotFoundError, InvalidChunkIdError
 from .ingest.chunker import Chunker, validate_chunk_id
 from .rag import CacheBlendRAG
@@ -202,18 +209,24 @@ class PromptFrontend:
 
     ``store_dir``: an ingested store (chunks are recognised in it and documents added to it); without one,
     nothing is recognised and explicit documents are only KV-cached (in the engine's default KV store).
-    ``model``: default the store's model (or the settings' model without a store).
+    ``model``: default the store's model (or the settings' model without a store); ``engine``: an
+    already loaded engine over the store's model instead.
     """
 
-    def __init__(self, store_dir: str | Path | None = None, model: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        store_dir: str | Path | None = None,
+        model: str | Path | None = None,
+        engine: Engine | None = None,
+    ) -> None:
         if store_dir is not None:
-            self.rag: CacheBlendRAG | None = CacheBlendRAG(store_dir, model=model)
+            self.rag: CacheBlendRAG | None = CacheBlendRAG(store_dir, engine=engine, model=model)
             self.engine: Engine = self.rag.engine
             self.corpus: Corpus | None = self.rag.corpus
             self.index: ChunkTextIndex | None = ChunkTextIndex(self.rag.corpus)
         else:
             self.rag, self.corpus, self.index = None, None, None
-            self.engine = Engine(model)
+            self.engine = engine or Engine(model)
         self._chunker: Chunker | None = None
         self._scheduler: BatchScheduler | None = None
         self._scheduler_lock = threading.Lock()
@@ -342,30 +355,19 @@ class PromptFrontend:
                 self._scheduler = BatchScheduler(self.engine)
             return self._scheduler
 
-    def stream(
-        self,
-        request: TextRequest,
-        results: list[GenerationResult] | None = None,
-        recognise: bool = True,
-        remember: bool = True,
-    ) -> Iterator[TokenEvent]:
-        """Yield the answer's tokens; its :class:`GenerationResult` is appended to ``results`` at the end.
+    def stream(self, request: TextRequest, recognise: bool = True, remember: bool = True) -> RequestHandle:
+        """The answer's handle: iterate it for tokens, then ``.result()`` for its
+        :class:`GenerationResult`.
 
         Requests go through the engine's :class:`BatchScheduler`, so concurrent calls (a chat model's
         ``batch``, concurrent async calls) are decoded together and share their chunks' reads."""
         segments = self.segments(request.text, request.documents, request.method, recognise, remember)
-        handle = self.scheduler.submit(segments, request.method, request.sampling)
-        yield from handle
-        if results is not None:
-            results.append(handle.result())
+        return self.scheduler.submit(segments, request.method, request.sampling)
 
     def generate(
         self, request: TextRequest, recognise: bool = True, remember: bool = True
     ) -> GenerationResult:
-        results: list[GenerationResult] = []
-        for _ in self.stream(request, results, recognise, remember):
-            pass
-        return results[0]
+        return self.stream(request, recognise, remember).result()
 
     def generate_batch(
         self, requests: Sequence[TextRequest], recognise: bool = True, remember: bool = True

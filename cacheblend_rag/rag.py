@@ -1,14 +1,23 @@
-"""Question answering over an ingested store: retrieve the top chunks, fuse their KV, generate."""
+"""Question answering over an ingested corpus: retrieve the top chunks, fuse their KV, generate."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .blend.methods import MethodSpec
-from .engine import ChunkRef, Engine, GenerationResult, SamplingParams, TokenEvent, create_engine
+from .engine import (
+    BatchRequest,
+    ChunkRef,
+    EngineProtocol,
+    GenerationResult,
+    SamplingParams,
+    TokenEvent,
+    TokenStream,
+    create_engine,
+)
 from .errors import StoreError
 from .retrieval.corpus import Corpus, RetrievedChunk
 from .settings import get_settings
@@ -31,24 +40,54 @@ class QueryResult:
     retrieval_scores: list[float]
     finish_reason: str
     method_options: dict
-    controller: dict | None = None
+    controller: dict | None = None  # the loading controller's decision, when it chose the ratio
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+@dataclass
+class _Prepared:
+    chunks: list[RetrievedChunk]
+    segments: list
+    retrieval_s: float
+
+    def result(self, generated: GenerationResult) -> QueryResult:
+        chunks = self.chunks
+        return QueryResult(
+            answer=generated.text.strip(),
+            method=generated.method,
+            ttft_s=generated.ttft_s,
+            total_s=generated.total_s + self.retrieval_s,
+            retrieval_s=self.retrieval_s,
+            recompute_ratio=generated.recompute_ratio,
+            reused_tokens=generated.reused_tokens,
+            computed_tokens=generated.computed_tokens,
+            prompt_tokens=generated.prompt_tokens,
+            chunk_ids=[c.chunk_id for c in chunks],
+            retrieval_scores=[round(c.score, 6) for c in chunks],
+            finish_reason=generated.finish_reason,
+            method_options=generated.method_options,
+            controller=generated.controller,
+        )
+
+
 class CacheBlendRAG:
-    """Retrieval plus the engine over one store directory built by ``cacheblend-rag ingest``."""
+    """Retrieval plus an engine over one corpus directory built by ``cacheblend-rag ingest``.
+
+    ``method`` (a name or spec, default the settings') and ``ratio`` (the recompute ratio of a method
+    that has one) are per call; without a ratio the engine's loading controller chooses it, and results
+    report its decision in ``controller``."""
 
     def __init__(
         self,
         store_dir: str | Path,
-        engine: Engine | None = None,
+        engine: EngineProtocol | None = None,
         model: str | Path | None = None,
         engine_kind: str | None = None,
     ):
         """Open ``store_dir``; without an ``engine``, build one of ``engine_kind`` ("torch" or "vllm",
-        default: the ``engine`` setting) over the store's model."""
+        default: the ``engine`` setting) over the corpus's model."""
         self.corpus = Corpus.open(store_dir)
         manifest = self.corpus.manifest
         if engine is None:
@@ -65,17 +104,6 @@ class CacheBlendRAG:
     def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:
         return self.corpus.search(question, top_k or get_settings().top_k)
 
-    def _prepare(
-        self, question: str, top_k: int | None, chunk_ids: Sequence[str] | None, method: MethodSpec
-    ) -> tuple[list[RetrievedChunk], list, float]:
-        started = time.perf_counter()
-        chunks = (
-            self.corpus.get_chunks(chunk_ids) if chunk_ids is not None else self.retrieve(question, top_k)
-        )
-        retrieval_s = time.perf_counter() - started
-        refs = [ChunkRef(c.token_ids, c.chunk_id) for c in chunks]
-        return chunks, self.engine.rag_segments(question, refs, method), retrieval_s
-
     def query(
         self,
         question: str,
@@ -86,10 +114,7 @@ class CacheBlendRAG:
         sampling: SamplingParams | None = None,
     ) -> QueryResult:
         """Answer ``question`` from the top-k retrieved chunks (or from explicit ``chunk_ids``)."""
-        results: list[QueryResult] = []
-        for _ in self.stream(question, top_k, method, ratio, chunk_ids, sampling, results):
-            pass
-        return results[0]
+        return self.stream(question, top_k, method, ratio, chunk_ids, sampling).result()
 
     def stream(
         self,
@@ -99,34 +124,45 @@ class CacheBlendRAG:
         ratio: float | None = None,
         chunk_ids: Sequence[str] | None = None,
         sampling: SamplingParams | None = None,
-        results: list[QueryResult] | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Like :meth:`query`, yielding tokens as they come; the :class:`QueryResult` is appended to
-        ``results`` when given."""
-        spec = MethodSpec.parse(method or get_settings().method).with_ratio(ratio)
-        chunks, segments, retrieval_s = self._prepare(question, top_k, chunk_ids, spec)
-        generated: list[GenerationResult] = []
-        yield from self.engine.stream(segments, spec, sampling, generated)
-        if results is not None:
-            results.append(_query_result(generated[0], chunks, retrieval_s))
+    ) -> TokenStream[QueryResult]:
+        """Like :meth:`query`; iterate the handle for tokens as they come, then ``.result()``."""
+        spec = _spec(method, ratio)
+        prepared = self._prepare(question, top_k, chunk_ids, spec)
+        handle = self.engine.stream(prepared.segments, spec, sampling)
+
+        def events() -> Generator[TokenEvent, None, QueryResult]:
+            yield from handle
+            return prepared.result(handle.result())
+
+        return TokenStream(events())
+
+    def query_batch(
+        self,
+        questions: Sequence[str],
+        top_k: int | None = None,
+        method: str | None = None,
+        ratio: float | None = None,
+        chunk_ids: Sequence[str] | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> list[QueryResult]:
+        """Retrieve for every question, then answer them all together through the engine's
+        ``generate_batch``; results in question order, equal to :meth:`query`'s (greedy)."""
+        spec = _spec(method, ratio)
+        prepared = [self._prepare(question, top_k, chunk_ids, spec) for question in questions]
+        generated = self.engine.generate_batch([BatchRequest(p.segments, spec, sampling) for p in prepared])
+        return [p.result(result) for p, result in zip(prepared, generated, strict=True)]
+
+    def _prepare(
+        self, question: str, top_k: int | None, chunk_ids: Sequence[str] | None, method: MethodSpec
+    ) -> _Prepared:
+        started = time.perf_counter()
+        chunks = (
+            self.corpus.get_chunks(chunk_ids) if chunk_ids is not None else self.retrieve(question, top_k)
+        )
+        retrieval_s = time.perf_counter() - started
+        refs = [ChunkRef(c.token_ids, c.chunk_id) for c in chunks]
+        return _Prepared(chunks, self.engine.rag_segments(question, refs, method), retrieval_s)
 
 
-def _query_result(
-    generated: GenerationResult, chunks: list[RetrievedChunk], retrieval_s: float
-) -> QueryResult:
-    return QueryResult(
-        answer=generated.text.strip(),
-        method=generated.method,
-        ttft_s=generated.ttft_s,
-        total_s=generated.total_s + retrieval_s,
-        retrieval_s=retrieval_s,
-        recompute_ratio=generated.recompute_ratio,
-        reused_tokens=generated.reused_tokens,
-        computed_tokens=generated.computed_tokens,
-        prompt_tokens=generated.prompt_tokens,
-        chunk_ids=[c.chunk_id for c in chunks],
-        retrieval_scores=[round(c.score, 6) for c in chunks],
-        finish_reason=generated.finish_reason,
-        method_options=generated.method_options,
-        controller=generated.controller,
-    )
+def _spec(method: str | None, ratio: float | None) -> MethodSpec:
+    return MethodSpec.parse(method or get_settings().method).with_ratio(ratio)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import typer
@@ -12,12 +11,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..blend.methods import MethodSpec
-from ..engine.sampling import SamplingParams
-from ..engine.scheduler import BatchRequest, BatchScheduler
+from ..engine import SamplingParams
 from ..errors import CacheBlendError
-from ..rag import CacheBlendRAG, QueryResult, _query_result
-from ..settings import get_settings
+from ..rag import CacheBlendRAG
 
 console = Console()
 err_console = Console(stderr=True)
@@ -48,30 +44,6 @@ def read_questions(path: Path) -> list[str]:
     return questions
 
 
-def answer_batch(
-    rag: CacheBlendRAG,
-    questions: Sequence[str],
-    top_k: int | None = None,
-    method: str | None = None,
-    ratio: float | None = None,
-    chunk_ids: Sequence[str] | None = None,
-    sampling: SamplingParams | None = None,
-    max_batch: int | None = None,
-) -> list[QueryResult]:
-    """Retrieve for every question, then generate all answers through one :class:`BatchScheduler`;
-    the results are in question order and equal :meth:`CacheBlendRAG.query`'s (greedy)."""
-    spec = MethodSpec.parse(method or get_settings().method).with_ratio(ratio)
-    prepared = [rag._prepare(question, top_k, chunk_ids, spec) for question in questions]
-    with BatchScheduler(rag.engine, max_batch=max_batch) as scheduler:
-        generated = scheduler.generate_batch(
-            [BatchRequest(segments, spec, sampling) for _, segments, _ in prepared]
-        )
-    return [
-        _query_result(result, chunks, retrieval_s)
-        for result, (chunks, _, retrieval_s) in zip(generated, prepared, strict=True)
-    ]
-
-
 def query_batch_command(
     batch: Path,
     store: Path,
@@ -90,7 +62,7 @@ def query_batch_command(
         rag = CacheBlendRAG(store, model=model)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
         started = time.perf_counter()
-        results = answer_batch(rag, questions, top_k, method, ratio, chunk_ids, sampling)
+        results = rag.query_batch(questions, top_k, method, ratio, chunk_ids, sampling)
         seconds = time.perf_counter() - started
     except (CacheBlendError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}")

@@ -69,15 +69,15 @@ def query(
     try:
         rag = CacheBlendRAG(store, model=model, engine_kind=engine)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
-        results: list = []
-        for event in rag.stream(question, top_k, method, ratio, chunk_id, sampling, results):
+        handle = rag.stream(question, top_k, method, ratio, chunk_id, sampling)
+        for event in handle:
             if stream and not as_json:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
+        result = handle.result()
     except (CacheBlendError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc
-    result = results[0]
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return

@@ -1,12 +1,26 @@
-"""Prefill, fusion, decoding and streaming over one model and one KV store."""
+"""Engines: prefill, fusion, decoding and streaming over one model and one chunk KV store.
+
+:class:`Engine` is the PyTorch engine; ``create_engine("vllm")`` builds the vLLM one. Both implement
+:class:`EngineProtocol` (see :mod:`.base`).
+"""
 
 from pathlib import Path
 
 from ..settings import get_settings
 from ..store.kvstore import KVStore
-from .engine import Engine, GenerationResult, TokenEvent
-from .prompt import ChunkRef, PromptBuilder
+from .base import (
+    BatchRequest,
+    EngineProtocol,
+    FusionStats,
+    GenerationResult,
+    StreamHandle,
+    TokenEvent,
+    TokenStream,
+)
+from .engine import Engine
+from .prompt import ChunkRef, PromptBuilder, PromptPart
 from .sampling import SamplingParams
+from .scheduler import BatchScheduler, RequestHandle, SchedulerStats
 
 ENGINE_KINDS = ("torch", "vllm")
 
@@ -16,7 +30,7 @@ def create_engine(
     model: str | Path | None = None,
     store: KVStore | str | Path | None = None,
     **options,
-):
+) -> EngineProtocol:
     """The engine ``kind`` names over ``model`` and ``store``: ``"torch"`` (:class:`Engine`, our PyTorch
     runtime) or ``"vllm"`` (:class:`~cacheblend_rag.engine.vllm.VLLMEngine`, vLLM with the CacheBlend KV
     connector). Default: the ``engine`` setting. ``options`` go to the engine's constructor."""
@@ -24,7 +38,7 @@ def create_engine(
     if kind == "torch":
         return Engine(model, store, **options)
     if kind == "vllm":
-        from .vllm import VLLMEngine
+        from .vllm import VLLMEngine  # imports vLLM's own modules only when asked for
 
         return VLLMEngine(model, store, **options)
     raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
@@ -32,11 +46,20 @@ def create_engine(
 
 __all__ = [
     "ENGINE_KINDS",
+    "BatchRequest",
+    "BatchScheduler",
     "ChunkRef",
     "Engine",
+    "EngineProtocol",
+    "FusionStats",
     "GenerationResult",
     "PromptBuilder",
+    "PromptPart",
+    "RequestHandle",
     "SamplingParams",
+    "SchedulerStats",
+    "StreamHandle",
     "TokenEvent",
+    "TokenStream",
     "create_engine",
 ]

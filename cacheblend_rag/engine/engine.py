@@ -5,15 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Generator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionResult, Fusor
-from ..blend.methods import MethodSpec, RecomputeMethod, resolve_method, reuse_of
+from ..blend.methods import Reuse, resolve_method, reuse_of
 from ..blend.segments import ChunkKV, ChunkKVSource, Segment
 from ..errors import ContextLengthError, CorruptKVError, StoreError
 from ..models.loader import load_model
@@ -21,46 +21,29 @@ from ..models.runtime import LayerwiseModel
 from ..settings import get_settings
 from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader
-from .prompt import ChunkRef, PromptBuilder, PromptPart, layout_segments
+from .base import (
+    BatchRequest,
+    FusionStats,
+    GenerationResult,
+    Method,
+    PromptSegments,
+    TokenEvent,
+    TokenStream,
+    eos_token_ids,
+    generation_budget,
+)
+from .prompt import PromptBuilder, PromptPart, layout_segments
 from .sampling import SamplingParams, make_generator, sample_next
+from .scheduler import BatchScheduler
 from .textstream import TextStream
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class GenerationResult:
-    """One answer and what producing it cost."""
-
-    text: str
-    token_ids: list[int]
-    method: str
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-    ttft_s: float
-    total_s: float
-    prompt_tokens: int
-    reused_tokens: int
-    computed_tokens: int
-    recompute_ratio: float
-    chunk_ids: list[str] = field(default_factory=list)
-    method_options: dict = field(default_factory=dict)
-    load_wait_s: float = 0.0
-    controller: dict | None = None  # the loading controller's decision, when it chose the ratio
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One generated token while streaming: its id and the text it adds."""
-
-    token_id: int
-    text: str
-
-
-class Engine:
-    """Owns the model, the fusor and the chunk KV store; thread-safe (one forward at a time)."""
+class Engine(PromptSegments):
+    """Owns the model, the fusor and the chunk KV store; implements
+    :class:`~cacheblend_rag.engine.base.EngineProtocol`. Thread-safe: one forward at a time, under
+    :attr:`forward_lock`."""
 
     def __init__(
         self,
@@ -76,9 +59,21 @@ class Engine:
         self.store = store
         self.fusor = Fusor(self.model)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
-        self._lock = threading.RLock()  # the model's forward is not re-entrant across threads
-        self.eos_ids = _eos_ids(self.model)
+        # The model's forward is not re-entrant across threads: every forward (prefill, fusion, decode
+        # step, here or in a BatchScheduler) holds this lock.
+        self.forward_lock = threading.RLock()
+        self.eos_ids = eos_token_ids(
+            self.model.tokenizer, getattr(self.model.hf_model.generation_config, "eos_token_id", None)
+        )
         self.controller = LoadingController.for_model(self.model)
+
+    @property
+    def context_window(self) -> int:
+        return self.model.shape.max_context
+
+    def close(self) -> None:
+        """Close the chunk KV store (waiting for its background writes)."""
+        self.store.close()
 
     # -- chunk KV ------------------------------------------------------------------------------------
 
@@ -91,7 +86,7 @@ class Engine:
             raise ContextLengthError(
                 f"chunk of {n} tokens exceeds the context of {self.model.shape.max_context}"
             )
-        with self._lock:
+        with self.forward_lock:
             _, cache = self.model.prefill(list(token_ids))
         return ChunkKV(
             [k[0, :, :n].clone() for k in cache.keys],
@@ -124,36 +119,21 @@ class Engine:
 
     # -- building requests ---------------------------------------------------------------------------
 
-    def rag_segments(
-        self, question: str, chunks: Sequence[ChunkRef], method: str | MethodSpec | RecomputeMethod
-    ) -> list[Segment]:
-        """Segments for a RAG prompt, with the KV ``method`` reuses attached (see :func:`layout_segments`)."""
-        if not question.strip():
-            raise ValueError("the question is empty")
-        return self.segments(self.prompts.rag_parts(question, chunks), method)
-
-    def segments(
-        self, parts: Sequence[PromptPart], method: str | MethodSpec | RecomputeMethod
-    ) -> list[Segment]:
+    def segments(self, parts: Sequence[PromptPart], method: Method | Reuse) -> list[Segment]:
         """Segments of a prompt laid out as fresh token runs and chunks, with the KV ``method`` reuses
         (from the store, computed and stored on a miss)."""
         return layout_segments(parts, reuse_of(method), self.chunk_kv)
 
-    def chat_segments(self, messages: Sequence[dict]) -> list[Segment]:
-        return [Segment.fresh(self.prompts.chat_ids(messages))]
-
     # -- fusion and generation -----------------------------------------------------------------------
 
-    def fuse(
-        self, segments: list[Segment], method: RecomputeMethod, extra_capacity: int = 0, observer=None
-    ) -> FusionResult:
+    def fuse(self, segments: list[Segment], method, extra_capacity: int = 0, observer=None) -> FusionResult:
         """Fuse with the store's pipelined loader. A chunk found corrupt while loading is recomputed,
         rewritten and the fusion retried once."""
         for attempt in (1, 2):
             sources = [s.kv for s in segments if s.kv is not None]
             loader = PipelinedLayerLoader(sources, dtype=self.model.dtype, device=self.model.device)
             try:
-                with self._lock:
+                with self.forward_lock:
                     return self.fusor.fuse(segments, method, loader, extra_capacity, observer)
             except CorruptKVError as exc:
                 if attempt == 2:
@@ -170,29 +150,26 @@ class Engine:
     def stream(
         self,
         segments: list[Segment],
-        method: str | MethodSpec | RecomputeMethod = "cacheblend",
+        method: Method = "cacheblend",
         sampling: SamplingParams | None = None,
-        result: list[GenerationResult] | None = None,
-        **method_options,
-    ) -> Iterator[TokenEvent]:
-        """Yield tokens as they are generated; the final :class:`GenerationResult` is appended to
-        ``result`` when given."""
-        started = time.perf_counter()
+        **method_options: Any,
+    ) -> TokenStream[GenerationResult]:
+        """Fuse ``segments`` with ``method`` and generate; iterate the handle for tokens as they are
+        generated, then ``.result()``. Bad input (method, options, a prompt too long) raises here."""
         sampling = sampling or SamplingParams()
-        prompt_tokens = sum(len(s) for s in segments)
         resolved = resolve_method(method, segments, self.controller, method_options)
-        recompute = resolved.method
-        room = self.model.shape.max_context - prompt_tokens
-        if room < 1:
-            raise ContextLengthError(
-                f"prompt of {prompt_tokens} tokens leaves no room to generate within the model's context of "
-                f"{self.model.shape.max_context} tokens"
-            )
-        max_new = min(sampling.max_new_tokens, room)
-        fusion = self.fuse(segments, recompute, extra_capacity=max_new)
+        prompt_tokens = sum(len(s) for s in segments)
+        max_new = generation_budget(
+            prompt_tokens, sampling.max_new_tokens, self.model.shape.max_context, "the model's context"
+        )
+        return TokenStream(self._generate(segments, resolved, sampling, max_new))
+
+    def _generate(self, segments, resolved, sampling: SamplingParams, max_new: int) -> Generator:
+        started = time.perf_counter()
+        fusion = self.fuse(segments, resolved.method, extra_capacity=max_new)
         generator = make_generator(sampling)
         answer = TextStream(self.model.tokenizer, self.eos_ids, sampling.stop, max_new)
-        cache, logits, position, ttft = fusion.cache, fusion.logits, prompt_tokens, 0.0
+        cache, logits, position, ttft = fusion.cache, fusion.logits, fusion.num_tokens, 0.0
         while True:
             token = sample_next(logits, sampling, generator)
             if not answer.token_ids:
@@ -202,53 +179,39 @@ class Engine:
                 yield TokenEvent(token, piece)
             if answer.finished:
                 break
-            with self._lock:
+            with self.forward_lock:
                 logits = self.model.forward(
                     torch.tensor([[token]], device=self.model.device),
                     torch.tensor([position], device=self.model.device),
                     cache,
                 )[0]
             position += 1
-        if result is not None:
-            result.append(
-                GenerationResult(
-                    text=answer.text,
-                    token_ids=answer.token_ids,
-                    method=recompute.name,
-                    finish_reason=answer.finish_reason or "length",
-                    ttft_s=ttft,
-                    total_s=time.perf_counter() - started,
-                    prompt_tokens=prompt_tokens,
-                    reused_tokens=fusion.reused_tokens,
-                    computed_tokens=fusion.computed_tokens,
-                    recompute_ratio=fusion.recompute_ratio,
-                    chunk_ids=[s.chunk_id for s in segments if s.chunk_id],
-                    method_options=recompute.describe(),
-                    load_wait_s=fusion.load_wait_s,
-                    controller=resolved.controller,
-                )
-            )
+        return GenerationResult.build(
+            text=answer.text,
+            token_ids=answer.token_ids,
+            finish_reason=answer.finish_reason or "length",
+            resolved=resolved,
+            segments=segments,
+            fusion=FusionStats.of(fusion),
+            ttft_s=ttft,
+            total_s=time.perf_counter() - started,
+        )
 
     def generate(
         self,
         segments: list[Segment],
-        method: str | MethodSpec | RecomputeMethod = "cacheblend",
+        method: Method = "cacheblend",
         sampling: SamplingParams | None = None,
-        **method_options,
+        **method_options: Any,
     ) -> GenerationResult:
         """Fuse ``segments`` with ``method`` and generate an answer."""
-        result: list[GenerationResult] = []
-        for _ in self.stream(segments, method, sampling, result, **method_options):
-            pass
-        return result[0]
+        return self.stream(segments, method, sampling, **method_options).result()
 
-
-def _eos_ids(model: LayerwiseModel) -> set[int]:
-    ids = set()
-    tokenizer_eos = model.tokenizer.eos_token_id
-    if tokenizer_eos is not None:
-        ids.add(int(tokenizer_eos))
-    config_eos = getattr(model.hf_model.generation_config, "eos_token_id", None)
-    if config_eos is not None:
-        ids.update([config_eos] if isinstance(config_eos, int) else config_eos)
-    return ids
+    def generate_batch(
+        self, requests: Sequence[BatchRequest], max_batch: int | None = None
+    ) -> list[GenerationResult]:
+        """Serve ``requests`` together through a :class:`BatchScheduler` (``max_batch`` rows at most,
+        default: the ``batch_max_requests`` setting); results in order. Greedy answers equal
+        :meth:`generate`'s."""
+        with BatchScheduler(self, max_batch=max_batch) as scheduler:
+            return scheduler.generate_batch(requests)

@@ -25,37 +25,30 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from ..blend.fusor import FusionResult
-from ..blend.methods import MethodSpec, RecomputeMethod, resolve_method
+from ..blend.methods import MethodSpec, ResolvedMethod, resolve_method
 from ..blend.segments import ChunkKVSource, Segment
-from ..errors import AdmissionError, ContextLengthError, FusionInputError
+from ..errors import AdmissionError
 from ..models.runtime import KVCache, LayerwiseModel
 from ..settings import get_settings
 from ..store.keys import kv_bytes_per_token
-from .engine import Engine, GenerationResult, TokenEvent
+from .base import BatchRequest, FusionStats, GenerationResult, Method, TokenEvent, generation_budget
 from .prompt import ChunkRef
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
+if TYPE_CHECKING:  # the engine runs its batches through a scheduler: it imports this module
+    from .engine import Engine
+
 log = logging.getLogger(__name__)
 
 _END = object()  # closes a handle's event queue
-
-
-@dataclass
-class BatchRequest:
-    """One request for :meth:`BatchScheduler.generate_batch`: what :meth:`Engine.generate` takes."""
-
-    segments: list[Segment]
-    method: str | MethodSpec | RecomputeMethod = "cacheblend"
-    sampling: SamplingParams | None = None
-    method_options: dict[str, Any] = field(default_factory=dict)
 
 
 class RequestHandle:
@@ -122,11 +115,10 @@ class SchedulerStats:
 class _Pending:
     handle: RequestHandle
     segments: list[Segment]
-    method: RecomputeMethod
+    resolved: ResolvedMethod
     sampling: SamplingParams
     prompt_tokens: int
     max_new: int
-    controller: dict[str, Any] | None = None  # the loading controller's decision, when it chose the ratio
 
     @property
     def capacity(self) -> int:
@@ -141,7 +133,7 @@ class _Row:
     pending: _Pending
     text: TextStream
     generator: torch.Generator | None
-    fusion: dict[str, Any]
+    fusion: FusionStats
     ttft_s: float
     token: int = 0
     position: int = 0
@@ -289,7 +281,7 @@ class BatchScheduler:
     def submit(
         self,
         segments: list[Segment],
-        method: str | RecomputeMethod = "cacheblend",
+        method: Method = "cacheblend",
         sampling: SamplingParams | None = None,
         **method_options,
     ) -> RequestHandle:
@@ -316,17 +308,7 @@ class BatchScheduler:
             for segments, resolved, sampling, prompt_tokens, max_new in prepared:
                 handle = RequestHandle(self._next_id)
                 self._next_id += 1
-                self._waiting.append(
-                    _Pending(
-                        handle,
-                        segments,
-                        resolved.method,
-                        sampling,
-                        prompt_tokens,
-                        max_new,
-                        resolved.controller,
-                    )
-                )
+                self._waiting.append(_Pending(handle, segments, resolved, sampling, prompt_tokens, max_new))
                 handles.append(handle)
             self.stats.submitted += len(handles)
             self._cond.notify_all()
@@ -338,15 +320,9 @@ class BatchScheduler:
         sampling = request.sampling or SamplingParams()
         self.engine.fusor.validate(segments)
         prompt_tokens = sum(len(s) for s in segments)
-        if prompt_tokens == 0:
-            raise FusionInputError("nothing to generate from: the prompt has no tokens")
-        room = self.model.shape.max_context - prompt_tokens
-        if room < 1:
-            raise ContextLengthError(
-                f"prompt of {prompt_tokens} tokens leaves no room to generate within the model's context of "
-                f"{self.model.shape.max_context} tokens"
-            )
-        max_new = min(sampling.max_new_tokens, room)
+        max_new = generation_budget(
+            prompt_tokens, sampling.max_new_tokens, self.model.shape.max_context, "the model's context"
+        )
         needed = (prompt_tokens + max_new) * self.kv_bytes_per_token
         if needed > self.kv_budget_bytes:
             raise AdmissionError(
@@ -423,7 +399,7 @@ class BatchScheduler:
         for pending, segments in zip(group, _share_chunks(group), strict=True):
             try:
                 try:
-                    fusion = self.engine.fuse(segments, pending.method)
+                    fusion = self.engine.fuse(segments, pending.resolved.method)
                 finally:
                     for segment in segments:
                         if isinstance(segment.kv, _SharedChunk):
@@ -440,12 +416,7 @@ class BatchScheduler:
             pending,
             TextStream(self.model.tokenizer, self.engine.eos_ids, pending.sampling.stop, pending.max_new),
             generator,
-            {
-                "reused_tokens": fusion.reused_tokens,
-                "computed_tokens": fusion.computed_tokens,
-                "recompute_ratio": fusion.recompute_ratio,
-                "load_wait_s": fusion.load_wait_s,
-            },
+            FusionStats.of(fusion),
             ttft_s=time.perf_counter() - pending.handle.submitted_at,
             position=pending.prompt_tokens,
         )
@@ -474,7 +445,7 @@ class BatchScheduler:
         else:
             positions = torch.tensor([[row.position] for row in rows], device=device)
         try:
-            with self.engine._lock:
+            with self.engine.forward_lock:
                 logits = self.model.forward(ids, positions, self._cache.view(len(rows)))
         except Exception as exc:
             log.exception("decode step failed; failing its %d requests", len(rows))
@@ -499,21 +470,15 @@ class BatchScheduler:
 
     def _complete(self, row: _Row) -> None:
         pending = row.pending
-        result = GenerationResult(
+        result = GenerationResult.build(
             text=row.text.text,
-            token_ids=list(row.text.token_ids),
-            method=pending.method.name,
+            token_ids=row.text.token_ids,
             finish_reason=row.text.finish_reason or "length",
+            resolved=pending.resolved,
+            segments=pending.segments,
+            fusion=row.fusion,
             ttft_s=row.ttft_s,
             total_s=time.perf_counter() - pending.handle.submitted_at,
-            prompt_tokens=pending.prompt_tokens,
-            reused_tokens=row.fusion["reused_tokens"],
-            computed_tokens=row.fusion["computed_tokens"],
-            recompute_ratio=row.fusion["recompute_ratio"],
-            chunk_ids=[s.chunk_id for s in pending.segments if s.chunk_id],
-            method_options=pending.method.describe(),
-            load_wait_s=row.fusion["load_wait_s"],
-            controller=pending.controller,
         )
         self.stats.completed += 1
         pending.handle._finish(result)

@@ -63,10 +63,9 @@ def test_sampling_is_reproducible_with_a_seed(engine):
 
 def test_streaming_yields_the_answer_piece_by_piece(engine):
     segments = engine.chat_segments([{"role": "user", "content": "Count from one to ten in words."}])
-    results = []
-    pieces = [
-        e.text for e in engine.stream(segments, "full_recompute", SamplingParams(max_new_tokens=24), results)
-    ]
+    handle = engine.stream(segments, "full_recompute", SamplingParams(max_new_tokens=24))
+    pieces = [e.text for e in handle]
+    results = [handle.result()]
     assert len(pieces) > 3
     assert "".join(pieces) == results[0].text
     assert results[0].ttft_s <= results[0].total_s

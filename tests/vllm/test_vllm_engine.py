@@ -79,8 +79,9 @@ def test_concurrent_streams_match_torch(vllm_engine, prompts, reference):
 
     def consume(name):
         segments, method, options = streams[name]
-        results[name] = []
-        events[name] = list(vllm_engine.stream(segments, method, GREEDY_32, results[name], **options))
+        handle = vllm_engine.stream(segments, method, GREEDY_32, **options)
+        events[name] = list(handle)
+        results[name] = [handle.result()]
 
     threads = [threading.Thread(target=consume, args=(name,)) for name in streams]
     for thread in threads:

@@ -4,6 +4,7 @@ Importing this package does not import vLLM; constructing a :class:`VLLMEngine` 
 :class:`~cacheblend_rag.errors.CacheBlendError` naming the ``[vllm]`` extra when it is missing.
 """
 
-from .engine import BatchRequest, VLLMEngine, VLLMGenerationResult, import_vllm
+from ..base import BatchRequest
+from .engine import VLLMEngine, VLLMGenerationResult, import_vllm
 
 __all__ = ["BatchRequest", "VLLMEngine", "VLLMGenerationResult", "import_vllm"]

@@ -31,15 +31,15 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...blend.controller import LoadingController
-from ...blend.methods import MethodSpec, RecomputeMethod, Reuse, resolve_method, reuse_of
-from ...blend.segments import Segment
-from ...errors import CacheBlendError, ContextLengthError, StoreError, UnsupportedModelError
+from ...blend.methods import ResolvedMethod, Reuse, resolve_method, reuse_of
+from ...blend.segments import ChunkKVSource, Segment
+from ...errors import CacheBlendError, StoreError, UnsupportedModelError
 from ...ingest.tokenizer import load_model_tokenizer
 from ...models.loader import SUPPORTED_FAMILIES, pick_device, pick_dtype
 from ...models.provision import resolve_model_path
@@ -47,8 +47,18 @@ from ...models.runtime import ModelShape
 from ...settings import get_settings
 from ...store.keys import dtype_name
 from ...store.kvstore import KVStore
-from ..engine import GenerationResult, TokenEvent
-from ..prompt import ChunkRef, PromptBuilder, layout_segments
+from ..base import (
+    BatchRequest,
+    FusionStats,
+    GenerationResult,
+    Method,
+    PromptSegments,
+    TokenEvent,
+    TokenStream,
+    eos_token_ids,
+    generation_budget,
+)
+from ..prompt import ChunkRef, PromptBuilder, PromptPart, layout_segments
 from ..sampling import SamplingParams
 from .driver import EngineDriver, Submission
 from .protocol import BlendRequest
@@ -89,32 +99,21 @@ class VLLMGenerationResult(GenerationResult):
 
 
 @dataclass
-class BatchRequest:
-    """One request of :meth:`VLLMEngine.generate_batch`."""
-
-    segments: list[Segment]
-    method: str | RecomputeMethod = "cacheblend"
-    sampling: SamplingParams | None = None
-    method_options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
 class _Prepared:
     key: str
     prompt: dict[str, Any]
     params: Any  # vllm.SamplingParams
-    method: RecomputeMethod
+    resolved: ResolvedMethod
+    segments: list[Segment]
     blend: BlendRequest | None
-    prompt_tokens: int
-    chunk_ids: list[str]
-    controller: dict[str, Any] | None = None
     started: float = 0.0
     first_token_at: float | None = None
     output: Any = None  # the last vllm RequestOutput
 
 
-class VLLMEngine:
-    """Serves RAG requests with vLLM, blending cached chunk KV through the CacheBlend KV connector.
+class VLLMEngine(PromptSegments):
+    """Serves RAG requests with vLLM, blending cached chunk KV through the CacheBlend KV connector;
+    implements :class:`~cacheblend_rag.engine.base.EngineProtocol`.
 
     ``model`` and ``store`` mean what they mean for :class:`~cacheblend_rag.engine.Engine`. ``llm_options``
     go to ``vllm.LLM`` as they are (e.g. ``gpu_memory_utilization``, ``max_num_seqs``).
@@ -195,12 +194,16 @@ class VLLMEngine:
         )
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
-        self.eos_ids = _eos_ids(path, self.model.tokenizer)
+        self.eos_ids = eos_token_ids(self.model.tokenizer, _configured_eos(path))
         self.controller = LoadingController.for_fingerprint(self.model.fingerprint, device)
 
     @property
     def fingerprint(self) -> str:
         return self.model.fingerprint
+
+    @property
+    def context_window(self) -> int:
+        return self.max_model_len
 
     def _rpc(self, method: str, *args: Any) -> Any:
         with self._lock:
@@ -228,28 +231,9 @@ class VLLMEngine:
             return 0
         return int(self._rpc("cacheblend_ensure_chunks", [list(token_ids)]))
 
-    # -- building requests ---------------------------------------------------------------------------
-
-    def rag_segments(
-        self, question: str, chunks: Sequence[ChunkRef], method: str | MethodSpec | RecomputeMethod
-    ) -> list[Segment]:
-        """Segments for a RAG prompt. For a method that blends chunks each chunk carries its KV source
-        from the store, precomputed (by the worker) first where missing; the others are served by vLLM
-        itself (its prefill, its prefix cache) and need no KV."""
-        if not question.strip():
-            raise ValueError("the question is empty")
-        reuses = Reuse.CHUNKS if reuse_of(method) is Reuse.CHUNKS else Reuse.NOTHING
-        if reuses is Reuse.CHUNKS:
-            missing = [
-                list(c.token_ids)
-                for c in chunks
-                if c.kv is None and not self.store.contains(self.store.key_for(c.token_ids))
-            ]
-            if missing:
-                self._rpc("cacheblend_ensure_chunks", missing)
-        return layout_segments(self.prompts.rag_parts(question, chunks), reuses, self._stored)
-
-    def _stored(self, token_ids: Sequence[int]):
+    def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
+        """The chunk's KV from the store, precomputed by the worker first when missing."""
+        self.ensure_chunk_kv(token_ids)
         key = self.store.key_for(token_ids)
         found = self.store.get(key)
         if found is None:
@@ -258,15 +242,31 @@ class VLLMEngine:
             )
         return found
 
-    def chat_segments(self, messages: Sequence[dict]) -> list[Segment]:
-        return [Segment.fresh(self.prompts.chat_ids(messages))]
+    # -- building requests ---------------------------------------------------------------------------
+
+    def segments(self, parts: Sequence[PromptPart], method: Method | Reuse) -> list[Segment]:
+        """Segments of a prompt. For a method that blends chunks each chunk carries its KV source from
+        the store, precomputed by the worker (all missing chunks in one call) first; the other methods
+        are served by vLLM itself (its prefill, its prefix cache) and need no KV."""
+        if reuse_of(method) is not Reuse.CHUNKS:
+            return layout_segments(parts, Reuse.NOTHING, self.chunk_kv)
+        missing = [
+            list(p.token_ids)
+            for p in parts
+            if isinstance(p, ChunkRef)
+            and p.kv is None
+            and not self.store.contains(self.store.key_for(p.token_ids))
+        ]
+        if missing:
+            self._rpc("cacheblend_ensure_chunks", missing)
+        return layout_segments(parts, Reuse.CHUNKS, self.chunk_kv)
 
     # -- generation ----------------------------------------------------------------------------------
 
     def _prepare(
         self,
         segments: list[Segment],
-        method: str | MethodSpec | RecomputeMethod,
+        method: Method,
         sampling: SamplingParams | None,
         method_options: dict[str, Any],
     ) -> _Prepared:
@@ -276,14 +276,9 @@ class VLLMEngine:
         resolved = resolve_method(method, segments, self.controller, method_options)
         recompute = resolved.method
         ids = [t for s in segments for t in s.token_ids]
-        if not ids:
-            raise ValueError("the prompt has no tokens")
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise ContextLengthError(
-                f"prompt of {len(ids)} tokens leaves no room to generate within vLLM's max_model_len of "
-                f"{self.max_model_len} tokens"
-            )
+        max_new = generation_budget(
+            len(ids), sampling.max_new_tokens, self.max_model_len, "vLLM's max_model_len"
+        )
         key = uuid.uuid4().hex
         blend = None
         if recompute.reuses is Reuse.CHUNKS and any(s.is_cached for s in segments):
@@ -302,7 +297,7 @@ class VLLMEngine:
             prompt["cache_salt"] = blend.cache_salt(ids)
             extra_args = {"kv_transfer_params": blend.to_params()}
         params = VSamplingParams(
-            max_tokens=min(sampling.max_new_tokens, room),
+            max_tokens=max_new,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             seed=sampling.seed,
@@ -311,8 +306,7 @@ class VLLMEngine:
             skip_special_tokens=True,
             extra_args=extra_args,
         )
-        chunk_ids = [s.chunk_id for s in segments if s.chunk_id]
-        return _Prepared(key, prompt, params, recompute, blend, len(ids), chunk_ids, resolved.controller)
+        return _Prepared(key, prompt, params, resolved, list(segments), blend)
 
     def _drive(self, requests: list[_Prepared]) -> Iterator[_Prepared]:
         """Submit ``requests`` to the driver and yield a request each time it has new output, until all
@@ -350,34 +344,34 @@ class VLLMEngine:
         if completion.finish_reason == "stop" and token_ids and token_ids[-1] in self.eos_ids:
             token_ids.pop()  # like the PyTorch engine, report the answer without its end-of-sequence token
         cached = int(output.num_cached_tokens or 0)
+        prompt_tokens = sum(len(s) for s in request.segments)
         stats = stats or {}
         if "error" in stats:
             # the worker could not blend it and vLLM prefilled it instead: the answer is exact
             log.warning("request %s was prefilled in full: %s", request.key, stats["error"])
-            reused, computed, ratio, claimed = 0, request.prompt_tokens, 1.0, 0
+            fusion, claimed = FusionStats(0, prompt_tokens, 1.0), 0
         elif stats:
-            reused, computed = int(stats["reused_tokens"]), int(stats["computed_tokens"])
-            ratio, claimed = float(stats["recompute_ratio"]), int(stats["claimed_tokens"])
+            fusion = FusionStats(
+                int(stats["reused_tokens"]),
+                int(stats["computed_tokens"]),
+                float(stats["recompute_ratio"]),
+                float(stats.get("load_wait_s", 0.0)),
+            )
+            claimed = int(stats["claimed_tokens"])
         else:
             # nothing was claimed: whatever vLLM's prefix cache served (exact KV, or for a repeated blend
             # request the blocks it blended before) is reused, the rest prefilled
-            reused, computed, ratio, claimed = cached, request.prompt_tokens - cached, 1.0, 0
+            fusion, claimed = FusionStats(cached, prompt_tokens - cached, 1.0), 0
         finished = time.perf_counter()
-        return VLLMGenerationResult(
+        return VLLMGenerationResult.build(
             text=completion.text,
             token_ids=token_ids,
-            method=request.method.name,
             finish_reason=completion.finish_reason,
+            resolved=request.resolved,
+            segments=request.segments,
+            fusion=fusion,
             ttft_s=(request.first_token_at or finished) - request.started,
             total_s=finished - request.started,
-            prompt_tokens=request.prompt_tokens,
-            reused_tokens=reused,
-            computed_tokens=computed,
-            recompute_ratio=ratio,
-            chunk_ids=request.chunk_ids,
-            method_options=request.method.describe(),
-            load_wait_s=float(stats.get("load_wait_s", 0.0)),
-            controller=request.controller,
             claimed_tokens=claimed,
             vllm_cached_tokens=cached,
             fusion_s=float(stats.get("fusion_s", 0.0)),
@@ -392,14 +386,16 @@ class VLLMEngine:
     def stream(
         self,
         segments: list[Segment],
-        method: str | RecomputeMethod = "cacheblend",
+        method: Method = "cacheblend",
         sampling: SamplingParams | None = None,
-        result: list[GenerationResult] | None = None,
-        **method_options,
-    ) -> Iterator[TokenEvent]:
-        """Yield tokens as vLLM generates them; the final :class:`VLLMGenerationResult` is appended to
-        ``result`` when given."""
+        **method_options: Any,
+    ) -> TokenStream[VLLMGenerationResult]:
+        """Iterate the handle for tokens as vLLM generates them, then ``.result()`` for the final
+        :class:`VLLMGenerationResult`. Bad input raises here."""
         request = self._prepare(segments, method, sampling, method_options)
+        return TokenStream(self._stream(request))
+
+    def _stream(self, request: _Prepared) -> Generator[TokenEvent, None, VLLMGenerationResult]:
         emitted = ""
         for _ in self._drive([request]):
             completion = request.output.outputs[0]
@@ -407,15 +403,14 @@ class VLLMEngine:
             if len(completion.text) > len(emitted):
                 yield TokenEvent(completion.token_ids[-1], completion.text[len(emitted) :])
                 emitted = completion.text
-        if result is not None:
-            result.extend(self._collect([request]))
+        return self._collect([request])[0]
 
     def generate(
         self,
         segments: list[Segment],
-        method: str | RecomputeMethod = "cacheblend",
+        method: Method = "cacheblend",
         sampling: SamplingParams | None = None,
-        **method_options,
+        **method_options: Any,
     ) -> VLLMGenerationResult:
         """Blend ``segments`` with ``method`` (through vLLM) and generate an answer."""
         return self.generate_batch([BatchRequest(segments, method, sampling, method_options)])[0]
@@ -429,15 +424,11 @@ class VLLMEngine:
         return self._collect(prepared)
 
 
-def _eos_ids(path: Path, tokenizer) -> set[int]:
-    """End-of-sequence ids: the tokenizer's and the generation config's, as the PyTorch engine uses."""
+def _configured_eos(path: Path) -> int | list[int] | None:
+    """The end-of-sequence id(s) of the model's generation config, if it has one."""
     from transformers import GenerationConfig
 
-    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     try:
-        configured = GenerationConfig.from_pretrained(path).eos_token_id
+        return GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:  # no generation_config.json
-        configured = None
-    if configured is not None:
-        ids.update([configured] if isinstance(configured, int) else configured)
-    return ids
+        return None

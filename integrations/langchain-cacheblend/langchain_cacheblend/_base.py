@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +11,7 @@ from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, Field, field_validator
 
 from cacheblend_rag.blend.methods import MethodSpec
-from cacheblend_rag.engine import GenerationResult, TokenEvent
+from cacheblend_rag.engine import GenerationResult, RequestHandle
 from cacheblend_rag.frontend import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
 from cacheblend_rag.retrieval.chunkdb import StoreManifest
 from cacheblend_rag.settings import get_settings
@@ -106,9 +106,9 @@ class CacheBlendParams(BaseModel):
                 )
         return refs
 
-    def _tokens(self, request: TextRequest, results: list[GenerationResult]) -> Iterator[TokenEvent]:
-        """The answer's tokens as generated; its result is appended to ``results`` at the end."""
-        return self._frontend().stream(request, results, self.recognise_chunks, self.remember_documents)
+    def _tokens(self, request: TextRequest) -> RequestHandle:
+        """The answer's handle: its tokens as generated, then its result."""
+        return self._frontend().stream(request, self.recognise_chunks, self.remember_documents)
 
 
 def usage_metadata(result: GenerationResult) -> UsageMetadata:

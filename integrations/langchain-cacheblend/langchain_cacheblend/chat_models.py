@@ -11,7 +11,6 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Chat
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import Field
 
-from cacheblend_rag.engine import GenerationResult
 from cacheblend_rag.frontend import TextRequest
 
 from ._base import PROVIDER, CacheBlendParams, response_metadata, usage_metadata
@@ -83,11 +82,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        request = self._chat_request(messages, stop, kwargs)
-        results: list[GenerationResult] = []
-        for _ in self._tokens(request, results):
-            pass
-        result = results[0]
+        result = self._tokens(self._chat_request(messages, stop, kwargs)).result()
         meta = response_metadata(result, self._frontend().model_name)
         message = AIMessage(
             content=result.text, usage_metadata=usage_metadata(result), response_metadata=meta
@@ -106,14 +101,13 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        request = self._chat_request(messages, stop, kwargs)
-        results: list[GenerationResult] = []
-        for event in self._tokens(request, results):
+        handle = self._tokens(self._chat_request(messages, stop, kwargs))
+        for event in handle:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=event.text))
             if run_manager is not None:
                 run_manager.on_llm_new_token(event.text, chunk=chunk)
             yield chunk
-        result = results[0]
+        result = handle.result()
         # Usage and metadata once, on the closing chunk, so that adding chunks up counts them once.
         yield ChatGenerationChunk(
             message=AIMessageChunk(

@@ -86,14 +86,13 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        request = self._request(self._render(prompt), stop, kwargs)
-        results: list[GenerationResult] = []
-        for event in self._tokens(request, results):
+        handle = self._tokens(self._request(self._render(prompt), stop, kwargs))
+        for event in handle:
             chunk = GenerationChunk(text=event.text)
             if run_manager is not None:
                 run_manager.on_llm_new_token(event.text, chunk=chunk)
             yield chunk
-        yield GenerationChunk(text="", generation_info=self._info(results[0]))
+        yield GenerationChunk(text="", generation_info=self._info(handle.result()))
 
     def _info(self, result: GenerationResult) -> dict[str, Any]:
         return {

@@ -24,7 +24,7 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.schema import BaseNode, NodeWithScore
 
 from cacheblend_rag.blend.methods import MethodSpec
-from cacheblend_rag.engine import GenerationResult, TokenEvent
+from cacheblend_rag.engine import GenerationResult, RequestHandle
 from cacheblend_rag.frontend import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
 from cacheblend_rag.settings import get_settings
 
@@ -142,23 +142,21 @@ class CacheBlendLLM(CustomLLM):
     def _chat_text(self, messages: Sequence[ChatMessage]) -> str:
         return self.frontend.render_chat([{"role": m.role.value, "content": _text(m)} for m in messages])
 
-    def _tokens(self, request: TextRequest, results: list[GenerationResult]) -> Iterator[TokenEvent]:
-        return self.frontend.stream(request, results, self.recognise_chunks, self.remember_documents)
+    def _tokens(self, request: TextRequest) -> RequestHandle:
+        return self.frontend.stream(request, self.recognise_chunks, self.remember_documents)
 
     def _run(self, request: TextRequest) -> GenerationResult:
-        results: list[GenerationResult] = []
-        for _ in self._tokens(request, results):
-            pass
-        return results[0]
+        return self._tokens(request).result()
 
     def _stream_texts(self, request: TextRequest) -> Iterator[tuple[str, str, GenerationResult | None]]:
         """(text so far, delta, None) per token, then (full text, "", result) once at the end."""
-        results: list[GenerationResult] = []
+        handle = self._tokens(request)
         text = ""
-        for event in self._tokens(request, results):
+        for event in handle:
             text += event.text
             yield text, event.text, None
-        yield results[0].text, "", results[0]
+        result = handle.result()
+        yield result.text, "", result
 
     # -- completion ----------------------------------------------------------------------------------
 

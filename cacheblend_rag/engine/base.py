@@ -1,0 +1,280 @@
+"""The engine contract: what every engine (the PyTorch :class:`~cacheblend_rag.engine.Engine`, the vLLM
+:class:`~cacheblend_rag.engine.vllm.VLLMEngine`) offers the layers above it, and the types they share.
+
+Roles of an engine (:class:`EngineProtocol`), as vLLM's ``kv_connector/v1/base.py`` documents a
+connector's:
+
+- **identity**: ``model`` (name, fingerprint, tokenizer), ``context_window``, ``store`` (the chunk KV
+  store it reads and writes) and ``controller`` (the loading controller that picks a method's ratio when
+  the caller gives none);
+- **prompt building**: ``prompts`` (the chat template), ``rag_segments`` / ``chat_segments`` /
+  ``segments``, which lay a prompt out as :class:`~cacheblend_rag.blend.Segment` objects with the KV the
+  method reuses attached;
+- **chunk KV**: ``chunk_kv`` (from the store, computed and stored on a miss), ``ensure_chunk_kv``
+  (precompute for ingest);
+- **generation**: ``generate`` (one answer), ``stream`` (a :class:`StreamHandle`: iterate it for
+  :class:`TokenEvent` objects, then ``.result()``), ``generate_batch`` (several requests served together);
+  every answer is a :class:`GenerationResult` built by :meth:`GenerationResult.build`;
+- **lifecycle**: ``close``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Generator, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
+
+from ..blend.controller import LoadingController
+from ..blend.fusor import FusionResult
+from ..blend.methods import MethodSpec, RecomputeMethod, ResolvedMethod, Reuse
+from ..blend.segments import ChunkKVSource, Segment
+from ..errors import ContextLengthError, FusionInputError
+from ..store.kvstore import KVStore
+from .prompt import ChunkRef, PromptBuilder, PromptPart
+from .sampling import SamplingParams
+
+Method = str | MethodSpec | RecomputeMethod
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token while streaming: its id and the text it adds."""
+
+    token_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class FusionStats:
+    """What fusing a prompt cost, as results report it."""
+
+    reused_tokens: int
+    computed_tokens: int
+    recompute_ratio: float
+    load_wait_s: float = 0.0
+
+    @classmethod
+    def of(cls, fusion: FusionResult) -> FusionStats:
+        return cls(fusion.reused_tokens, fusion.computed_tokens, fusion.recompute_ratio, fusion.load_wait_s)
+
+
+@dataclass
+class GenerationResult:
+    """One answer and what producing it cost."""
+
+    text: str
+    token_ids: list[int]
+    method: str
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    ttft_s: float
+    total_s: float
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    recompute_ratio: float
+    chunk_ids: list[str] = field(default_factory=list)
+    method_options: dict = field(default_factory=dict)
+    load_wait_s: float = 0.0
+    controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        text: str,
+        token_ids: Sequence[int],
+        finish_reason: str,
+        resolved: ResolvedMethod,
+        segments: Sequence[Segment],
+        fusion: FusionStats,
+        ttft_s: float,
+        total_s: float,
+        **extra: Any,
+    ) -> Self:
+        """The result of answering ``segments`` with ``resolved``; ``extra`` fills a subclass's fields."""
+        return cls(
+            text=text,
+            token_ids=list(token_ids),
+            method=resolved.method.name,
+            finish_reason=finish_reason,
+            ttft_s=ttft_s,
+            total_s=total_s,
+            prompt_tokens=sum(len(s) for s in segments),
+            reused_tokens=fusion.reused_tokens,
+            computed_tokens=fusion.computed_tokens,
+            recompute_ratio=fusion.recompute_ratio,
+            chunk_ids=[s.chunk_id for s in segments if s.chunk_id],
+            method_options=resolved.method.describe(),
+            load_wait_s=fusion.load_wait_s,
+            controller=resolved.controller,
+            **extra,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class BatchRequest:
+    """One request of ``generate_batch``: what ``generate`` takes."""
+
+    segments: list[Segment]
+    method: Method = "cacheblend"
+    sampling: SamplingParams | None = None
+    method_options: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class StreamHandle(Protocol[R]):
+    """A request being answered: iterate it for its tokens (once), then :meth:`result` gives the final
+    result (waiting for it, or generating what was not iterated yet)."""
+
+    def __iter__(self) -> Iterator[TokenEvent]: ...
+
+    def result(self) -> R: ...
+
+
+class TokenStream(Generic[R]):
+    """A :class:`StreamHandle` over a generator that yields :class:`TokenEvent` objects and returns the
+    result. Nothing runs until it is iterated (or :meth:`result` is called)."""
+
+    def __init__(self, events: Generator[TokenEvent, None, R]) -> None:
+        self._events = events
+        self._finished = False
+        self._result: R | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        if self._finished:
+            raise StopIteration
+        try:
+            return next(self._events)
+        except StopIteration as stop:
+            self._finished, self._result = True, stop.value
+            raise StopIteration from None
+
+    def result(self) -> R:
+        for _ in self:
+            pass
+        return self._result  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop generating (the request's result is then never produced)."""
+        self._events.close()
+
+
+class PromptSegments:
+    """Prompt building shared by the engines: RAG and chat prompts as segments, given the engine's
+    :meth:`segments` (which attaches the KV a method reuses)."""
+
+    prompts: PromptBuilder
+
+    def segments(self, parts: Sequence[PromptPart], method: Method | Reuse) -> list[Segment]:
+        raise NotImplementedError
+
+    def rag_segments(
+        self, question: str, chunks: Sequence[ChunkRef], method: Method | Reuse
+    ) -> list[Segment]:
+        """A RAG prompt (the chat template around the chunks and the question) as segments."""
+        if not question.strip():
+            raise ValueError("the question is empty")
+        return self.segments(self.prompts.rag_parts(question, chunks), method)
+
+    def chat_segments(self, messages: Sequence[dict]) -> list[Segment]:
+        """A chat ({role, content} messages) as one fresh segment, generation prompt added."""
+        return [Segment.fresh(self.prompts.chat_ids(messages))]
+
+
+class ModelIdentity(Protocol):
+    """What an engine tells about its model without exposing its weights."""
+
+    name: str
+    fingerprint: str
+    tokenizer: Any
+
+
+@runtime_checkable
+class EngineProtocol(Protocol):
+    """The engine contract (see the module docstring for the roles)."""
+
+    model: ModelIdentity
+    store: KVStore
+    prompts: PromptBuilder
+    controller: LoadingController
+    eos_ids: set[int]
+
+    @property
+    def context_window(self) -> int: ...
+
+    def rag_segments(
+        self, question: str, chunks: Sequence[ChunkRef], method: Method | Reuse
+    ) -> list[Segment]:
+        """A RAG prompt (the chat template around the chunks and the question) as segments."""
+        ...
+
+    def chat_segments(self, messages: Sequence[dict]) -> list[Segment]:
+        """A chat ({role, content} messages) as one fresh segment, generation prompt added."""
+        ...
+
+    def segments(self, parts: Sequence[PromptPart], method: Method | Reuse) -> list[Segment]:
+        """A prompt laid out as fresh token runs and chunks, with the KV ``method`` reuses."""
+        ...
+
+    def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
+        """A chunk's KV from the store, computed and stored on a miss."""
+        ...
+
+    def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
+        """Compute and store a chunk's KV unless present; the bytes written."""
+        ...
+
+    def generate(
+        self,
+        segments: list[Segment],
+        method: Method = ...,
+        sampling: SamplingParams | None = ...,
+        **options: Any,
+    ) -> GenerationResult:
+        """Answer ``segments`` with ``method`` (``options`` are the method's; a ratio left out is chosen by
+        the controller)."""
+        ...
+
+    def stream(
+        self,
+        segments: list[Segment],
+        method: Method = ...,
+        sampling: SamplingParams | None = ...,
+        **options: Any,
+    ) -> StreamHandle[GenerationResult]:
+        """Like :meth:`generate`, handing tokens out as they are generated."""
+        ...
+
+    def generate_batch(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
+        """Serve ``requests`` together; results in order."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def generation_budget(prompt_tokens: int, max_new_tokens: int, context: int, where: str) -> int:
+    """How many tokens a prompt of ``prompt_tokens`` may generate within ``context`` tokens (``where``
+    names that limit in the error raised when the prompt leaves no room)."""
+    if prompt_tokens == 0:
+        raise FusionInputError("nothing to generate from: the prompt has no tokens")
+    room = context - prompt_tokens
+    if room < 1:
+        raise ContextLengthError(
+            f"prompt of {prompt_tokens} tokens leaves no room to generate within {where} of {context} tokens"
+        )
+    return min(max_new_tokens, room)
+
+
+def eos_token_ids(tokenizer: Any, configured: int | Collection[int] | None) -> set[int]:
+    """End-of-sequence ids: the tokenizer's and those of the model's generation config."""
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    return ids
