@@ -25,7 +25,7 @@ from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.ingest.pipeline import ingest
 from cacheblend_rag.rag import CacheBlendRAG
 from cacheblend_rag.retrieval.chunkdb import StoreManifest
-from cacheblend_rag.store import kvstore
+from cacheblend_rag.store import disk
 
 
 def _stall(sync: Path) -> None:
@@ -34,7 +34,7 @@ def _stall(sync: Path) -> None:
 
 
 def _stall_mid_write(sync: Path, nth: int) -> None:
-    real_write = kvstore._write_all
+    real_write = disk._write_all
     writes = 0
 
     def write(fd: int, data: bytes) -> None:
@@ -47,12 +47,12 @@ def _stall_mid_write(sync: Path, nth: int) -> None:
         os.fsync(fd)
         _stall(sync)
 
-    kvstore._write_all = write
+    disk._write_all = write
 
 
 def _stall_before_index(sync: Path) -> None:
     # _fsync_dir runs right after the temp file is renamed into place and before the index row is written
-    kvstore._fsync_dir = lambda directory: _stall(sync)
+    disk._fsync_dir = lambda directory: _stall(sync)
 
 
 def _wait_for_go(sync: Path) -> None:

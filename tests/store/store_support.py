@@ -18,7 +18,7 @@ import torch
 
 from cacheblend_rag.blend.segments import ChunkKV
 from cacheblend_rag.models.runtime import ModelShape
-from cacheblend_rag.store import kvstore
+from cacheblend_rag.store import disk
 from cacheblend_rag.store.kvstore import KVStore
 
 FINGERPRINT = "a" * 64
@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
             (sync / "halfway").touch()
             time.sleep(600)
 
-        kvstore._write_all = stalling_write
+        disk._write_all = stalling_write
         store.put(store.key_for(range(n)), big_chunk(n, seed=0))
     else:
         raise SystemExit(f"unknown command {command!r}")

@@ -30,7 +30,7 @@ from store_support import (
 
 from cacheblend_rag.blend.segments import ChunkKVSource
 from cacheblend_rag.errors import CorruptKVError, StoreError
-from cacheblend_rag.store import kvstore
+from cacheblend_rag.store import disk, fileformat
 from cacheblend_rag.store.bench import prefill_chunk_kv
 from cacheblend_rag.store.kvstore import DiskChunkKV, KVStore, tier_of
 
@@ -196,7 +196,7 @@ def assert_recovers(store, key, kv) -> None:
     """The bad entry is gone; storing the recomputed chunk serves the clean KV again."""
     assert not store.path_for(key).exists()
     assert store.get(key) is None
-    assert store._sql("SELECT count(*) FROM chunks WHERE key = ?", (key,))[0][0] == 0
+    assert store.index.sql("SELECT count(*) FROM chunks WHERE key = ?", (key,))[0][0] == 0
     store.put(key, kv)
     store.evict_ram()
     assert_same_kv(store.get(key), kv)
@@ -278,7 +278,7 @@ def test_file_with_foreign_metadata_is_never_used(tmp_path, shape, make_kv, capl
     if field == "kv_dtype":
         tensors = {name: t.to(torch.bfloat16) for name, t in tensors.items()}
     fields = {k: v for k, v in meta.items() if k != "meta_crc32"}
-    meta["meta_crc32"] = kvstore._metadata_crc(fields)
+    meta["meta_crc32"] = fileformat.metadata_crc(fields)
     save_file(tensors, str(path), metadata=meta)
     with caplog.at_level(logging.WARNING):
         assert store.get(key) is None
@@ -318,7 +318,7 @@ def test_verify_reports_and_repairs(tmp_path, shape, make_kv):
         store.put(key, make_kv(seed=i))
     start, _ = tensor_span(store.path_for(bad), "layers.3.keys")
     flip_byte(store.path_for(bad), start)
-    store._sql("DELETE FROM chunks WHERE key = ?", (orphan,))  # its writer died before indexing it
+    store.index.sql("DELETE FROM chunks WHERE key = ?", (orphan,))  # its writer died before indexing it
     store.path_for(gone).unlink()
 
     report = store.verify()
@@ -340,10 +340,10 @@ def test_gc_reconciles_index_and_files(tmp_path, shape, make_kv):
     keys = [store.key_for([i]) for i in range(3)]
     for key in keys:
         store.put(key, make_kv())
-    store._sql("DELETE FROM chunks WHERE key = ?", (keys[0],))
+    store.index.sql("DELETE FROM chunks WHERE key = ?", (keys[0],))
     store.path_for(keys[1]).unlink()
     garbage(store.path_for(keys[2]))
-    store._sql("DELETE FROM chunks WHERE key = ?", (keys[2],))
+    store.index.sql("DELETE FROM chunks WHERE key = ?", (keys[2],))
     report = store.gc()
     assert report["files_indexed"] == 1 and report["rows_dropped"] == 1 and report["files_removed"] == 1
     assert store.verify().clean
@@ -405,7 +405,7 @@ def test_two_concurrent_writers_of_one_chunk_leave_one_valid_file(tmp_path):
     files = [f for f in (root / "chunks").rglob("*") if f.is_file()]
     assert files == [store.path_for(key)]  # no temp file left behind
     assert store.verify().clean
-    assert store._sql("SELECT count(*) FROM chunks")[0][0] == 1
+    assert store.index.sql("SELECT count(*) FROM chunks")[0][0] == 1
     assert_same_kv(store.get(key), big_chunk(512, seed=0))
 
 
@@ -456,7 +456,7 @@ def test_injected_disk_full_is_a_clear_error_and_changes_nothing(tmp_path, shape
         os.write(fd, data[:100])
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(kvstore, "_write_all", full_disk)
+    monkeypatch.setattr(disk, "_write_all", full_disk)
     new = store.key_for([2])
     with pytest.raises(StoreError, match="disk full"):
         store.put(new, make_kv(seed=2))
