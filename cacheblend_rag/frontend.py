@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .blend.methods import MethodSpec
 from .blend.segments import Segment
+from .corpus.corpus import Corpus
 from .engine import (
     BatchRequest,
     BatchScheduler,
@@ -39,10 +40,9 @@ from .engine import (
     SamplingParams,
 )
 from .errors import ChunkNotFoundError, InvalidChunkIdError
-from .ingest.chunker import Chunker, validate_chunk_id
 from .rag import CacheBlendRAG
-from .retrieval.corpus import Corpus
 from .settings import get_settings
+from .text.chunker import Chunker, validate_chunk_id
 
 log = logging.getLogger(__name__)
 

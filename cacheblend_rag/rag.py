@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .blend.methods import MethodSpec
+from .corpus.corpus import Corpus, RetrievedChunk
 from .engine import (
     BatchRequest,
     ChunkRef,
@@ -19,7 +20,6 @@ from .engine import (
     create_engine,
 )
 from .errors import StoreError
-from .retrieval.corpus import Corpus, RetrievedChunk
 from .settings import get_settings
 
 

@@ -31,7 +31,7 @@ EXAMPLES_DATA_DIR = Path(__file__).parent.parent / "examples" / "data"
 @pytest.fixture(scope="session")
 def model_tokenizer():
     """The default model's tokenizer and fingerprint, without its weights."""
-    from cacheblend_rag.ingest.tokenizer import load_model_tokenizer
+    from cacheblend_rag.models.tokenizer import load_model_tokenizer
 
     return load_model_tokenizer()
 
@@ -39,7 +39,7 @@ def model_tokenizer():
 @pytest.fixture(scope="session")
 def embedder():
     """The default sentence embedder (all-MiniLM-L6-v2), shared by the process."""
-    from cacheblend_rag.retrieval.embedder import get_embedder
+    from cacheblend_rag.corpus.embedder import get_embedder
 
     return get_embedder()
 

@@ -363,8 +363,8 @@ class RagPrompt:
 
 def rag_prompts(engine: Engine, config: BenchConfig, count: int) -> list[RagPrompt]:
     """``count`` MuSiQue questions with their top-k chunks (retrieved as in ``eval``), KV stored."""
-    from ..ingest.chunker import Chunker
-    from ..retrieval.embedder import get_embedder
+    from ..corpus.embedder import get_embedder
+    from ..text.chunker import Chunker
 
     dataset = load_dataset(config.data)
     chunker, embedder = Chunker(engine.model.tokenizer, config.chunk_tokens), get_embedder()

@@ -32,12 +32,12 @@ import torch
 
 from ..blend.fusor import FusionResult
 from ..blend.methods import MethodSpec, Reuse, parse_method
+from ..corpus.embedder import Embedder
 from ..engine import ChunkRef, Engine, PromptBuilder, SamplingParams
 from ..errors import EvalDataError
-from ..ingest.chunker import Chunker
 from ..models.runtime import LayerwiseModel
-from ..retrieval.embedder import Embedder
 from ..settings import get_settings
+from ..text.chunker import Chunker
 from .datasets import Dataset, EvalCase, load_dataset, select_cases
 from .metrics import continuation_nll, kl_divergence, qa_f1, rouge_l
 
@@ -184,8 +184,8 @@ class EvalRun:
 
 
 def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRun:
+    from ..corpus.embedder import get_embedder
     from ..models.loader import load_model
-    from ..retrieval.embedder import get_embedder
 
     dataset = load_dataset(config.data)
     task = dataset.task if config.task == "auto" else config.task

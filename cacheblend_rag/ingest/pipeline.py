@@ -24,22 +24,21 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from filelock import FileLock, Timeout
 
+from ..corpus.chunkdb import StoreManifest
+from ..corpus.corpus import Corpus, check_compatible, check_new_store_dir
+from ..corpus.embedder import get_embedder
+from ..corpus.index import check_index_type
+from ..engine import create_engine
 from ..errors import StoreError
-from ..retrieval.chunkdb import StoreManifest
-from ..retrieval.corpus import Corpus, check_compatible, check_new_store_dir
-from ..retrieval.embedder import get_embedder
-from ..retrieval.index import check_index_type
+from ..models.tokenizer import load_model_tokenizer
 from ..settings import get_settings
-from .chunker import Chunk, Chunker
-from .readers import Document, discover, read_bytes, read_file
-from .tokenizer import load_model_tokenizer
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from ..store.kvstore import KVStore
+from ..text import Chunk, Chunker, Document
+from .readers import discover, read_bytes, read_file
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +46,22 @@ STAGES = ("read", "embed", "index", "kv")
 ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total)
 _LOCK_NAME = ".ingest.lock"
 _LOCK_TIMEOUT_S = 30.0
+
+
+class ModelIdentity(Protocol):
+    fingerprint: str
+
+
+class ChunkKVWriter(Protocol):
+    """What the KV stage needs from an engine: the model it computes KV for, its KV store, and a way
+    to precompute one chunk's KV into that store. Both engines are KV writers."""
+
+    model: ModelIdentity
+    store: KVStore
+
+    def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
+        """Compute and store the chunk's KV unless present; the bytes written."""
+        ...
 
 
 @dataclass
@@ -100,15 +115,16 @@ def ingest(
     index_type: str | None = None,
     embedder: str | None = None,
     precompute_kv: bool = True,
-    engine: Engine | None = None,
+    engine: ChunkKVWriter | None = None,
 ) -> IngestSummary:
     """Ingest ``paths`` (files or folders) into ``store_dir``; see the module docstring.
 
     ``model``: model name or local folder (default: the settings' model). ``chunk_tokens``,
     ``index_type``, ``embedder``: for a new store (default from settings); an existing store keeps its
     chunk size and embedder (passing others is refused) and adopts a new index type. ``engine``: an
-    already loaded :class:`~cacheblend_rag.engine.Engine` for the KV stage (by default one is loaded on
-    ``store_dir/kv``); with ``precompute_kv=False`` chunk KV is left for the engine to compute on first use.
+    already loaded engine for the KV stage (any :class:`ChunkKVWriter`; by default the PyTorch engine is
+    loaded on ``store_dir/kv``); with ``precompute_kv=False`` chunk KV is left for the engine to compute
+    on first use.
     """
     started = time.perf_counter()
     store_dir = Path(store_dir).expanduser()
@@ -261,7 +277,7 @@ def _index_stage(
 def _kv_stage(
     corpus: Corpus,
     model_path: Path,
-    engine: Engine | None,
+    engine: ChunkKVWriter | None,
     removed_kv: Sequence[str],
     summary: IngestSummary,
     notify: ProgressCallback,
@@ -269,12 +285,10 @@ def _kv_stage(
     t0 = time.perf_counter()
     todo = corpus.db.pending_kv()
     notify("kv", 0, len(todo))
-    owned: Engine | None = None
+    owned = None
     if todo and engine is None:
-        from ..engine import Engine
-
         loading = time.perf_counter()
-        engine = owned = Engine(model=model_path, store=corpus.kv_dir)
+        engine = owned = create_engine("torch", model=model_path, store=corpus.kv_dir)
         loaded = time.perf_counter() - loading
         summary.stage_seconds["load"] += loaded
         t0 += loaded
@@ -289,14 +303,12 @@ def _kv_stage(
             _drop_kv(corpus, engine, removed_kv)
     finally:
         if owned is not None:
-            owned.store.close()
+            owned.close()
     summary.stage_seconds["kv"] = time.perf_counter() - t0
 
 
-def _drop_kv(corpus: Corpus, engine: Engine | None, keys: Sequence[str]) -> None:
+def _drop_kv(corpus: Corpus, engine: ChunkKVWriter | None, keys: Sequence[str]) -> None:
     """Delete the KV of chunks the corpus no longer holds (their keys hash token ids no chunk has now)."""
-    from ..store.kvstore import KVStore
-
     if engine is not None:
         store = engine.store
     elif corpus.kv_dir.is_dir():

@@ -10,12 +10,11 @@ import json
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any
 
 from ..errors import IngestError
+from ..text.document import Document
 
 log = logging.getLogger(__name__)
 
@@ -24,17 +23,6 @@ HTML_SUFFIXES = (".html", ".htm")
 SUPPORTED_SUFFIXES = (*TEXT_SUFFIXES, *HTML_SUFFIXES, ".pdf", ".jsonl")
 _BINARY_SNIFF_BYTES = 8192
 _MD_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
-
-
-@dataclass(frozen=True)
-class Document:
-    """One document to chunk: its text plus where it came from."""
-
-    text: str
-    source: str  # the file it was read from
-    key: str  # unique within the corpus: the file path, or "path#id" for a .jsonl record
-    title: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 def discover(paths: Iterable[str | Path]) -> list[Path]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cacheblend_rag.cli import app
-from cacheblend_rag.retrieval.corpus import Corpus
+from cacheblend_rag.corpus.corpus import Corpus
 
 SAMPLE_FILE = Path(__file__).parents[2] / "examples" / "data" / "corpus" / "musique_case013.txt"
 

@@ -6,10 +6,10 @@ import sqlite3
 
 import pytest
 
+from cacheblend_rag.corpus.chunkdb import DB_NAME
+from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.engine import Engine
 from cacheblend_rag.ingest.pipeline import ingest
-from cacheblend_rag.retrieval.chunkdb import DB_NAME
-from cacheblend_rag.retrieval.corpus import Corpus
 
 TEXT = (
     "Gotthold Ephraim Lessing wrote Emilia Galotti, a play in five acts first performed in 1772.\n\n"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from cacheblend_rag.corpus.chunkdb import DB_NAME, INDEX_NAME, MANIFEST_NAME
+from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.errors import ChunkNotFoundError, IngestError, StoreError
 from cacheblend_rag.ingest.pipeline import ingest
-from cacheblend_rag.retrieval.chunkdb import DB_NAME, INDEX_NAME, MANIFEST_NAME
-from cacheblend_rag.retrieval.corpus import Corpus
 
 LESSING = (
     "Emilia Galotti is a play in five acts by Gotthold Ephraim Lessing, first performed in 1772 in "

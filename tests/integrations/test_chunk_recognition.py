@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.frontend import ANCHOR_CHARS, ChunkTextIndex, chunk_forms, get_corpus
-from cacheblend_rag.retrieval.corpus import Corpus
 
 
 @pytest.fixture(scope="module")

@@ -21,10 +21,10 @@ import os
 import time
 from pathlib import Path
 
+from cacheblend_rag.corpus.chunkdb import StoreManifest
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.ingest.pipeline import ingest
 from cacheblend_rag.rag import CacheBlendRAG
-from cacheblend_rag.retrieval.chunkdb import StoreManifest
 from cacheblend_rag.store import disk
 
 

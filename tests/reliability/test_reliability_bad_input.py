@@ -1,7 +1,7 @@
 """Bad input, property-based: the prompt splicer and the text-recognition frontend for any text, store keys
 for any key or token list, chunk ids and metadata from users, and malformed .jsonl / PDF files ingested
 into a real store. Each input either works exactly or fails with a clear error, and nothing stored
-changes. (The chunker's own properties are in tests/ingest/test_ingest_chunker.py.)"""
+changes. (The chunker's own properties are in tests/text/test_text_chunker.py.)"""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from hypothesis import strategies as st
 from pypdf import PdfWriter
 from reliability_support import CHUNK_TOKENS
 
+from cacheblend_rag.corpus.chunkdb import DB_NAME
+from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
 from cacheblend_rag.errors import IngestError, InvalidChunkIdError
 from cacheblend_rag.frontend import ANCHOR_CHARS, PromptFrontend
 from cacheblend_rag.ingest.pipeline import ingest
 from cacheblend_rag.models.runtime import ModelShape
-from cacheblend_rag.retrieval.chunkdb import DB_NAME
-from cacheblend_rag.retrieval.corpus import Corpus
 from cacheblend_rag.store.keys import chunk_key
 from cacheblend_rag.store.kvstore import KVStore
 

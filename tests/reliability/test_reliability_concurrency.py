@@ -20,7 +20,7 @@ from reliability_support import (
     wait_for,
 )
 
-from cacheblend_rag.retrieval.chunkdb import DB_NAME
+from cacheblend_rag.corpus.chunkdb import DB_NAME
 from cacheblend_rag.store.kvstore import KVStore
 
 THREADS = 4

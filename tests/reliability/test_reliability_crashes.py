@@ -18,9 +18,9 @@ from reliability_support import (
     temp_files,
 )
 
+from cacheblend_rag.corpus.chunkdb import DB_NAME
 from cacheblend_rag.engine import Engine
 from cacheblend_rag.ingest.pipeline import ingest
-from cacheblend_rag.retrieval.chunkdb import DB_NAME
 from cacheblend_rag.store.kvstore import KVStore
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import faiss
 from reliability_support import answer
 
-from cacheblend_rag.retrieval.chunkdb import INDEX_NAME
+from cacheblend_rag.corpus.chunkdb import INDEX_NAME
 from cacheblend_rag.store.kvstore import KVStore
 
 ROOT = Path(__file__).parents[2]

@@ -28,9 +28,9 @@ from reliability_support import (
 )
 
 from cacheblend_rag.blend.segments import ChunkKV
+from cacheblend_rag.corpus.chunkdb import DB_NAME
 from cacheblend_rag.errors import StoreError
 from cacheblend_rag.ingest.pipeline import ingest
-from cacheblend_rag.retrieval.chunkdb import DB_NAME
 from cacheblend_rag.store.kvstore import INDEX_NAME, KVStore
 
 OTHER_FINGERPRINT = "0" * 64  # no real model hashes to this

@@ -40,10 +40,10 @@ from ...blend.controller import LoadingController
 from ...blend.methods import ResolvedMethod, Reuse, resolve_method, reuse_of
 from ...blend.segments import ChunkKVSource, Segment
 from ...errors import CacheBlendError, StoreError, UnsupportedModelError
-from ...ingest.tokenizer import load_model_tokenizer
 from ...models.loader import SUPPORTED_FAMILIES, pick_device, pick_dtype
 from ...models.provision import resolve_model_path
 from ...models.runtime import ModelShape
+from ...models.tokenizer import load_model_tokenizer
 from ...settings import get_settings
 from ...store.keys import dtype_name
 from ...store.kvstore import KVStore

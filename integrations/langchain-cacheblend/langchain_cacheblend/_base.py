@@ -11,9 +11,9 @@ from langchain_core.messages.ai import UsageMetadata
 from pydantic import BaseModel, Field, field_validator
 
 from cacheblend_rag.blend.methods import MethodSpec
+from cacheblend_rag.corpus.chunkdb import StoreManifest
 from cacheblend_rag.engine import GenerationResult, RequestHandle
 from cacheblend_rag.frontend import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
-from cacheblend_rag.retrieval.chunkdb import StoreManifest
 from cacheblend_rag.settings import get_settings
 
 PROVIDER = "cacheblend"

@@ -9,8 +9,8 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import Field
 
+from cacheblend_rag.corpus.corpus import RetrievedChunk
 from cacheblend_rag.frontend import get_corpus
-from cacheblend_rag.retrieval.corpus import RetrievedChunk
 from cacheblend_rag.settings import get_settings
 
 

@@ -9,8 +9,8 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
+from cacheblend_rag.corpus.corpus import RetrievedChunk
 from cacheblend_rag.frontend import get_corpus
-from cacheblend_rag.retrieval.corpus import RetrievedChunk
 from cacheblend_rag.settings import get_settings
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cacheblend_rag.errors import IngestError, InvalidChunkIdError
-from cacheblend_rag.ingest.chunker import Chunker, chunk_id_for, validate_chunk_id
+from cacheblend_rag.text.chunker import Chunker, chunk_id_for, validate_chunk_id
 
 SAMPLE_FILE = Path(__file__).parents[2] / "examples" / "data" / "corpus" / "musique_case005.md"
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from cacheblend_rag.corpus.chunkdb import DB_NAME
+from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.errors import ChunkNotFoundError, InvalidChunkIdError, InvalidQueryError, StoreError
-from cacheblend_rag.ingest.chunker import Chunker
 from cacheblend_rag.ingest.readers import read_file
-from cacheblend_rag.retrieval.chunkdb import DB_NAME
-from cacheblend_rag.retrieval.corpus import Corpus
+from cacheblend_rag.text.chunker import Chunker
 
 CORPUS_DIR = Path(__file__).parents[2] / "examples" / "data" / "corpus"
 

@@ -1,4 +1,5 @@
-"""The model identity ingest needs without loading weights: its tokenizer, name and fingerprint."""
+"""A model's identity without its weights: its tokenizer, name and fingerprint (what ingest, the corpus and
+the vLLM engine's main process need)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelNotFoundError
-from ..models.loader import model_fingerprint
-from ..models.provision import resolve_model_path
+from .loader import model_fingerprint
+from .provision import resolve_model_path
 
 
 @dataclass(frozen=True)

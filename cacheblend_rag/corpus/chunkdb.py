@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import StoreError
-from ..ingest.chunker import Chunk, pack_token_ids, unpack_token_ids
-from ..ingest.readers import Document
+from ..text.chunker import Chunk, pack_token_ids, unpack_token_ids
+from ..text.document import Document
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cacheblend_rag.corpus.embedder import Embedder, get_embedder, resolve_embedder_path
 from cacheblend_rag.errors import ModelNotFoundError
-from cacheblend_rag.retrieval.embedder import Embedder, get_embedder, resolve_embedder_path
 
 
 def test_unit_vectors_of_the_default_model(embedder):

@@ -21,11 +21,11 @@ import numpy as np
 from filelock import FileLock
 
 from ..errors import ChunkNotFoundError, InvalidQueryError, StoreError
-from ..ingest.chunker import Chunk, Chunker, validate_chunk_id
-from ..ingest.readers import Document
-from ..ingest.tokenizer import ModelTokenizer, load_model_tokenizer
+from ..models.tokenizer import ModelTokenizer, load_model_tokenizer
 from ..settings import get_settings
 from ..store.keys import chunk_key
+from ..text.chunker import Chunk, Chunker, validate_chunk_id
+from ..text.document import Document
 from . import index as vector_index
 from .chunkdb import DB_NAME, INDEX_NAME, ChunkDB, ChunkRow, FileChanges, StoreManifest
 from .embedder import Embedder, get_embedder

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cacheblend_rag.corpus import index as vector_index
 from cacheblend_rag.errors import StoreError
-from cacheblend_rag.retrieval import index as vector_index
 
 
 def unit_vectors(n: int, dim: int = 32, seed: int = 0) -> np.ndarray:

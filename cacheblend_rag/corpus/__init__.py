@@ -1,4 +1,4 @@
-"""Retrieval over a store directory: embeddings, the FAISS index and the chunk database."""
+"""The corpus: its chunk database, embeddings and FAISS index, opened for retrieval (:class:`Corpus`)."""
 
 from .corpus import Corpus, CorpusStats, RetrievedChunk
 from .embedder import Embedder, get_embedder
