@@ -51,7 +51,7 @@ def profile_path(model_fingerprint: str, device: torch.device | str, home: Path 
 
 @dataclass
 class Profile:
-    """Measured costs of one model on one device (see :func:`cacheblend_rag.store.bench.profile_device`)."""
+    """Measured costs of one model on one device (see :func:`cacheblend_rag.store.profile.profile_device`)."""
 
     model_fingerprint: str
     model: str

@@ -8,6 +8,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..models.runtime import LayerwiseModel
+
 
 @runtime_checkable
 class ChunkKVSource(Protocol):
@@ -74,6 +76,17 @@ class Segment:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+
+def prefill_chunk_kv(model: LayerwiseModel, token_ids: Sequence[int]) -> ChunkKV:
+    """A chunk's KV as it is stored and reused: the chunk prefilled alone at positions 0..n-1, no BOS."""
+    n = len(token_ids)
+    _, cache = model.prefill(list(token_ids))
+    return ChunkKV(
+        [k[0, :, :n].clone() for k in cache.keys],
+        [v[0, :, :n].clone() for v in cache.values],
+        model.fingerprint,
+    )
 
 
 class LayerKVProvider(Protocol):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 from typing import Annotated
@@ -14,8 +13,6 @@ from ..errors import CacheBlendError
 from .eval import parse_list, settings_prefix
 
 err_console = Console(stderr=True)
-RESULTS_NAME = "bench.json"
-PLOT_NAMES = {"ttft": "ttft_vs_chunks.png", "deviation": "attention_deviation_vs_ratio.png"}
 
 
 def bench_command(
@@ -37,7 +34,11 @@ def bench_command(
     ] = None,
     only: Annotated[
         str | None,
-        typer.Option("--only", help="Comma-separated sections; the others are kept from OUT's results."),
+        typer.Option(
+            "--only",
+            help="Comma-separated sections (ttft, prefill, store, deviation, ingest, throughput; vllm, which "
+            "needs the [vllm] extra, runs only when named); the others are kept from OUT's results.",
+        ),
     ] = None,
     repeats: Annotated[
         int | None, typer.Option(min=1, help="Runs per timing (median kept; default 3).")
@@ -52,9 +53,10 @@ def bench_command(
     ] = None,
 ) -> None:
     """Benchmark our engine against full prefill, transformers and the other PIC methods in one run."""
-    from ..eval.bench import SECTIONS, BenchConfig, run_bench
-    from ..eval.harness import write_json_atomic
-    from ..eval.report import plot_deviation, plot_ttft_sweeps, render_bench, update_markdown
+    from ..eval.bench import RESULTS_NAME, SECTIONS, BenchConfig, load_previous, render_bench, run_bench
+    from ..eval.bench.plots import PLOT_NAMES, plot_deviation, plot_ttft_sweeps
+    from ..eval.bench.results import save_results
+    from ..eval.markdown import update_markdown
 
     out = out or Path("bench-tmp" if quick else "docs")
     markdown = markdown or (out / "BENCHMARKS.md" if quick else Path("BENCHMARKS.md"))
@@ -80,7 +82,7 @@ def bench_command(
     )
     try:
         config = BenchConfig.quick_config(**overrides) if quick else BenchConfig(**overrides)
-        previous = _previous(results_path, quick)
+        previous = load_previous(results_path, quick)
 
         def progress(name: str, state: str) -> None:
             err_console.print(f"bench section {name}: {state}", highlight=False)
@@ -89,7 +91,7 @@ def bench_command(
     except (CacheBlendError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc
-    write_json_atomic(results, results_path)
+    save_results(results, results_path)
     plots = {}
     if "ttft" in results["sections"]:
         plots["ttft"] = plot_ttft_sweeps(results, out / PLOT_NAMES["ttft"])
@@ -97,14 +99,3 @@ def bench_command(
         plots["deviation"] = plot_deviation(results, out / PLOT_NAMES["deviation"])
     update_markdown(markdown, "bench", render_bench(results, markdown, plots))
     err_console.print(f"results: {results_path}; report: {markdown}")
-
-
-def _previous(path: Path, quick: bool) -> dict | None:
-    """Earlier results in the same folder, to keep the sections not rerun (quick and full never mix)."""
-    if not path.is_file():
-        return None
-    try:
-        previous = json.loads(path.read_text())
-    except ValueError as exc:
-        raise CacheBlendError(f"cannot read earlier bench results {path}: {exc}") from exc
-    return previous if bool(previous.get("config", {}).get("quick")) == quick else None

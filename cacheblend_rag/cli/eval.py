@@ -81,7 +81,8 @@ def eval_command(
     """Answer each case with every method; score against the gold answers and the full_recompute answer."""
     from ..eval.datasets import load_dataset
     from ..eval.harness import EvalConfig, run_eval
-    from ..eval.report import eval_section_name, plot_quality_vs_ttft, render_eval, update_markdown
+    from ..eval.markdown import update_markdown
+    from ..eval.report import eval_section_name, plot_quality_vs_ttft, render_eval
 
     method_list = parse_list(methods, str, "--methods")
     ratio_list = parse_list(ratios, float, "--ratios")

@@ -37,7 +37,7 @@ def profile(
     """Measure one layer's full-prefill time vs context length and each tier's load throughput."""
     from ..blend.controller import LoadingController, profile_path
     from ..models.loader import load_model
-    from ..store.bench import profile_device
+    from ..store.profile import profile_device
 
     try:
         m = load_model(model)

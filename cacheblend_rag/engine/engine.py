@@ -14,7 +14,7 @@ import torch
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionResult, Fusor
 from ..blend.methods import Reuse, resolve_method, reuse_of
-from ..blend.segments import ChunkKV, ChunkKVSource, Segment
+from ..blend.segments import ChunkKV, ChunkKVSource, Segment, prefill_chunk_kv
 from ..errors import ContextLengthError, CorruptKVError, StoreError
 from ..models.loader import load_model
 from ..models.runtime import LayerwiseModel
@@ -87,12 +87,7 @@ class Engine(PromptSegments):
                 f"chunk of {n} tokens exceeds the context of {self.model.shape.max_context}"
             )
         with self.forward_lock:
-            _, cache = self.model.prefill(list(token_ids))
-        return ChunkKV(
-            [k[0, :, :n].clone() for k in cache.keys],
-            [v[0, :, :n].clone() for v in cache.values],
-            self.model.fingerprint,
-        )
+            return prefill_chunk_kv(self.model, token_ids)
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The chunk's KV from the store, computed and written back on a miss."""

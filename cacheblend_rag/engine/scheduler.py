@@ -26,20 +26,18 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from ..blend.fusor import FusionResult
-from ..blend.methods import MethodSpec, ResolvedMethod, resolve_method
+from ..blend.methods import ResolvedMethod, resolve_method
 from ..blend.segments import ChunkKVSource, Segment
 from ..errors import AdmissionError
 from ..models.runtime import KVCache, LayerwiseModel
 from ..settings import get_settings
 from ..store.keys import kv_bytes_per_token
 from .base import BatchRequest, FusionStats, GenerationResult, Method, TokenEvent, generation_budget
-from .prompt import ChunkRef
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
@@ -488,154 +486,3 @@ class BatchScheduler:
             return
         self.stats.failed += 1
         pending.handle._finish(error=error)
-
-
-# -- throughput benchmark ----------------------------------------------------------------------------
-
-
-class RagPromptLike(Protocol):
-    """A question and its chunks (``eval.bench.RagPrompt`` is one)."""
-
-    question: str
-    refs: list[ChunkRef]
-
-
-@dataclass
-class RagQuestion:
-    """A question with the chunks retrieved for it."""
-
-    question: str
-    refs: list[ChunkRef]
-
-
-@dataclass
-class RequestTiming:
-    """One request of a throughput run; times are from the moment all requests were submitted."""
-
-    ttft_s: float
-    latency_s: float
-    tokens: int
-    answer: str
-
-
-def bench_runner(
-    engine: Engine,
-    prompts: Sequence[RagPromptLike],
-    method: str,
-    sampling: SamplingParams,
-    ratio: float,
-    max_batch: int | None = None,
-) -> list[RequestTiming]:
-    """Serve ``prompts``, all arriving at once, through a :class:`BatchScheduler` (the throughput runner
-    ``cacheblend-rag bench`` looks up under this name). Building each prompt's segments is timed, as it is
-    for the sequential runner; the chunks' KV should already be in the store."""
-    spec = MethodSpec.parse(method).with_ratio(ratio)
-    with BatchScheduler(engine, max_batch=max_batch) as scheduler:
-        started = time.perf_counter()
-        requests = [
-            BatchRequest(engine.rag_segments(p.question, p.refs, spec), spec, sampling) for p in prompts
-        ]
-        handles = scheduler.submit_many(requests)
-        results = [handle.result() for handle in handles]
-    return [
-        RequestTiming(
-            handle.first_token_at - started, handle.finished_at - started, len(result.token_ids), result.text
-        )
-        for handle, result in zip(handles, results, strict=True)
-    ]
-
-
-def run_throughput_benchmark(
-    engine: Engine,
-    prompts: Sequence[RagPromptLike],
-    concurrency_levels: Sequence[int] = (1, 4, 8, 16),
-    methods: Sequence[str] = ("full_recompute", "prefix_cache", "cacheblend"),
-    sampling: SamplingParams | None = None,
-    ratio: float | None = None,
-    max_batch: int | None = None,
-    repeats: int = 1,
-) -> dict[str, Any]:
-    """Requests/s and TTFT percentiles per method and concurrency level, side by side in one run.
-
-    At level c, the first c prompts (cycling when there are fewer) arrive together and are served by a
-    scheduler. The methods run back to back at each level, ``repeats`` times in turn, and each keeps its
-    fastest run, so that on a shared machine a burst of load elsewhere does not land on one method only;
-    ``cpu_s`` (this process's CPU time) is less sensitive to such load than wall time. The chunks' and
-    prefixes' KV is stored before any timing. Returns ``{"levels", "max_new_tokens", "repeats",
-    "methods": {method: {level: {...}}}, "speedup_vs_full_recompute": {method: {level: x}}}``.
-    """
-    sampling = sampling or SamplingParams(max_new_tokens=16)
-    ratio = ratio if ratio is not None else get_settings().ratio
-    if not prompts:
-        raise ValueError("the throughput benchmark needs at least one prompt")
-    levels = [int(c) for c in concurrency_levels]
-    if not levels or any(c < 1 for c in levels):
-        raise ValueError(f"concurrency levels must be >= 1, got {levels}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    for prompt in prompts[: max(levels)]:
-        for method in methods:
-            engine.rag_segments(prompt.question, prompt.refs, method)  # stores chunk and prefix KV
-    table: dict[str, dict[int, dict[str, float]]] = {method: {} for method in methods}
-    for level in levels:
-        batch = [prompts[i % len(prompts)] for i in range(level)]
-        for _ in range(repeats):
-            for method in methods:
-                started, cpu_started = time.perf_counter(), time.process_time()
-                timings = bench_runner(engine, batch, method, sampling, ratio, max_batch)
-                seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
-                log.info("throughput %s x%d: %.3f req/s", method, level, level / seconds)
-                best = table[method].get(level)
-                if best is not None and best["seconds"] <= seconds:
-                    continue
-                ttfts = [t.ttft_s for t in timings]
-                table[method][level] = {
-                    "requests": level,
-                    "seconds": seconds,
-                    "cpu_s": cpu_s,
-                    "requests_per_s": level / seconds,
-                    "tokens_per_s": sum(t.tokens for t in timings) / seconds,
-                    "ttft_p50_s": float(np.percentile(ttfts, 50)),
-                    "ttft_p95_s": float(np.percentile(ttfts, 95)),
-                }
-    speedup = {}
-    if "full_recompute" in table:
-        base = table["full_recompute"]
-        speedup = {
-            method: {level: rows[level]["requests_per_s"] / base[level]["requests_per_s"] for level in levels}
-            for method, rows in table.items()
-        }
-    return {
-        "levels": levels,
-        "max_new_tokens": sampling.max_new_tokens,
-        "repeats": repeats,
-        "methods": table,
-        "speedup_vs_full_recompute": speedup,
-    }
-
-
-def overlapping_musique_requests(
-    cases: Sequence[dict], tokenizer, count: int, chunks_per_request: int = 6, chunk_tokens: int = 150
-) -> list[RagQuestion]:
-    """``count`` MuSiQue questions (``question`` and ``ctxs`` of ``{title, text}``) whose chunk sets
-    overlap: request i takes the first half of its chunks from its own case and the rest from the next
-    case, so neighbouring requests share half their chunks. Each chunk is its paragraph's first
-    ``chunk_tokens`` tokens."""
-    if len(cases) < 2:
-        raise ValueError("overlapping requests need at least two cases")
-    own = (chunks_per_request + 1) // 2
-    if chunks_per_request < 1 or own > min(len(c["ctxs"]) for c in cases):
-        raise ValueError(f"cases have too few paragraphs for {chunks_per_request} chunks per request")
-
-    def chunk(case: int, paragraph: int) -> ChunkRef:
-        ctx = cases[case]["ctxs"][paragraph]
-        ids = tokenizer(ctx["title"] + "\n" + ctx["text"], add_special_tokens=False)["input_ids"]
-        return ChunkRef(tuple(ids[:chunk_tokens]), f"case{case}-p{paragraph}")
-
-    requests = []
-    for i in range(count):
-        case, neighbour = i % len(cases), (i + 1) % len(cases)
-        refs = [chunk(case, p) for p in range(own)]
-        refs += [chunk(neighbour, p) for p in range(chunks_per_request - own)]
-        requests.append(RagQuestion(cases[case]["question"], refs))
-    return requests

@@ -1,10 +1,13 @@
 """Evaluation and benchmarks: ``cacheblend-rag eval`` (quality and fidelity of each method on real data)
-and ``cacheblend-rag bench`` (TTFT and the other timings, side by side), with their report and plots."""
+and ``cacheblend-rag bench`` (:mod:`.bench`: TTFT and the other timings, side by side), with their
+BENCHMARKS.md sections and plots."""
 
 from .bench import BenchConfig, run_bench
 from .datasets import Dataset, EvalCase, load_dataset, select_cases
-from .harness import EvalConfig, run_eval, summarize
+from .harness import EvalConfig, method_specs, run_eval
+from .markdown import update_markdown
 from .metrics import continuation_nll, kl_divergence, qa_f1, rouge_l
+from .summary import summarize
 
 __all__ = [
     "BenchConfig",
@@ -14,10 +17,12 @@ __all__ = [
     "continuation_nll",
     "kl_divergence",
     "load_dataset",
+    "method_specs",
     "qa_f1",
     "rouge_l",
     "run_bench",
     "run_eval",
     "select_cases",
     "summarize",
+    "update_markdown",
 ]

@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 
 from cacheblend_rag.cli import app
 from cacheblend_rag.engine import Engine, SamplingParams
-from cacheblend_rag.engine.scheduler import BatchRequest, BatchScheduler, overlapping_musique_requests
+from cacheblend_rag.engine.scheduler import BatchRequest, BatchScheduler
 from cacheblend_rag.errors import AdmissionError, FusionInputError
+from cacheblend_rag.eval.bench.prompts import overlapping_musique_requests
 from cacheblend_rag.store.keys import kv_bytes_per_token
 from cacheblend_rag.store.kvstore import KVStore
 

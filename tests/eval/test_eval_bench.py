@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from cacheblend_rag.cli import app
 from cacheblend_rag.eval.bench import QUERY_METHODS, SECTIONS, THROUGHPUT_METHODS, TTFT_COLUMNS
-from cacheblend_rag.eval.report import update_markdown
+from cacheblend_rag.eval.markdown import update_markdown
 
 
 def test_update_markdown_replaces_only_its_section(tmp_path):

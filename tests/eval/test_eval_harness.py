@@ -7,10 +7,11 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from cacheblend_rag.blend.methods import parse_method
 from cacheblend_rag.cli import app
 from cacheblend_rag.errors import EvalDataError
 from cacheblend_rag.eval.datasets import load_dataset
-from cacheblend_rag.eval.harness import EvalConfig, method_specs, parse_method, run_eval
+from cacheblend_rag.eval.harness import EvalConfig, method_specs, run_eval
 from cacheblend_rag.eval.metrics import normalize_answer
 
 METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")

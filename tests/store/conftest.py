@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cacheblend_rag.blend.segments import ChunkKV
+from cacheblend_rag.blend.segments import ChunkKV, prefill_chunk_kv
 from cacheblend_rag.models.runtime import LayerwiseModel, ModelShape
-from cacheblend_rag.store.bench import prefill_chunk_kv
 
 
 def _load_support():

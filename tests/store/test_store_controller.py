@@ -13,7 +13,7 @@ from cacheblend_rag.blend.controller import (
     measure_prefill_per_layer,
     profile_path,
 )
-from cacheblend_rag.store.bench import profile_device
+from cacheblend_rag.store.profile import profile_device
 
 BYTES_PER_TOKEN_LAYER = 768  # SmolLM2-135M in fp16: 2 x 3 heads x 64 x 2 bytes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag.store.bench import storage_cost
+from cacheblend_rag.eval.bench.store import storage_cost
 from cacheblend_rag.store.keys import chunk_key, kv_bytes_per_token, resolve_kv_dtype
 
 FP = "f" * 64

@@ -28,10 +28,9 @@ from store_support import (
     wait_for,
 )
 
-from cacheblend_rag.blend.segments import ChunkKVSource
+from cacheblend_rag.blend.segments import ChunkKVSource, prefill_chunk_kv
 from cacheblend_rag.errors import CorruptKVError, StoreError
 from cacheblend_rag.store import disk, fileformat
-from cacheblend_rag.store.bench import prefill_chunk_kv
 from cacheblend_rag.store.kvstore import DiskChunkKV, KVStore, tier_of
 
 

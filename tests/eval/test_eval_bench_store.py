@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from cacheblend_rag.store.bench import bench_loading
+from cacheblend_rag.eval.bench.store import bench_loading
 
 
 def test_bench_loading_reports_every_measurement(model, tmp_path):

@@ -1,56 +1,31 @@
-"""Time to first token of vLLM's own full prefill against vLLM + CacheBlend, side by side.
+"""Section ``vllm`` (run with ``--only vllm``, in an environment with the [vllm] extra): time to first
+token of vLLM's own full prefill against vLLM + CacheBlend, side by side.
 
 One real RAG prompt (a MuSiQue case: its question and ``num_chunks`` of its paragraphs cut to
 ``chunk_tokens`` tokens) is served repeatedly by one :class:`VLLMEngine`, the two methods interleaved, and
 the median of ``repeats`` is reported. Chunk KV is precomputed before timing (as ingest would do); each
 CacheBlend timing includes reading it from the store, fusing and writing the fused KV into vLLM's cache.
 vLLM's prefix cache is off, so every full prefill really prefills.
-
-Run: ``python -m cacheblend_rag.engine.vllm.bench OUT.json [--chunks 6 --chunk-tokens 512 --repeats 3]``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import tempfile
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ...blend.methods import Reuse, parse_method
-from ..prompt import ChunkRef
-from ..sampling import SamplingParams
+from ...engine import ChunkRef, SamplingParams
+from ...errors import EvalDataError
+from ..datasets import load_dataset
+from .config import BenchConfig, BenchContext
 
 FULL, BLEND = "vllm_full_prefill", "vllm_cacheblend"
+METHODS = {FULL: "full_recompute", BLEND: "cacheblend"}
 
 
-@dataclass
-class VLLMBenchConfig:
-    num_chunks: int = 6
-    chunk_tokens: int = 512
-    repeats: int = 3
-    ratio: float = 0.15
-    data: str = "musique"
-    model: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_chunks < 1 or self.chunk_tokens < 1:
-            raise ValueError("--chunks and --chunk-tokens must be >= 1")
-        if self.repeats < 3:
-            raise ValueError(f"--repeats must be >= 3 for a median, got {self.repeats}")
-        if not 0.0 <= self.ratio <= 1.0:
-            raise ValueError(f"--ratio must be in [0, 1], got {self.ratio}")
-
-
-def rag_prompt(config: VLLMBenchConfig, tokenizer) -> tuple[str, list[ChunkRef]]:
+def rag_prompt(config: BenchConfig, tokenizer) -> tuple[str, list[ChunkRef]]:
     """The first case with ``num_chunks`` paragraphs of at least ``chunk_tokens`` tokens, cut to that."""
-    from ...eval.datasets import load_dataset
-
     for case in load_dataset(config.data).cases:
         chunks = []
         for context in case.contexts:
@@ -59,21 +34,21 @@ def rag_prompt(config: VLLMBenchConfig, tokenizer) -> tuple[str, list[ChunkRef]]
                 chunks.append(ChunkRef(tuple(ids[: config.chunk_tokens]), f"p{len(chunks)}"))
             if len(chunks) == config.num_chunks:
                 return case.question, chunks
-    raise ValueError(
+    raise EvalDataError(
         f"no case of {config.data!r} has {config.num_chunks} paragraphs of {config.chunk_tokens} tokens"
     )
 
 
-def run(config: VLLMBenchConfig, work_dir: Path) -> dict[str, Any]:
+def section_vllm(ctx: BenchContext) -> dict[str, Any]:
     import vllm
 
-    from .engine import VLLMEngine
+    from ...engine.vllm import VLLMEngine
 
-    load_before = os.getloadavg()
+    config = ctx.config
     started = time.perf_counter()
     engine = VLLMEngine(
         config.model,
-        store=work_dir / "kv",
+        store=ctx.work_dir / "vllm-kv",
         enable_prefix_caching=False,
         max_model_len=config.num_chunks * config.chunk_tokens + 512,
     )
@@ -87,11 +62,12 @@ def run(config: VLLMBenchConfig, work_dir: Path) -> dict[str, Any]:
         samples: dict[str, list[float]] = {FULL: [], BLEND: []}
         blends, first_tokens = [], {}
         for repeat in range(config.repeats + 1):  # the first round warms both paths up and is not counted
-            for label, method in ((FULL, "full_recompute"), (BLEND, "cacheblend")):
+            for label, method in METHODS.items():
+                spec = parse_method(method).with_ratio(config.ratio)
                 round_started = time.perf_counter()
-                segments = engine.rag_segments(question, chunks, method)
+                segments = engine.rag_segments(question, chunks, spec)
                 segments_s = time.perf_counter() - round_started
-                result = engine.generate(segments, parse_method(method).with_ratio(config.ratio), first_token)
+                result = engine.generate(segments, spec, first_token)
                 first_tokens[label] = result.token_ids
                 if repeat == 0:
                     continue
@@ -99,17 +75,13 @@ def run(config: VLLMBenchConfig, work_dir: Path) -> dict[str, Any]:
                 if label == BLEND:
                     blends.append(result)
         medians = {label: statistics.median(values) for label, values in samples.items()}
-        prompt_tokens = blends[-1].prompt_tokens
     finally:
         engine.close()
     return {
-        "benchmark": "vllm_ttft",
         "vllm_version": vllm.__version__,
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
-        "model": engine.model.name,
         "num_chunks": config.num_chunks,
         "chunk_tokens": config.chunk_tokens,
-        "prompt_tokens": prompt_tokens,
+        "prompt_tokens": blends[-1].prompt_tokens,
         "ratio": config.ratio,
         "repeats": config.repeats,
         "ttft_s": medians,
@@ -127,35 +99,4 @@ def run(config: VLLMBenchConfig, work_dir: Path) -> dict[str, Any]:
         "same_first_token": first_tokens[FULL] == first_tokens[BLEND],
         "engine_startup_s": startup_s,
         "chunk_precompute_s": precompute_s,
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "note": "TTFT measured in the calling process, from building the segments to the first token; "
-        "the CPU may be shared with other processes, so compare the two columns of one run",
     }
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="JSON file to write the results to")
-    parser.add_argument("--chunks", type=int, default=6)
-    parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ratio", type=float, default=0.15)
-    parser.add_argument("--data", default="musique", help="bundled data set name or path to one")
-    parser.add_argument("--model", default=None, help="model name or local HF folder (default model)")
-    args = parser.parse_args(argv)
-    config = VLLMBenchConfig(args.chunks, args.chunk_tokens, args.repeats, args.ratio, args.data, args.model)
-    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as work:
-        results = run(config, Path(work))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    medians = results["ttft_s"]
-    print(
-        f"TTFT median of {config.repeats}: vLLM full prefill {medians[FULL]:.3f} s, "
-        f"vLLM + CacheBlend {medians[BLEND]:.3f} s ({results['speedup_full_over_cacheblend']:.2f}x); "
-        f"{results['prompt_tokens']} prompt tokens -> {args.out}"
-    )
-
-
-if __name__ == "__main__":  # vLLM starts its engine in spawned processes, which re-import the main module
-    main()

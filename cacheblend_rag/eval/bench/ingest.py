@@ -1,0 +1,94 @@
+"""Section ``ingest``: ingest throughput of the sample corpus and query TTFT per method on it."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ...engine import Engine, SamplingParams
+from ...errors import EvalDataError
+from ...ingest import ingest
+from ...rag import CacheBlendRAG
+from .config import BenchConfig, BenchContext
+
+SAMPLE_CORPUS = Path(__file__).resolve().parents[3] / "examples" / "data"
+QUERY_METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
+
+
+def section_ingest(ctx: BenchContext) -> dict[str, Any]:
+    """Issue 5: ingest the sample corpus (KV included) into a fresh store, then query TTFT per method."""
+    config = ctx.config
+    if not (SAMPLE_CORPUS / "questions.json").is_file():
+        raise EvalDataError(
+            f"the ingest section needs the sample corpus of a source checkout at {SAMPLE_CORPUS}"
+        )
+    questions = json.loads((SAMPLE_CORPUS / "questions.json").read_text())
+    files = sorted((SAMPLE_CORPUS / "corpus").iterdir())
+    if config.ingest_files is not None:
+        questions = [
+            q for q in questions if Path(q["file"]).name in {f.name for f in files[: config.ingest_files]}
+        ]
+        files = files[: config.ingest_files]
+    corpus_dir = ctx.work_dir / "corpus"
+    corpus_dir.mkdir()
+    for file in files:
+        text = file.read_text()
+        (corpus_dir / file.name).write_text(
+            text if config.ingest_max_chars is None else _cut(file, text, config)
+        )
+    engine = Engine(ctx.model, ctx.work_dir / "ingest-kv")
+    store_dir = ctx.work_dir / "ingest-store"
+    try:
+        summary = ingest([corpus_dir], store_dir, chunk_tokens=config.chunk_tokens, engine=engine)
+        rag = CacheBlendRAG(store_dir, engine=engine)
+        sampling = SamplingParams(max_new_tokens=config.query_max_new_tokens)
+        queries: dict[str, list[dict[str, Any]]] = {m: [] for m in QUERY_METHODS}
+        for question in questions:
+            for method in QUERY_METHODS:
+                result = rag.query(
+                    question["question"], config.top_k, method, config.ratio, sampling=sampling
+                )
+                queries[method].append(
+                    {
+                        "question": question["question"],
+                        "answer": result.answer,
+                        "ttft_s": result.ttft_s,
+                        "retrieval_s": result.retrieval_s,
+                        "recompute_ratio": result.recompute_ratio,
+                        "prompt_tokens": result.prompt_tokens,
+                    }
+                )
+    finally:
+        engine.store.close()
+    return {
+        "files": summary.files,
+        "chunks": summary.chunks,
+        "tokens": summary.tokens,
+        "kv_chunks": summary.kv_chunks,
+        "kv_bytes": summary.kv_bytes,
+        "stage_seconds": summary.stage_seconds,
+        "work_seconds": summary.work_seconds,
+        "chunks_per_s": summary.chunks_per_s,
+        "tokens_per_s": summary.tokens_per_s,
+        "chunk_tokens": config.chunk_tokens,
+        "query_ttft_median_s": {
+            m: statistics.median([q["ttft_s"] for q in rows]) for m, rows in queries.items()
+        },
+        "queries": queries,
+    }
+
+
+def _cut(file: Path, text: str, config: BenchConfig) -> str:
+    """The first ``ingest_max_chars`` characters (whole lines for JSON lines files)."""
+    limit = config.ingest_max_chars or len(text)
+    if file.suffix != ".jsonl":
+        return text[:limit]
+    kept, size = [], 0
+    for line in text.splitlines(keepends=True):
+        if kept and size + len(line) > limit:
+            break
+        kept.append(line)
+        size += len(line)
+    return "".join(kept)

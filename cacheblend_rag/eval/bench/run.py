@@ -1,0 +1,65 @@
+"""``run_bench``: run the configured sections, keeping the others from earlier results."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ...models.loader import load_model
+from ...models.runtime import LayerwiseModel
+from .config import BenchConfig, BenchContext, make_context
+from .deviation import section_deviation
+from .ingest import section_ingest
+from .prefill import section_prefill
+from .results import new_results
+from .store import section_store
+from .throughput import section_throughput
+from .ttft import section_ttft
+from .vllm import section_vllm
+
+log = logging.getLogger(__name__)
+
+SECTION_FUNCTIONS: dict[str, Callable[[BenchContext], dict[str, Any]]] = {
+    "ttft": section_ttft,
+    "prefill": section_prefill,
+    "store": section_store,
+    "deviation": section_deviation,
+    "ingest": section_ingest,
+    "throughput": section_throughput,
+    "vllm": section_vllm,
+}
+
+
+def run_bench(
+    config: BenchConfig,
+    model: LayerwiseModel | None = None,
+    previous: dict[str, Any] | None = None,
+    command: str = "",
+    on_section: Callable[[str, str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the configured sections; sections not run are kept from ``previous`` (an earlier results
+    object) so a partial rerun still yields a complete report."""
+    model = model or load_model(config.model)
+    ctx = make_context(config, model)
+    results = new_results(config, model, previous)
+    try:
+        for name in config.sections:
+            if on_section is not None:
+                on_section(name, "start")
+            started, load_before = time.perf_counter(), os.getloadavg()
+            section = SECTION_FUNCTIONS[name](ctx)
+            section["seconds"] = time.perf_counter() - started
+            log.info("bench section %s took %.1f s", name, section["seconds"])
+            section["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
+            section["machine"] = results["machine"]
+            results["sections"][name] = section
+            results["commands"][name] = command
+            if on_section is not None:
+                on_section(name, "done")
+    finally:
+        shutil.rmtree(ctx.work_dir, ignore_errors=True)
+    return results

@@ -1,0 +1,183 @@
+"""Section ``store``: the KV store's loading benchmark on real chunks (N chunks x T tokens: load from RAM
+/ disk vs full prefill, and how much of the load the layer-wise pipeline hides behind recompute, with
+prefetch on and off), and storage bytes per chunk per dtype."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...blend.segments import ChunkKVSource, prefill_chunk_kv
+from ...models.runtime import AttentionMask, LayerwiseModel, ModelShape
+from ...settings import get_settings
+from ...store.keys import KV_DTYPES, chunk_payload_bytes, kv_bytes_per_token
+from ...store.kvstore import KVStore
+from ...store.pipeline import LayerKV
+from ...store.profile import ComputeLayer, drop_page_cache, load_all_layers, synthetic_chunk
+from .config import BenchContext
+
+
+def section_store(ctx: BenchContext) -> dict[str, Any]:
+    config = ctx.config
+    chunks = ctx.chunk_ids(config.num_chunks, config.chunk_tokens)
+    loading = bench_loading(
+        ctx.model,
+        num_chunks=config.num_chunks,
+        tokens=config.chunk_tokens,
+        ratio=config.ratio,
+        chunk_token_ids=chunks,
+        work_dir=ctx.work_dir,
+        repeats=config.repeats,
+    )
+    return {"loading": loading, "storage_bytes": storage_cost(ctx.model.shape, config.chunk_tokens)}
+
+
+def storage_cost(shape: ModelShape, num_tokens: int = 512) -> dict[str, dict[str, int]]:
+    """Bytes of one chunk of ``num_tokens`` tokens per storage dtype: per token, tensor payload, and the
+    size of the stored file (payload plus its safetensors header with the per-layer checksums)."""
+    fingerprint = "0" * 64
+    out = {}
+    for name, dtype in KV_DTYPES.items():
+        with tempfile.TemporaryDirectory() as root:
+            store = KVStore(root, fingerprint, shape, dtype, ram_budget_bytes=0)
+            kv = synthetic_chunk(shape, num_tokens, dtype, fingerprint, seed=0)
+            file_bytes = store.put(store.key_for(range(num_tokens)), kv)
+            store.close()
+        out[name] = {
+            "bytes_per_token": kv_bytes_per_token(shape, dtype),
+            "payload_bytes": chunk_payload_bytes(shape, dtype, num_tokens),
+            "file_bytes": file_bytes,
+        }
+    return out
+
+
+class RecomputeWorkload:
+    """The per-layer work of CacheBlend's selective recompute: q/k/v of ``ratio`` of the tokens, their
+    attention over all loaded keys, o-proj and MLP, on the real model's layer weights.
+
+    It reproduces the cost of the fusor's recompute (to measure how much load hides behind it), not its
+    output: the hidden states are fixed random inputs. Pass the real fusor as ``compute_layer`` to time it.
+    """
+
+    def __init__(self, model: LayerwiseModel, total_tokens: int, ratio: float, seed: int = 0) -> None:
+        self.model = model
+        self.total_tokens = total_tokens
+        count = max(1, math.ceil(ratio * total_tokens))
+        generator = torch.Generator().manual_seed(seed)
+        positions = torch.randperm(total_tokens, generator=generator)[:count].sort().values
+        self.positions = positions.to(model.device)
+        self.hidden = torch.randn(1, count, model.shape.hidden_size, generator=generator).to(
+            model.device, model.dtype
+        )
+        self.mask = AttentionMask.for_positions(self.positions, total_tokens)
+
+    def __call__(self, layer: int, kv: LayerKV) -> None:
+        keys = torch.cat([k for k, _ in kv], dim=1)[None]
+        values = torch.cat([v for _, v in kv], dim=1)[None]
+        if keys.shape[2] != self.total_tokens:
+            raise ValueError(f"loaded {keys.shape[2]} tokens of KV; the workload expects {self.total_tokens}")
+        qkv = self.model.project_qkv(layer, self.hidden, self.positions)
+        self.model.attend_and_mlp(layer, self.hidden, qkv.q, keys, values, self.mask)
+
+
+def _keep_fastest(best: dict[str, dict[str, float]], name: str, result: dict[str, float]) -> None:
+    if name not in best or result["wall_s"] < best[name]["wall_s"]:
+        best[name] = result
+
+
+def bench_loading(
+    model: LayerwiseModel,
+    num_chunks: int = 6,
+    tokens: int = 512,
+    ratio: float | None = None,
+    kv_dtype: torch.dtype | str | None = None,
+    compute_layer: ComputeLayer | None = None,
+    chunk_token_ids: Sequence[Sequence[int]] | None = None,
+    work_dir: Path | None = None,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """The loading benchmark of issue 4, in one run.
+
+    Prefills ``num_chunks`` chunks of ``tokens`` tokens (random ids unless ``chunk_token_ids``), stores
+    them, then times: full prefill of all chunks as one prompt; loading every layer of every chunk from
+    RAM, from disk (warm page cache) and from disk (cold); and a layer loop that loads from disk (cold)
+    while running ``compute_layer`` (default: :class:`RecomputeWorkload` at ``ratio``), with prefetch on
+    and off. Each timing is the fastest of ``repeats`` runs. Returns a JSON-able dict of seconds and
+    fractions.
+    """
+    settings = get_settings()
+    ratio = settings.ratio if ratio is None else ratio
+    if chunk_token_ids is None:
+        generator = torch.Generator().manual_seed(0)
+        chunk_token_ids = [
+            torch.randint(0, model.shape.vocab_size, (tokens,), generator=generator).tolist()
+            for _ in range(num_chunks)
+        ]
+    chunk_token_ids = [list(ids) for ids in chunk_token_ids]
+    total = sum(len(ids) for ids in chunk_token_ids)
+    chunks = [prefill_chunk_kv(model, ids) for ids in chunk_token_ids]
+    all_ids = [t for ids in chunk_token_ids for t in ids]
+    start = time.perf_counter()
+    model.prefill(all_ids)
+    full_prefill_s = time.perf_counter() - start
+
+    work_dir = work_dir if work_dir is not None else settings.home
+    work_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="bench-kv-", dir=work_dir))
+    compute = compute_layer if compute_layer is not None else RecomputeWorkload(model, total, ratio)
+    try:
+        store = KVStore(root, model.fingerprint, model.shape, kv_dtype, promote_on_read=False)
+        keys = [store.key_for(ids) for ids in chunk_token_ids]
+        for key, kv in zip(keys, chunks, strict=True):
+            store.put(key, kv)
+
+        def sources(tier: str) -> list[ChunkKVSource]:
+            if tier != "ram":
+                store.evict_ram()
+            if tier == "disk_cold":
+                for key in keys:
+                    drop_page_cache(store.path_for(key))
+            found = [store.get(key) for key in keys]
+            if tier == "ram":  # put the chunks back into RAM for the next RAM measurement
+                for key, kv in zip(keys, chunks, strict=True):
+                    store.put(key, kv)
+                found = [store.get(key) for key in keys]
+            return found
+
+        # Each measurement is repeated and the fastest run kept; prefetch off and on alternate so that
+        # load from other processes on the machine weighs on both alike.
+        loads: dict[str, dict[str, float]] = {}
+        pipelined: dict[str, dict[str, dict[str, float]]] = {"disk_cold": {}, "ram": {}}
+        for _ in range(repeats):
+            for tier in ("ram", "disk_warm", "disk_cold"):
+                _keep_fastest(loads, tier, load_all_layers(sources(tier), model.dtype, model.device))
+            for tier, runs in pipelined.items():
+                for prefetch in (False, True):
+                    result = load_all_layers(
+                        sources(tier), model.dtype, model.device, compute, prefetch=prefetch
+                    )
+                    _keep_fastest(runs, "prefetch_on" if prefetch else "prefetch_off", result)
+        kv_dtype_used = store.kv_dtype_name
+        store.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {
+        "num_chunks": len(chunk_token_ids),
+        "tokens": total,
+        "ratio": ratio,
+        "kv_dtype": kv_dtype_used,
+        "compute_dtype": str(model.dtype).removeprefix("torch."),
+        "device": str(model.device),
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "full_prefill_s": full_prefill_s,
+        "load_all_layers_s": {tier: result["wall_s"] for tier, result in loads.items()},
+        "pipelined": pipelined,
+    }

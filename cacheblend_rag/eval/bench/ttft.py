@@ -1,0 +1,155 @@
+"""Section ``ttft``: time to first token at N chunks x T tokens of real text (MuSiQue paragraphs cut into
+chunks) and a fixed question, for our full prefill, Hugging Face ``transformers`` on the same prompt (only
+the last position's logits, as a fair peer), prefix_cache, full_reuse, cacheblend with its chunk KV in the
+RAM tier and on disk (RAM tier evicted before each run), and epic; sweeping the chunk count and the chunk
+length. Runs are interleaved (round robin over methods) and the median is kept."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ...blend.methods import Reuse, parse_method
+from ...engine import ChunkRef, SamplingParams
+from ...models.runtime import LayerwiseModel
+from ...store.kvstore import KVStore
+from ..harness import RecordingEngine, store_in_ram
+from .config import BenchContext
+
+# The TTFT table's columns, in order: label -> (method, KV tier). "transformers" is the HF peer.
+TTFT_COLUMNS = {
+    "transformers": ("hf", None),
+    "full_prefill": ("full_recompute", "ram"),
+    "prefix_cache": ("prefix_cache", "ram"),
+    "full_reuse": ("full_reuse", "ram"),
+    "cacheblend_ram": ("cacheblend", "ram"),
+    "cacheblend_disk": ("cacheblend", "disk"),
+    "epic": ("epic", "ram"),
+}
+# -- ttft --------------------------------------------------------------------------------------------
+
+
+def _engine_ttft(
+    engine: RecordingEngine, question: str, refs: list[ChunkRef], label: str, ratio: float
+) -> dict[str, float]:
+    method, tier = TTFT_COLUMNS[label]
+    spec = parse_method(method).with_ratio(ratio)
+    if tier == "disk":
+        engine.store.evict_ram()
+    started = time.perf_counter()
+    segments = engine.rag_segments(question, refs, spec)
+    segments_s = time.perf_counter() - started
+    result = engine.generate(segments, spec.build(), SamplingParams(max_new_tokens=1))
+    fusion = engine.last_fusion
+    assert fusion is not None
+    out = {
+        "ttft_s": segments_s + result.ttft_s,
+        "compute_fraction": fusion.compute_fraction,
+        "load_wait_s": fusion.load_wait_s,
+        "prompt_tokens": fusion.num_tokens,
+    }
+    engine.last_fusion = None
+    if tier == "disk":
+        store_in_ram(engine, question, refs)  # the other columns measure with their KV in RAM
+    return out
+
+
+@torch.inference_mode()
+def hf_ttft(model: LayerwiseModel, ids: Sequence[int]) -> float:
+    """Seconds for ``transformers`` to prefill ``ids`` and pick the first token (last logits only)."""
+    started = time.perf_counter()
+    input_ids = torch.tensor([list(ids)], device=model.device)
+    logits = model.hf_model(input_ids=input_ids, logits_to_keep=1, use_cache=True).logits
+    int(logits[0, -1].argmax())
+    return time.perf_counter() - started
+
+
+def measure_ttft_point(
+    engine: RecordingEngine, question: str, chunks: list[tuple[int, ...]], repeats: int, ratio: float
+) -> dict[str, Any]:
+    """All TTFT columns at one (chunk count, chunk length) point, interleaved, median of ``repeats``."""
+    refs = [ChunkRef(ids) for ids in chunks]
+    store_in_ram(engine, question, refs)
+    prompt_ids = [t for s in engine.rag_segments(question, refs, Reuse.NOTHING) for t in s.token_ids]
+    samples: dict[str, list[float]] = {label: [] for label in TTFT_COLUMNS}
+    extra: dict[str, dict[str, float]] = {}
+    for _ in range(repeats):
+        for label in TTFT_COLUMNS:
+            if label == "transformers":
+                samples[label].append(hf_ttft(engine.model, prompt_ids))
+                continue
+            measured = _engine_ttft(engine, question, refs, label, ratio)
+            samples[label].append(measured.pop("ttft_s"))
+            extra[label] = measured
+    medians = {label: statistics.median(values) for label, values in samples.items()}
+    return {
+        "num_chunks": len(chunks),
+        "chunk_tokens": len(chunks[0]),
+        "prompt_tokens": len(prompt_ids),
+        "ttft_s": medians,
+        "samples_s": samples,
+        "compute_fraction": {label: e["compute_fraction"] for label, e in extra.items()},
+        "load_wait_s": {label: e["load_wait_s"] for label, e in extra.items()},
+        "speedup": {
+            "full_prefill/cacheblend_ram": medians["full_prefill"] / medians["cacheblend_ram"],
+            "transformers/cacheblend_ram": medians["transformers"] / medians["cacheblend_ram"],
+            "full_prefill/cacheblend_disk": medians["full_prefill"] / medians["cacheblend_disk"],
+            "compute_ceiling_cacheblend": 1.0 / extra["cacheblend_ram"]["compute_fraction"],
+        },
+    }
+
+
+def section_ttft(ctx: BenchContext) -> dict[str, Any]:
+    config = ctx.config
+    store = KVStore(ctx.work_dir / "ttft-kv", ctx.model.fingerprint, ctx.model.shape)
+    engine = RecordingEngine(ctx.model, store)
+    try:
+        points = sorted(
+            {(n, config.chunk_tokens) for n in config.chunk_counts}
+            | {(config.num_chunks, t) for t in config.chunk_lengths}
+        )
+        # a warm-up at the smallest point: first calls pay for allocations and lazy initialisation
+        measure_ttft_point(engine, ctx.question, ctx.chunk_ids(*points[0]), 1, config.ratio)
+        results = [
+            measure_ttft_point(engine, ctx.question, ctx.chunk_ids(n, t), config.repeats, config.ratio)
+            for n, t in points
+        ]
+    finally:
+        store.close()
+    headline = next(
+        (
+            r
+            for r in results
+            if (r["num_chunks"], r["chunk_tokens"]) == (config.num_chunks, config.chunk_tokens)
+        ),
+        None,
+    )
+    return {
+        "ratio": config.ratio,
+        "repeats": config.repeats,
+        "kv_dtype": store.kv_dtype_name,
+        "question": ctx.question,
+        "points": results,
+        "headline": headline,
+        "checks": _ttft_checks(headline) if headline else [],
+    }
+
+
+def _ttft_checks(headline: dict[str, Any]) -> list[dict[str, Any]]:
+    speedup = headline["speedup"]
+    return [
+        {
+            "claim": "full prefill / cacheblend TTFT >= 4x",
+            "passed": speedup["full_prefill/cacheblend_ram"] >= 4.0,
+            "value": speedup["full_prefill/cacheblend_ram"],
+        },
+        {
+            "claim": "transformers / cacheblend TTFT >= 4x",
+            "passed": speedup["transformers/cacheblend_ram"] >= 4.0,
+            "value": speedup["transformers/cacheblend_ram"],
+        },
+    ]
