@@ -29,8 +29,15 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS)) | $(PY)
 	@if $(PIP) show --quiet torchvision 2>/dev/null; then $(PIP) uninstall --yes torchvision; fi
 	touch $@
 
+# What `make lint` checks: ruff, the import layers (import-linter, contract in pyproject.toml) and, with
+# pylint's duplicate-code check only, that no block of 6+ lines repeats in the package or integrations.
+PYLINT_PATHS := cacheblend_rag integrations/langchain-cacheblend/langchain_cacheblend \
+	integrations/llama-index-cacheblend/llama_index
+
 test: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/pylint $(PYLINT_PATHS)
 	$(PY) -m pytest -q
 	$(MAKE) test-vllm
 
@@ -64,6 +71,8 @@ test-vllm: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/pylint $(PYLINT_PATHS)
 
 demo: install
 	$(PY) examples/demo.py
