@@ -57,7 +57,7 @@ def main() -> None:
     reports = EngineReports()
     get_dispatcher().add_event_handler(reports)
     llm = CacheBlendLLM(store_dir=str(args.store), max_tokens=args.max_tokens)
-    by_node = CacheBlendQueryEngine.from_store(args.store, llm=llm, similarity_top_k=args.top_k)
+    by_node = CacheBlendQueryEngine.from_corpus(args.store, llm=llm, similarity_top_k=args.top_k)
     by_text = RetrieverQueryEngine(
         CacheBlendRetriever(args.store, args.top_k), response_synthesizer=SimpleSummarize(llm=llm)
     )
@@ -75,7 +75,7 @@ def main() -> None:
                 f"{str(response).strip()}"
             )
 
-    streaming = CacheBlendQueryEngine.from_store(
+    streaming = CacheBlendQueryEngine.from_corpus(
         args.store, llm=llm, similarity_top_k=args.top_k, streaming=True
     )
     print(f"\nStreaming: {questions[0]['question']}\n  ", end="")

@@ -39,7 +39,7 @@ def test_retriever_nodes_are_stored_chunks(retriever, store_dir, question):
 
 
 def test_query_engine_hands_nodes_to_the_llm_as_segments(llm, store_dir, question, llm_reports):
-    engine = CacheBlendQueryEngine.from_store(store_dir, llm=llm, similarity_top_k=2)
+    engine = CacheBlendQueryEngine.from_corpus(store_dir, llm=llm, similarity_top_k=2)
     response = engine.query(question)
     (report,) = llm_reports
     node_ids = [n.node.node_id for n in response.source_nodes]
@@ -47,7 +47,7 @@ def test_query_engine_hands_nodes_to_the_llm_as_segments(llm, store_dir, questio
     assert report["reused_tokens"] > 0 and report["method"] == "cacheblend"
     assert str(response).strip()
 
-    streaming = CacheBlendQueryEngine.from_store(store_dir, llm=llm, similarity_top_k=2, streaming=True)
+    streaming = CacheBlendQueryEngine.from_corpus(store_dir, llm=llm, similarity_top_k=2, streaming=True)
     tokens = list(streaming.query(question).response_gen)
     assert len([t for t in tokens if t]) >= 3
     assert "".join(tokens) == str(response)  # greedy: the same answer, token by token
@@ -66,7 +66,7 @@ def test_stock_query_engine_benefits_by_recognition(llm, retriever, question, ll
 
 
 async def test_async_query_and_streaming(llm, store_dir, question, llm_reports):
-    engine = CacheBlendQueryEngine.from_store(store_dir, llm=llm, similarity_top_k=2)
+    engine = CacheBlendQueryEngine.from_corpus(store_dir, llm=llm, similarity_top_k=2)
     response = await engine.aquery(question)
     assert llm_reports[0]["reused_tokens"] > 0 and str(response).strip()
 

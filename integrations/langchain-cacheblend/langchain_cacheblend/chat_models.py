@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import Field
 
 from cacheblend_rag.frontend import TextRequest
 
-from ._base import PROVIDER, CacheBlendParams, response_metadata, usage_metadata
+from ._base import CacheBlendParams, response_metadata, usage_metadata
 
 # A message may name the stored chunks pasted into it: HumanMessage(text, additional_kwargs={KEY: [ids]}).
 MESSAGE_CHUNK_IDS_KEY = "cacheblend_chunk_ids"
@@ -37,35 +37,11 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     """
 
     streaming: bool = Field(default=False, description="Stream through callbacks even on invoke.")
+    _ls_model_type: ClassVar[str] = "chat"
 
     @property
     def _llm_type(self) -> str:
         return "cacheblend-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "store_dir": self.store_dir,
-            "model": self.model,
-            "method": self.method,
-            "ratio": self.ratio,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-        }
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider=PROVIDER,
-            ls_model_name=kwargs.get("model") or self._model_label(),
-            ls_model_type="chat",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
-        )
-        if stops := stop or self.stop:
-            params["ls_stop"] = stops
-        return params
 
     def _chat_request(
         self, messages: Sequence[BaseMessage], stop: list[str] | None, options: dict[str, Any]
@@ -73,7 +49,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         chat, chunk_ids = _to_chat(messages)
         if chunk_ids:
             options = {**options, "documents": [*(options.get("documents") or ()), *chunk_ids]}
-        return self._request(self._frontend().render_chat(chat), stop, options)
+        return self._request(self.frontend.render_chat(chat), stop, options)
 
     def _generate(
         self,
@@ -82,8 +58,8 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        result = self._tokens(self._chat_request(messages, stop, kwargs)).result()
-        meta = response_metadata(result, self._frontend().model_name)
+        result = self.stream_answer(self._chat_request(messages, stop, kwargs)).result()
+        meta = response_metadata(result, self.frontend.model_name)
         message = AIMessage(
             content=result.text, usage_metadata=usage_metadata(result), response_metadata=meta
         )
@@ -101,7 +77,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        handle = self._tokens(self._chat_request(messages, stop, kwargs))
+        handle = self.stream_answer(self._chat_request(messages, stop, kwargs))
         for event in handle:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=event.text))
             if run_manager is not None:
@@ -113,7 +89,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
             message=AIMessageChunk(
                 content="",
                 usage_metadata=usage_metadata(result),
-                response_metadata=response_metadata(result, self._frontend().model_name),
+                response_metadata=response_metadata(result, self.frontend.model_name),
                 chunk_position="last",
             ),
             generation_info={"finish_reason": result.finish_reason},

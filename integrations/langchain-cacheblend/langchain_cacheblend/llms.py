@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM, LangSmithParams
+from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import Field
 
 from cacheblend_rag.engine import GenerationResult
 
-from ._base import PROVIDER, CacheBlendParams, response_metadata, usage_metadata
+from ._base import CacheBlendParams, response_metadata, usage_metadata
 
 
 class CacheBlendLLM(CacheBlendParams, BaseLLM):
@@ -25,6 +25,7 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
     ``method``, ``recompute_ratio`` and ``chunk_ids``.
     """
 
+    _ls_model_type: ClassVar[str] = "llm"
     apply_chat_template: bool = Field(default=True, description="Wrap the prompt in the chat template.")
     system_prompt: str | None = Field(
         default=None, description="System turn before the prompt (default: the template's own, if any)."
@@ -36,33 +37,13 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "store_dir": self.store_dir,
-            "model": self.model,
-            "method": self.method,
-            "ratio": self.ratio,
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "apply_chat_template": self.apply_chat_template,
-        }
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider=PROVIDER,
-            ls_model_name=kwargs.get("model") or self._model_label(),
-            ls_model_type="llm",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
-        )
-        if stops := stop or self.stop:
-            params["ls_stop"] = stops
-        return params
+        return {**super()._identifying_params, "apply_chat_template": self.apply_chat_template}
 
     def _render(self, prompt: str) -> str:
         if not self.apply_chat_template:
             return prompt
         turns = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        return self._frontend().render_chat([*turns, {"role": "user", "content": prompt}])
+        return self.frontend.render_chat([*turns, {"role": "user", "content": prompt}])
 
     def _generate(
         self,
@@ -71,12 +52,10 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        requests = [self._request(self._render(p), stop, kwargs) for p in prompts]
-        frontend = self._frontend()
-        results = frontend.generate_batch(requests, self.recognise_chunks, self.remember_documents)
+        results = self.answer_batch([self._request(self._render(p), stop, kwargs) for p in prompts])
         return LLMResult(
             generations=[[Generation(text=r.text, generation_info=self._info(r))] for r in results],
-            llm_output={"model_name": frontend.model_name, "token_usage": _total_usage(results)},
+            llm_output={"model_name": self.frontend.model_name, "token_usage": _total_usage(results)},
         )
 
     def _stream(
@@ -86,7 +65,7 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        handle = self._tokens(self._request(self._render(prompt), stop, kwargs))
+        handle = self.stream_answer(self._request(self._render(prompt), stop, kwargs))
         for event in handle:
             chunk = GenerationChunk(text=event.text)
             if run_manager is not None:
@@ -96,7 +75,7 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
 
     def _info(self, result: GenerationResult) -> dict[str, Any]:
         return {
-            **response_metadata(result, self._frontend().model_name),
+            **response_metadata(result, self.frontend.model_name),
             "usage_metadata": usage_metadata(result),
         }
 

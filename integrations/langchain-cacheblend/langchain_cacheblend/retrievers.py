@@ -1,4 +1,4 @@
-"""``CacheBlendRetriever``: LangChain retriever over an ingested cacheblend-rag store."""
+"""``CacheBlendRetriever``: LangChain retriever over an ingested cacheblend-rag corpus."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from typing import Any
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
-from cacheblend_rag.corpus.corpus import RetrievedChunk
+from cacheblend_rag.corpus import RetrievedChunk
 from cacheblend_rag.frontend import get_corpus
 from cacheblend_rag.settings import get_settings
 
 
 class CacheBlendRetriever(BaseRetriever):
-    """Top-``k`` chunks of a store for a query, as ``Document``s.
+    """Top-``k`` chunks of a corpus for a query, as ``Document``s.
 
     Each document's ``id`` and ``metadata["chunk_id"]`` are the chunk id and its ``page_content`` is the
     chunk's text exactly as stored, so :class:`~langchain_cacheblend.ChatCacheBlend` recognises it in a
@@ -24,7 +24,10 @@ class CacheBlendRetriever(BaseRetriever):
     ``retriever.invoke(query, k=3)``.
     """
 
-    store_dir: str = Field(description="Store built by `cacheblend-rag ingest`.")
+    corpus_dir: str = Field(
+        validation_alias=AliasChoices("corpus_dir", "store_dir"),
+        description="Corpus directory built by `cacheblend-rag ingest` (also accepted as store_dir).",
+    )
     k: int = Field(default_factory=lambda: get_settings().top_k, ge=1, description="Documents to return.")
 
     def _get_relevant_documents(
@@ -32,7 +35,7 @@ class CacheBlendRetriever(BaseRetriever):
     ) -> list[Document]:
         if kwargs:
             raise TypeError(f"unsupported option(s) {', '.join(sorted(kwargs))}; supported: k")
-        chunks = get_corpus(self.store_dir).search(query, self.k if k is None else k)
+        chunks = get_corpus(self.corpus_dir).search(query, self.k if k is None else k)
         return [chunk_document(c) for c in chunks]
 
 

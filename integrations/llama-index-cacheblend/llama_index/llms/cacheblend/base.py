@@ -18,15 +18,13 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, field_validator
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.schema import BaseNode, NodeWithScore
 
-from cacheblend_rag.blend.methods import MethodSpec
-from cacheblend_rag.engine import GenerationResult, RequestHandle
-from cacheblend_rag.frontend import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
-from cacheblend_rag.settings import get_settings
+from cacheblend_rag.engine import GenerationResult
+from cacheblend_rag.frontend import DocumentRef, GenerationOptions, TextRequest, TokenUsage, answer_report
 
 # What may be passed as ``documents``: retrieved nodes (their id and raw text) or stored chunk ids.
 DocumentLike = NodeWithScore | BaseNode | str
@@ -34,58 +32,28 @@ DocumentLike = NodeWithScore | BaseNode | str
 _T = TypeVar("_T")
 
 
-class CacheBlendLLM(CustomLLM):
+class CacheBlendLLM(GenerationOptions, CustomLLM):
     """LLM over the cacheblend-rag engine; the model's own chat template is applied.
 
     Chunk KV is reused two ways. A prompt that contains the exact text of stored chunks (any stock query
     engine over :class:`~llama_index.retrievers.cacheblend.CacheBlendRetriever`) has those spans
     recognised; and ``documents=`` (nodes or chunk ids, as
     :class:`~llama_index.llms.cacheblend.CacheBlendSynthesizer` passes them) names the chunks in the
-    prompt outright. Documents the store lacks are added to it and their KV computed on first sight.
+    prompt outright. Documents the corpus lacks are added to it and their KV computed on first sight.
 
     Each response's ``additional_kwargs`` hold token counts (``prompt_tokens``, ``completion_tokens``,
     ``total_tokens``, ``cached_tokens`` = prompt tokens whose KV was reused) and ``raw`` the engine's full
-    report (``ttft_s``, ``method``, ``recompute_ratio``, ``chunk_ids``...). Objects over the same store
+    report (``ttft_s``, ``method``, ``recompute_ratio``, ``chunk_ids``...). Objects over the same corpus
     and model share one engine in the process.
     """
 
-    store_dir: str | None = Field(
-        default=None, description="Store built by `cacheblend-rag ingest`; None: no chunk recognition."
-    )
-    model: str | None = Field(
-        default=None, description="Model name or folder (default: the store's model, else the settings')."
-    )
-    method: str = Field(default_factory=lambda: get_settings().method, description="PIC method.")
-    ratio: float | None = Field(
-        default=None, ge=0.0, le=1.0, description="CacheBlend recompute ratio (default: the settings')."
-    )
-    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, description="Sampling seed (with temperature > 0).")
-    stop: list[str] | None = Field(default=None, description="Stop strings (excluded from the output).")
     apply_chat_template: bool = Field(
         default=True, description="complete(): send the prompt as a user turn of the chat template."
     )
-    recognise_chunks: bool = Field(
-        default=True, description="Search prompts for the text of stored chunks to reuse their KV."
-    )
-    remember_documents: bool = Field(default=True, description="Add passed documents the store lacks to it.")
-
-    @field_validator("method")
-    @classmethod
-    def _known_method(cls, value: str) -> str:
-        MethodSpec.parse(value)  # an unknown method or a bad option is refused here, naming the problem
-        return value
 
     @classmethod
     def class_name(cls) -> str:
         return "CacheBlendLLM"
-
-    @property
-    def frontend(self) -> PromptFrontend:
-        """The shared engine front end for this LLM's store and model (loaded on first use)."""
-        return get_frontend(self.store_dir, self.model)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -99,32 +67,15 @@ class CacheBlendLLM(CustomLLM):
     # -- requests ------------------------------------------------------------------------------------
 
     def _request(self, text: str, options: dict[str, Any]) -> TextRequest:
-        documents = options.pop("documents", None) or ()
-        known = {"method", "ratio", "max_tokens", "temperature", "top_p", "seed", "stop"}
-        unknown = set(options) - known
-        if unknown:
-            raise TypeError(
-                f"unsupported option(s) {', '.join(sorted(unknown))}; supported: documents, "
-                + ", ".join(sorted(known))
-            )
-        return text_request(
-            text,
-            self._document_refs(documents),
-            method=options.get("method", self.method),
-            ratio=options.get("ratio", self.ratio),
-            max_tokens=options.get("max_tokens", self.max_tokens),
-            temperature=options.get("temperature", self.temperature),
-            top_p=options.get("top_p", self.top_p),
-            seed=options.get("seed", self.seed),
-            stop=options.get("stop", self.stop),
-        )
+        documents = self._document_refs(options.pop("documents", None) or ())
+        return self.text_request(text, documents, options)
 
     def _document_refs(self, documents: Sequence[DocumentLike]) -> list[DocumentRef]:
         refs: list[DocumentRef] = []
         for doc in documents:
             node = doc.node if isinstance(doc, NodeWithScore) else doc
             if isinstance(node, str):
-                refs.extend(self.frontend.chunk_documents([node]))
+                refs.extend(self.chunk_documents([node]))
             elif isinstance(node, BaseNode):
                 refs.append(DocumentRef(node.get_content(), node.node_id))
             else:
@@ -142,15 +93,12 @@ class CacheBlendLLM(CustomLLM):
     def _chat_text(self, messages: Sequence[ChatMessage]) -> str:
         return self.frontend.render_chat([{"role": m.role.value, "content": _text(m)} for m in messages])
 
-    def _tokens(self, request: TextRequest) -> RequestHandle:
-        return self.frontend.stream(request, self.recognise_chunks, self.remember_documents)
-
     def _run(self, request: TextRequest) -> GenerationResult:
-        return self._tokens(request).result()
+        return self.stream_answer(request).result()
 
     def _stream_texts(self, request: TextRequest) -> Iterator[tuple[str, str, GenerationResult | None]]:
         """(text so far, delta, None) per token, then (full text, "", result) once at the end."""
-        handle = self._tokens(request)
+        handle = self.stream_answer(request)
         text = ""
         for event in handle:
             text += event.text
@@ -163,7 +111,9 @@ class CacheBlendLLM(CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         result = self._run(self._request(self._completion_text(prompt, formatted), kwargs))
-        return CompletionResponse(text=result.text, raw=_report(result), additional_kwargs=_usage(result))
+        return CompletionResponse(
+            text=result.text, raw=answer_report(result), additional_kwargs=_usage(result)
+        )
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -175,7 +125,7 @@ class CacheBlendLLM(CustomLLM):
                     yield CompletionResponse(text=text, delta=delta)
                 else:
                     yield CompletionResponse(
-                        text=text, delta="", raw=_report(result), additional_kwargs=_usage(result)
+                        text=text, delta="", raw=answer_report(result), additional_kwargs=_usage(result)
                     )
 
         return gen()
@@ -197,7 +147,7 @@ class CacheBlendLLM(CustomLLM):
         result = self._run(self._request(self._chat_text(messages), kwargs))
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
-            raw=_report(result),
+            raw=answer_report(result),
             additional_kwargs=_usage(result),
         )
 
@@ -212,7 +162,7 @@ class CacheBlendLLM(CustomLLM):
                     yield ChatResponse(message=message, delta=delta)
                 else:
                     yield ChatResponse(
-                        message=message, delta="", raw=_report(result), additional_kwargs=_usage(result)
+                        message=message, delta="", raw=answer_report(result), additional_kwargs=_usage(result)
                     )
 
         return gen()
@@ -244,16 +194,10 @@ def _text(message: ChatMessage) -> str:
 
 
 def _usage(result: GenerationResult) -> dict[str, int]:
-    output = len(result.token_ids)
+    usage = TokenUsage.of(result)
     return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": output,
-        "total_tokens": result.prompt_tokens + output,
-        "cached_tokens": result.reused_tokens,
+        "prompt_tokens": usage.input,
+        "completion_tokens": usage.output,
+        "total_tokens": usage.total,
+        "cached_tokens": usage.cached,
     }
-
-
-def _report(result: GenerationResult) -> dict[str, Any]:
-    report = result.to_dict()
-    report.pop("token_ids")
-    return report

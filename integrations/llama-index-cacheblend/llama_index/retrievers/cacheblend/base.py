@@ -1,4 +1,4 @@
-"""``CacheBlendRetriever``: LlamaIndex retriever over an ingested cacheblend-rag store."""
+"""``CacheBlendRetriever``: LlamaIndex retriever over an ingested cacheblend-rag corpus."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from cacheblend_rag.corpus.corpus import RetrievedChunk
+from cacheblend_rag.corpus import RetrievedChunk
 from cacheblend_rag.frontend import get_corpus
 from cacheblend_rag.settings import get_settings
 
 
 class CacheBlendRetriever(BaseRetriever):
-    """Top-``similarity_top_k`` chunks of a store for a query.
+    """Top-``similarity_top_k`` chunks of a corpus for a query.
 
     Each node's id is the chunk id and its text the chunk's text exactly as stored. The chunk's metadata
     (``title``, ``source``, offsets, ``score``) is kept on the node but hidden from the LLM and the
@@ -24,7 +24,7 @@ class CacheBlendRetriever(BaseRetriever):
 
     def __init__(
         self,
-        store_dir: str | Path,
+        corpus_dir: str | Path,
         similarity_top_k: int | None = None,
         callback_manager: CallbackManager | None = None,
         verbose: bool = False,
@@ -32,12 +32,12 @@ class CacheBlendRetriever(BaseRetriever):
         top_k = get_settings().top_k if similarity_top_k is None else similarity_top_k
         if top_k < 1:
             raise ValueError(f"similarity_top_k must be at least 1, got {top_k}")
-        self.store_dir = str(store_dir)
+        self.corpus_dir = str(corpus_dir)
         self.similarity_top_k = top_k
         super().__init__(callback_manager=callback_manager, verbose=verbose)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        chunks = get_corpus(self.store_dir).search(query_bundle.query_str, self.similarity_top_k)
+        chunks = get_corpus(self.corpus_dir).search(query_bundle.query_str, self.similarity_top_k)
         return [NodeWithScore(node=chunk_node(c), score=c.score) for c in chunks]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

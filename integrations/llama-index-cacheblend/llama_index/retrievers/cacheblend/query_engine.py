@@ -1,4 +1,4 @@
-"""``CacheBlendQueryEngine``: retrieve from a store and answer with the chunks' KV reused by id."""
+"""``CacheBlendQueryEngine``: retrieve from a corpus and answer with the chunks' KV reused by id."""
 
 from __future__ import annotations
 
@@ -16,19 +16,19 @@ class CacheBlendQueryEngine(RetrieverQueryEngine):
     """A ``RetrieverQueryEngine`` whose synthesizer hands the retrieved nodes to the LLM as segments."""
 
     @classmethod
-    def from_store(
+    def from_corpus(
         cls,
-        store_dir: str | Path,
+        corpus_dir: str | Path,
         llm: CacheBlendLLM | None = None,
         similarity_top_k: int | None = None,
         streaming: bool = False,
         text_qa_template: BasePromptTemplate | None = None,
         node_postprocessors: list[BaseNodePostprocessor] | None = None,
     ) -> CacheBlendQueryEngine:
-        """Retriever, LLM (default: ``CacheBlendLLM`` over the same store) and synthesizer in one call."""
-        llm = llm or CacheBlendLLM(store_dir=str(store_dir))
+        """Retriever, LLM (default: ``CacheBlendLLM`` over the same corpus) and synthesizer in one call."""
+        llm = llm or CacheBlendLLM(corpus_dir=str(corpus_dir))
         return cls(
-            retriever=CacheBlendRetriever(store_dir, similarity_top_k),
+            retriever=CacheBlendRetriever(corpus_dir, similarity_top_k),
             response_synthesizer=CacheBlendSynthesizer(llm, text_qa_template, streaming),
             node_postprocessors=node_postprocessors,
         )
