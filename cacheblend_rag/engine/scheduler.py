@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..blend.fusor import FusionResult
-from ..blend.methods import ResolvedMethod, resolve_method
-from ..blend.segments import ChunkKVSource, Segment
+from ..blend.segments import Segment
+from ..blend.spec import ResolvedMethod, resolve_method
 from ..errors import AdmissionError
-from ..models.runtime import KVCache, LayerwiseModel
 from ..settings import get_settings
 from ..store.keys import kv_bytes_per_token
 from .base import BatchRequest, FusionStats, GenerationResult, Method, TokenEvent, generation_budget
+from .batch_kv import DecodeCache, SharedChunk, share_chunks
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
@@ -137,109 +137,6 @@ class _Row:
     position: int = 0
 
 
-class _SharedChunk:
-    """A chunk's KV read once for an admission group and served to every request of it that uses the
-    chunk; its layers are dropped when the last of those requests has been fused."""
-
-    def __init__(self, source: ChunkKVSource) -> None:
-        self.source = source
-        self.fingerprint = source.fingerprint
-        self.num_tokens = source.num_tokens
-        self.num_layers = source.num_layers
-        self.users = 0
-        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lock = threading.Lock()  # the pipelined loader reads ahead on its own thread
-
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._lock:
-            kv = self._layers.get(layer)
-            if kv is None:
-                kv = self._layers[layer] = self.source.layer(layer)
-            return kv
-
-    def release(self) -> None:
-        with self._lock:
-            self.users -= 1
-            if self.users == 0:
-                self._layers.clear()
-
-
-def _share_chunks(group: Sequence[_Pending]) -> list[list[Segment]]:
-    """Each request's segments with every cached source replaced by one :class:`_SharedChunk` per source.
-
-    Sources are matched by identity: the store hands out one object per chunk (its RAM-tier entry, or the
-    one live disk reader), so requests built from the same store share them, while KV a caller attached
-    by hand is never mixed with another copy that might differ in dtype.
-    """
-    shared: dict[int, _SharedChunk] = {}
-    out = []
-    for pending in group:
-        segments = []
-        for segment in pending.segments:
-            if segment.kv is None:
-                segments.append(segment)
-                continue
-            chunk = shared.get(id(segment.kv))
-            if chunk is None:
-                chunk = shared[id(segment.kv)] = _SharedChunk(segment.kv)
-            chunk.users += 1
-            segments.append(Segment(segment.token_ids, chunk, segment.chunk_id))
-        out.append(segments)
-    return out
-
-
-class _DecodeCache:
-    """The decode batch's KV: per layer [rows, Hkv, capacity, d]; active rows occupy slots 0..n-1."""
-
-    def __init__(self, model: LayerwiseModel) -> None:
-        self.model = model
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-
-    @property
-    def rows(self) -> int:
-        return self.keys[0].shape[0] if self.keys else 0
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def reserve(self, rows: int, capacity: int, keep: int) -> None:
-        """Make room for ``rows`` rows of ``capacity`` slots, keeping the first ``keep`` rows' contents.
-        A new buffer is sized exactly to the request, so it never exceeds what admission allowed."""
-        if rows <= self.rows and capacity <= self.capacity:
-            return
-        fresh = self.model.new_cache(capacity, batch=rows)
-        if keep:
-            span = min(capacity, self.capacity)
-            for old, new in zip((*self.keys, *self.values), (*fresh.keys, *fresh.values), strict=True):
-                new[:keep, :, :span] = old[:keep, :, :span]
-        self.keys, self.values = fresh.keys, fresh.values
-
-    def place(self, slot: int, cache: KVCache, length: int) -> None:
-        """Copy a fused single-request cache's first ``length`` slots into row ``slot``. Slots past them
-        keep stale data, which is harmless: a row's query at position p sees only slots 0..p, and slot p is
-        written by the same forward before attention reads it."""
-        for layer in range(len(self.keys)):
-            self.keys[layer][slot, :, :length] = cache.keys[layer][0, :, :length]
-            self.values[layer][slot, :, :length] = cache.values[layer][0, :, :length]
-
-    def move(self, source: int, target: int) -> None:
-        for buf in (*self.keys, *self.values):
-            buf[target] = buf[source]
-
-    def view(self, rows: int) -> KVCache:
-        """The first ``rows`` rows as a cache whose writes land in this buffer."""
-        return KVCache([k[:rows] for k in self.keys], [v[:rows] for v in self.values])
-
-    def release(self) -> None:
-        self.keys, self.values = [], []
-
-
 class BatchScheduler:
     """Serves concurrent requests over one :class:`Engine` in batches (see the module docstring).
 
@@ -267,7 +164,7 @@ class BatchScheduler:
         self.stats = SchedulerStats()
         self._waiting: deque[_Pending] = deque()
         self._rows: list[_Row] = []
-        self._cache = _DecodeCache(self.model)
+        self._cache = DecodeCache(self.model)
         self._cond = threading.Condition()
         self._closing = False
         self._next_id = 0
@@ -394,13 +291,13 @@ class BatchScheduler:
         capacities = [row.pending.capacity for row in self._rows] + [p.capacity for p in group]
         self._cache.reserve(len(capacities), max(capacities), keep=len(self._rows))
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
-        for pending, segments in zip(group, _share_chunks(group), strict=True):
+        for pending, segments in zip(group, share_chunks([p.segments for p in group]), strict=True):
             try:
                 try:
                     fusion = self.engine.fuse(segments, pending.resolved.method)
                 finally:
                     for segment in segments:
-                        if isinstance(segment.kv, _SharedChunk):
+                        if isinstance(segment.kv, SharedChunk):
                             segment.kv.release()
                 self._begin_row(pending, fusion)
             except Exception as exc:

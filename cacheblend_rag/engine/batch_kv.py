@@ -1,0 +1,114 @@
+"""The batch scheduler's memory: chunk KV shared by an admission group, and the decode batch's KV."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from ..blend.segments import ChunkKVSource, Segment
+from ..models.runtime import KVCache, LayerwiseModel
+
+
+class SharedChunk:
+    """A chunk's KV read once for an admission group and served to every request of it that uses the
+    chunk; its layers are dropped when the last of those requests has been fused."""
+
+    def __init__(self, source: ChunkKVSource) -> None:
+        self.source = source
+        self.fingerprint = source.fingerprint
+        self.num_tokens = source.num_tokens
+        self.num_layers = source.num_layers
+        self.users = 0
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._lock = threading.Lock()  # the pipelined loader reads ahead on its own thread
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            kv = self._layers.get(layer)
+            if kv is None:
+                kv = self._layers[layer] = self.source.layer(layer)
+            return kv
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            if self.users == 0:
+                self._layers.clear()
+
+
+def share_chunks(requests: Sequence[Sequence[Segment]]) -> list[list[Segment]]:
+    """Each request's segments with every cached source replaced by one :class:`SharedChunk` per source.
+
+    Sources are matched by identity: the store hands out one object per chunk (its RAM-tier entry, or the
+    one live disk reader), so requests built from the same store share them, while KV a caller attached
+    by hand is never mixed with another copy that might differ in dtype.
+    """
+    shared: dict[int, SharedChunk] = {}
+    out = []
+    for request in requests:
+        segments = []
+        for segment in request:
+            if segment.kv is None:
+                segments.append(segment)
+                continue
+            chunk = shared.get(id(segment.kv))
+            if chunk is None:
+                chunk = shared[id(segment.kv)] = SharedChunk(segment.kv)
+            chunk.users += 1
+            segments.append(Segment(segment.token_ids, chunk, segment.chunk_id))
+        out.append(segments)
+    return out
+
+
+class DecodeCache:
+    """The decode batch's KV: per layer [rows, Hkv, capacity, d]; active rows occupy slots 0..n-1."""
+
+    def __init__(self, model: LayerwiseModel) -> None:
+        self.model = model
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def reserve(self, rows: int, capacity: int, keep: int) -> None:
+        """Make room for ``rows`` rows of ``capacity`` slots, keeping the first ``keep`` rows' contents.
+        A new buffer is sized exactly to the request, so it never exceeds what admission allowed."""
+        if rows <= self.rows and capacity <= self.capacity:
+            return
+        fresh = self.model.new_cache(capacity, batch=rows)
+        if keep:
+            span = min(capacity, self.capacity)
+            for old, new in zip((*self.keys, *self.values), (*fresh.keys, *fresh.values), strict=True):
+                new[:keep, :, :span] = old[:keep, :, :span]
+        self.keys, self.values = fresh.keys, fresh.values
+
+    def place(self, slot: int, cache: KVCache, length: int) -> None:
+        """Copy a fused single-request cache's first ``length`` slots into row ``slot``. Slots past them
+        keep stale data, which is harmless: a row's query at position p sees only slots 0..p, and slot p is
+        written by the same forward before attention reads it."""
+        for layer in range(len(self.keys)):
+            self.keys[layer][slot, :, :length] = cache.keys[layer][0, :, :length]
+            self.values[layer][slot, :, :length] = cache.values[layer][0, :, :length]
+
+    def move(self, source: int, target: int) -> None:
+        for buf in (*self.keys, *self.values):
+            buf[target] = buf[source]
+
+    def view(self, rows: int) -> KVCache:
+        """The first ``rows`` rows as a cache whose writes land in this buffer."""
+        return KVCache([k[:rows] for k in self.keys], [v[:rows] for v in self.values])
+
+    def release(self) -> None:
+        self.keys, self.values = [], []
