@@ -1,0 +1,116 @@
+"""cacheblend-rag: fast RAG by blending precomputed chunk KV caches with selective recompute (CacheBlend).
+
+The public names, importable from here (``from cacheblend_rag import CacheBlendRAG``):
+
+- answering: :class:`CacheBlendRAG` (retrieve, blend, answer over a corpus), built by
+  ``cacheblend_rag.ingest.ingest`` (the function shares its name with its package, so it is imported
+  from there);
+- engines: :class:`Engine` (PyTorch), :func:`create_engine` (``"torch"`` or ``"vllm"``), the contract
+  :class:`EngineProtocol`, :class:`BatchRequest`, :class:`SamplingParams`, :class:`ChunkRef`,
+  :class:`GenerationResult`, :class:`BatchScheduler`;
+- methods: :class:`RecomputeMethod`, :func:`register_method`, :class:`MethodSpec`, :class:`Segment`;
+- storage: :class:`Corpus`, :class:`CorpusManifest` (the corpus directory), :class:`KVStore` (its chunk
+  KV store);
+- integrations: :class:`PromptFrontend`, :class:`GenerationOptions`;
+- :func:`get_settings` and :class:`CacheBlendError`.
+
+They load on first use: importing the package stays cheap for the command line and vLLM's worker
+processes, which import single modules of it.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "CacheBlendRAG": "rag",
+    "QueryResult": "rag",
+    "IngestSummary": "ingest",
+    "Engine": "engine",
+    "EngineProtocol": "engine",
+    "create_engine": "engine",
+    "BatchRequest": "engine",
+    "BatchScheduler": "engine",
+    "ChunkRef": "engine",
+    "GenerationResult": "engine",
+    "SamplingParams": "engine",
+    "TokenEvent": "engine",
+    "RecomputeMethod": "blend",
+    "register_method": "blend",
+    "available_methods": "blend",
+    "MethodSpec": "blend",
+    "Reuse": "blend",
+    "Segment": "blend",
+    "Corpus": "corpus",
+    "CorpusManifest": "corpus",
+    "KVStore": "store",
+    "PromptFrontend": "frontend",
+    "GenerationOptions": "frontend",
+    "get_settings": "settings",
+    "Settings": "settings",
+    "CacheBlendError": "errors",
+}
+
+__all__ = [
+    "BatchRequest",
+    "BatchScheduler",
+    "CacheBlendError",
+    "CacheBlendRAG",
+    "ChunkRef",
+    "Corpus",
+    "CorpusManifest",
+    "Engine",
+    "EngineProtocol",
+    "GenerationOptions",
+    "GenerationResult",
+    "IngestSummary",
+    "KVStore",
+    "MethodSpec",
+    "PromptFrontend",
+    "QueryResult",
+    "RecomputeMethod",
+    "Reuse",
+    "SamplingParams",
+    "Segment",
+    "Settings",
+    "TokenEvent",
+    "available_methods",
+    "create_engine",
+    "get_settings",
+    "register_method",
+]
+
+if TYPE_CHECKING:
+    from .blend import MethodSpec, RecomputeMethod, Reuse, Segment, available_methods, register_method
+    from .corpus import Corpus, CorpusManifest
+    from .engine import (
+        BatchRequest,
+        BatchScheduler,
+        ChunkRef,
+        Engine,
+        EngineProtocol,
+        GenerationResult,
+        SamplingParams,
+        TokenEvent,
+        create_engine,
+    )
+    from .errors import CacheBlendError
+    from .frontend import GenerationOptions, PromptFrontend
+    from .ingest import IngestSummary
+    from .rag import CacheBlendRAG, QueryResult
+    from .settings import Settings, get_settings
+    from .store import KVStore
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

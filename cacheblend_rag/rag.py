@@ -7,7 +7,7 @@ from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .blend.methods import MethodSpec
+from .blend.spec import MethodSpec
 from .corpus.corpus import Corpus, RetrievedChunk
 from .engine import (
     BatchRequest,
@@ -81,14 +81,14 @@ class CacheBlendRAG:
 
     def __init__(
         self,
-        store_dir: str | Path,
+        corpus_dir: str | Path,
         engine: EngineProtocol | None = None,
         model: str | Path | None = None,
         engine_kind: str | None = None,
     ):
-        """Open ``store_dir``; without an ``engine``, build one of ``engine_kind`` ("torch" or "vllm",
-        default: the ``engine`` setting) over the corpus's model."""
-        self.corpus = Corpus.open(store_dir)
+        """Open the corpus at ``corpus_dir``; without an ``engine``, build one of ``engine_kind`` ("torch"
+        or "vllm", default: the ``engine`` setting) over the corpus's model."""
+        self.corpus = Corpus.open(corpus_dir)
         manifest = self.corpus.manifest
         if engine is None:
             recorded = manifest.model_path if Path(manifest.model_path).is_dir() else manifest.model
@@ -96,9 +96,9 @@ class CacheBlendRAG:
         self.engine = engine
         if manifest.model_fingerprint != self.engine.model.fingerprint:
             raise StoreError(
-                f"{store_dir} was built with model {manifest.model!r} (fingerprint "
+                f"{corpus_dir} was built with model {manifest.model!r} (fingerprint "
                 f"{manifest.model_fingerprint[:12]}…) but the engine runs {self.engine.model.name!r} "
-                f"({self.engine.model.fingerprint[:12]}…); ingest into a new store for this model"
+                f"({self.engine.model.fingerprint[:12]}…); ingest into a new corpus directory for this model"
             )
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:

@@ -19,7 +19,7 @@ class Settings(BaseSettings):
 
     home: Path = Field(
         default_factory=lambda: Path(platformdirs.user_cache_dir("cacheblend-rag")),
-        description="Cache directory for provisioned models and default stores.",
+        description="Cache directory for provisioned models and default KV stores.",
     )
     model: str = Field(DEFAULT_MODEL, description="Default model name or local HF directory.")
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'.")
@@ -42,7 +42,7 @@ class Settings(BaseSettings):
     )
     ram_budget_bytes: int = Field(2 * 1024**3, description="RAM tier byte budget.")
     disk_budget_bytes: int = Field(50 * 1024**3, description="Disk tier byte budget.")
-    index_type: str = Field("flat", description="Vector index of new stores: flat (exact), ivf or hnsw.")
+    index_type: str = Field("flat", description="Vector index of new corpora: flat (exact), ivf or hnsw.")
     embedder: str = Field("all-MiniLM-L6-v2", description="Embedding model name or local directory.")
 
     @property

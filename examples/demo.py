@@ -1,7 +1,7 @@
 """`make demo`: ingest the sample corpus (once), answer its questions with full prefill and with CacheBlend,
 and print a table of answers, TTFTs and the speed-up.
 
-The store lives under the cache dir (``CACHEBLEND_HOME``), so later runs skip ingestion and KV precompute.
+The corpus lives under the cache dir (``CACHEBLEND_HOME``), so later runs skip ingestion and KV precompute.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from cacheblend_rag.engine import Engine, SamplingParams
-from cacheblend_rag.ingest.pipeline import ingest
-from cacheblend_rag.rag import CacheBlendRAG
-from cacheblend_rag.settings import get_settings
+from cacheblend_rag import CacheBlendRAG, Engine, SamplingParams, get_settings
+from cacheblend_rag.ingest import ingest
 
 DATA = Path(__file__).parent / "data"
 METHODS = ("full_recompute", "cacheblend")
@@ -24,15 +22,15 @@ METHODS = ("full_recompute", "cacheblend")
 
 def main() -> None:
     console = Console()
-    store = get_settings().home / "stores" / "sample"
-    console.print(f"[bold]Ingesting[/bold] {DATA / 'corpus'} into {store} (unchanged files are skipped)…")
-    engine = Engine(store=store / "kv")
-    summary = ingest([DATA / "corpus"], store, engine=engine)
+    corpus = get_settings().home / "stores" / "sample"
+    console.print(f"[bold]Ingesting[/bold] {DATA / 'corpus'} into {corpus} (unchanged files are skipped)…")
+    engine = Engine(store=corpus / "kv")
+    summary = ingest([DATA / "corpus"], corpus, engine=engine)
     console.print(
         f"  {summary.files} files, {summary.chunks} chunks ({summary.new_chunks} new), "
         f"{summary.kv_bytes / 1e6:.1f} MB of KV written, {summary.seconds:.1f} s"
     )
-    rag = CacheBlendRAG(store, engine=engine)
+    rag = CacheBlendRAG(corpus, engine=engine)
     questions = json.loads((DATA / "questions.json").read_text())
     sampling = SamplingParams(max_new_tokens=32)
     rag.query(

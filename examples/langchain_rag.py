@@ -5,7 +5,7 @@ example prints, per question, the answer with its TTFT and reused prompt tokens,
 prefill for comparison, then streams one answer token by token through the explicit RAG chain.
 
     python examples/langchain_rag.py
-    python examples/langchain_rag.py --store /tmp/s --lazy-kv --questions 1
+    python examples/langchain_rag.py --corpus /tmp/c --lazy-kv --questions 1
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from langchain_cacheblend import (
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 
-from cacheblend_rag.ingest.pipeline import ingest
-from cacheblend_rag.settings import get_settings
+from cacheblend_rag import get_settings
+from cacheblend_rag.ingest import ingest
 
 DATA = Path(__file__).parent / "data"
 PROMPT = ChatPromptTemplate.from_messages(
@@ -37,17 +37,19 @@ PROMPT = ChatPromptTemplate.from_messages(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--store", type=Path, default=get_settings().home / "stores" / "sample")
+    parser.add_argument(
+        "--corpus", "--store", dest="corpus", type=Path, default=get_settings().home / "stores" / "sample"
+    )
     parser.add_argument("--lazy-kv", action="store_true", help="compute chunk KV on first use, not at ingest")
     parser.add_argument("--questions", type=int, default=4, help="how many sample questions to ask")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    ingest([DATA / "corpus"], args.store, precompute_kv=not args.lazy_kv)  # unchanged files are skipped
+    ingest([DATA / "corpus"], args.corpus, precompute_kv=not args.lazy_kv)  # unchanged files are skipped
 
-    retriever = CacheBlendRetriever(store_dir=str(args.store), k=args.top_k)
-    llm = ChatCacheBlend(store_dir=str(args.store), max_tokens=args.max_tokens)
+    retriever = CacheBlendRetriever(corpus_dir=str(args.corpus), k=args.top_k)
+    llm = ChatCacheBlend(corpus_dir=str(args.corpus), max_tokens=args.max_tokens)
     chain = {"context": retriever | format_documents, "question": RunnablePassthrough()} | PROMPT | llm
     full_prefill = (
         {"context": retriever | format_documents, "question": RunnablePassthrough()}

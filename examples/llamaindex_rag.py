@@ -4,7 +4,7 @@ the LLM recognises the chunks' text in the prompt instead. Prints answers, TTFT 
 streams one answer.
 
     python examples/llamaindex_rag.py
-    python examples/llamaindex_rag.py --store /tmp/s --lazy-kv --questions 1
+    python examples/llamaindex_rag.py --corpus /tmp/c --lazy-kv --questions 1
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from llama_index.core.response_synthesizers import SimpleSummarize
 from llama_index.llms.cacheblend import CacheBlendLLM
 from llama_index.retrievers.cacheblend import CacheBlendQueryEngine, CacheBlendRetriever
 
-from cacheblend_rag.ingest.pipeline import ingest
-from cacheblend_rag.settings import get_settings
+from cacheblend_rag import get_settings
+from cacheblend_rag.ingest import ingest
 
 DATA = Path(__file__).parent / "data"
 
@@ -45,21 +45,23 @@ class EngineReports(BaseEventHandler):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--store", type=Path, default=get_settings().home / "stores" / "sample")
+    parser.add_argument(
+        "--corpus", "--store", dest="corpus", type=Path, default=get_settings().home / "stores" / "sample"
+    )
     parser.add_argument("--lazy-kv", action="store_true", help="compute chunk KV on first use, not at ingest")
     parser.add_argument("--questions", type=int, default=4, help="how many sample questions to ask")
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    ingest([DATA / "corpus"], args.store, precompute_kv=not args.lazy_kv)  # unchanged files are skipped
+    ingest([DATA / "corpus"], args.corpus, precompute_kv=not args.lazy_kv)  # unchanged files are skipped
 
     reports = EngineReports()
     get_dispatcher().add_event_handler(reports)
-    llm = CacheBlendLLM(store_dir=str(args.store), max_tokens=args.max_tokens)
-    by_node = CacheBlendQueryEngine.from_corpus(args.store, llm=llm, similarity_top_k=args.top_k)
+    llm = CacheBlendLLM(corpus_dir=str(args.corpus), max_tokens=args.max_tokens)
+    by_node = CacheBlendQueryEngine.from_corpus(args.corpus, llm=llm, similarity_top_k=args.top_k)
     by_text = RetrieverQueryEngine(
-        CacheBlendRetriever(args.store, args.top_k), response_synthesizer=SimpleSummarize(llm=llm)
+        CacheBlendRetriever(args.corpus, args.top_k), response_synthesizer=SimpleSummarize(llm=llm)
     )
     llm.complete("Hi", max_tokens=1)  # one-time start-up costs (loads the model)
 
@@ -76,7 +78,7 @@ def main() -> None:
             )
 
     streaming = CacheBlendQueryEngine.from_corpus(
-        args.store, llm=llm, similarity_top_k=args.top_k, streaming=True
+        args.corpus, llm=llm, similarity_top_k=args.top_k, streaming=True
     )
     print(f"\nStreaming: {questions[0]['question']}\n  ", end="")
     for token in streaming.query(questions[0]["question"]).response_gen:

@@ -1,8 +1,9 @@
 """Quickstart: the core API. Ingest the sample corpus, then answer its questions with full prefill and with
-CacheBlend (the chunks' precomputed KV blended, 15% of their tokens recomputed), printing answers and TTFT.
+CacheBlend (the chunks' precomputed KV blended, the share of their tokens recomputed chosen by the loading
+controller, 15% at least), printing answers and TTFT.
 
-    python examples/quickstart.py                      # store under the cache dir, reused by later runs
-    python examples/quickstart.py --store /tmp/s --lazy-kv --questions 1
+    python examples/quickstart.py                      # corpus under the cache dir, reused by later runs
+    python examples/quickstart.py --corpus /tmp/c --lazy-kv --questions 1
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ import argparse
 import json
 from pathlib import Path
 
-from cacheblend_rag.engine import Engine, SamplingParams
-from cacheblend_rag.ingest.pipeline import ingest
-from cacheblend_rag.rag import CacheBlendRAG
-from cacheblend_rag.settings import get_settings
+from cacheblend_rag import CacheBlendRAG, Engine, SamplingParams, get_settings
+from cacheblend_rag.ingest import ingest
 
 DATA = Path(__file__).parent / "data"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--store", type=Path, default=get_settings().home / "stores" / "sample")
+    parser.add_argument(
+        "--corpus", "--store", dest="corpus", type=Path, default=get_settings().home / "stores" / "sample"
+    )
     parser.add_argument("--lazy-kv", action="store_true", help="compute chunk KV on first use, not at ingest")
     parser.add_argument("--questions", type=int, default=4, help="how many sample questions to ask")
     parser.add_argument("--top-k", type=int, default=4)
@@ -29,13 +30,13 @@ def main() -> None:
     args = parser.parse_args()
 
     # Ingest once: unchanged files are skipped on later runs. The engine precomputes every chunk's KV.
-    engine = Engine(store=args.store / "kv")
-    summary = ingest([DATA / "corpus"], args.store, engine=engine, precompute_kv=not args.lazy_kv)
+    engine = Engine(store=args.corpus / "kv")
+    summary = ingest([DATA / "corpus"], args.corpus, engine=engine, precompute_kv=not args.lazy_kv)
     print(
-        f"store {args.store}: {summary.chunks} chunks ingested in this run, {summary.kv_chunks} KV computed"
+        f"corpus {args.corpus}: {summary.chunks} chunks ingested in this run, {summary.kv_chunks} KV computed"
     )
 
-    rag = CacheBlendRAG(args.store, engine=engine)
+    rag = CacheBlendRAG(args.corpus, engine=engine)
     sampling = SamplingParams(max_new_tokens=args.max_tokens)
     rag.query("warm-up", top_k=1, sampling=SamplingParams(max_new_tokens=1))  # one-time start-up costs
 

@@ -7,21 +7,17 @@ from .methods import (
     Epic,
     FullRecompute,
     FullReuse,
-    MethodSpec,
     PrefixCache,
     RecomputeMethod,
-    ResolvedMethod,
     Reuse,
     available_methods,
     get_method,
     method_class,
-    parse_method,
     register_method,
-    resolve_method,
-    reuse_of,
 )
 from .plan import FusionPlan, LayerState
 from .segments import ChunkKV, ChunkKVSource, DirectLayerKV, LayerKVProvider, Segment
+from .spec import MethodSpec, ResolvedMethod, parse_method, resolve_method, reuse_of, split_specs
 
 __all__ = [
     "CacheBlend",
@@ -52,4 +48,5 @@ __all__ = [
     "register_method",
     "resolve_method",
     "reuse_of",
+    "split_specs",
 ]

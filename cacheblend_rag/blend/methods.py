@@ -9,7 +9,8 @@ A method owns itself: its options are typed, validated and bounded fields of its
 model, so adding an option is one line), it declares what KV it reuses (:class:`Reuse`) and which option,
 if any, the loading controller may choose. Callers name a method with a :class:`MethodSpec`
 (``cacheblend``, ``cacheblend@0.15``, ``cacheblend@ratio=0.15,signal=v``) and turn a request into a
-method with :func:`resolve_method`; nothing outside this package looks at a method's name.
+method with :func:`~.spec.resolve_method` (both in :mod:`.spec`); nothing outside this package looks
+at a method's name.
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from importlib.metadata import entry_points
 from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import MethodOptionError
-from .controller import Decision, LoadingController
 from .plan import FusionPlan, LayerState
-from .segments import Segment
 
 
 class Reuse(StrEnum):
@@ -74,7 +74,7 @@ class RecomputeMethod(BaseModel, ABC):
 
     def options(self) -> dict[str, Any]:
         """The option values, JSON-able."""
-        return {name: _jsonable(getattr(self, name)) for name in type(self).model_fields}
+        return {name: jsonable(getattr(self, name)) for name in type(self).model_fields}
 
 
 def _all_positions(plan: FusionPlan) -> torch.Tensor:
@@ -194,6 +194,10 @@ class _Entry:
 
 
 _REGISTRY: dict[str, _Entry] = {}
+# Methods other packages declare in this entry point group (``name = "package.module:MethodClass"``) are
+# registered the first time a name is looked up that is not registered yet, or the methods are listed.
+ENTRY_POINT_GROUP = "cacheblend_rag.methods"
+_plugins_loaded = False
 
 
 def register_method(method: type[RecomputeMethod] | str, factory: MethodFactory | None = None):
@@ -213,7 +217,23 @@ def register_method(method: type[RecomputeMethod] | str, factory: MethodFactory 
 
 
 def available_methods() -> list[str]:
+    _load_plugins()
     return sorted(_REGISTRY)
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        method = entry_point.load()
+        if not (isinstance(method, type) and issubclass(method, RecomputeMethod)):
+            raise TypeError(
+                f"entry point {entry_point.name} = {entry_point.value} of {ENTRY_POINT_GROUP} is not a "
+                "RecomputeMethod subclass"
+            )
+        _REGISTRY.setdefault(method.name, _Entry(method, method))
 
 
 def method_class(name: str) -> type[RecomputeMethod]:
@@ -228,12 +248,14 @@ def get_method(name: str, **options: Any) -> RecomputeMethod:
     unknown = sorted(set(options) - set(entry.cls.model_fields))
     if unknown:
         raise MethodOptionError(
-            f"method {name!r} has no option {', '.join(map(repr, unknown))}; {_options_help(entry.cls)}"
+            f"method {name!r} has no option {', '.join(map(repr, unknown))}; {options_help(entry.cls)}"
         )
     return entry.factory(**options)
 
 
 def _entry(name: str) -> _Entry:
+    if isinstance(name, str) and name not in _REGISTRY:
+        _load_plugins()
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -242,12 +264,12 @@ def _entry(name: str) -> _Entry:
         ) from None
 
 
-def _options_help(cls: type[RecomputeMethod]) -> str:
+def options_help(cls: type[RecomputeMethod]) -> str:
     fields = cls.model_fields
     if not fields:
         return "it takes no options"
     described = [
-        f"{name} (default {json.dumps(_jsonable(f.default))}: {f.description})" for name, f in fields.items()
+        f"{name} (default {json.dumps(jsonable(f.default))}: {f.description})" for name, f in fields.items()
     ]
     return "its options: " + "; ".join(described)
 
@@ -260,186 +282,14 @@ def _option_error(cls: type[RecomputeMethod], exc: ValidationError) -> MethodOpt
             problems.append(f"no option {where!r}")
         else:
             problems.append(f"{where}: {error['msg']} (got {error['input']!r})")
-    return MethodOptionError(f"method {cls.name!r}: {'; '.join(problems)}; {_options_help(cls)}")
+    return MethodOptionError(f"method {cls.name!r}: {'; '.join(problems)}; {options_help(cls)}")
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     return value
 
 
 for _method in (FullRecompute, FullReuse, PrefixCache, Epic, CacheBlend):
     register_method(_method)
-
-
-# -- naming a method: specs --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A method name with options, labelled e.g. ``cacheblend@0.15`` (one column of eval results)."""
-
-    label: str
-    name: str
-    options: tuple[tuple[str, Any], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> MethodSpec:
-        """``name``, ``name@value`` (the method's shorthand option: cacheblend@RATIO, epic@K) or
-        ``name@option=value,option=value``. Values are checked by the method; the label is canonical."""
-        name, at, body = text.strip().partition("@")
-        method = method_class(name)
-        if not at:
-            return cls(name, name)
-        if not body:
-            raise MethodOptionError(f"{text!r}: nothing after '@'")
-        parts = _split_options(body)
-        if len(parts) == 1 and "=" not in parts[0]:
-            if method.shorthand is None:
-                raise MethodOptionError(
-                    f"method {name!r} takes no @option (only methods with a shorthand option do, e.g. "
-                    f"cacheblend@0.15); {_options_help(method)}"
-                )
-            given = {method.shorthand: parts[0]}
-        else:
-            given = {}
-            for part in parts:
-                key, eq, value = part.partition("=")
-                if not eq or not key.strip():
-                    raise MethodOptionError(f"{text!r}: expected option=value, got {part!r}")
-                given[key.strip()] = value.strip()
-        built = get_method(name, **{key: _parse_value(value) for key, value in given.items()})
-        options = tuple((key, getattr(built, key)) for key in given)
-        return cls(_label(method, options), name, options)
-
-    def build(self) -> RecomputeMethod:
-        return get_method(self.name, **dict(self.options))
-
-    def with_ratio(self, ratio: float | None) -> MethodSpec:
-        """This spec with its recompute ratio set to ``ratio``; unchanged when ``ratio`` is None or the
-        method has no ratio (a ratio is a setting for the methods that take one, as ``--ratio`` is)."""
-        option = self.method_class.ratio_option
-        if ratio is None or option is None:
-            return self
-        options = {**dict(self.options), option: ratio}
-        get_method(self.name, **options)  # refuses a ratio outside the method's bounds
-        items = tuple(options.items())
-        return MethodSpec(_label(self.method_class, items), self.name, items)
-
-    @property
-    def method_class(self) -> type[RecomputeMethod]:
-        return method_class(self.name)
-
-    @property
-    def ratio(self) -> float | None:
-        """The recompute ratio the spec sets, if its method has one."""
-        option = self.method_class.ratio_option
-        return dict(self.options).get(option) if option else None
-
-
-def parse_method(text: str) -> MethodSpec:
-    """:meth:`MethodSpec.parse`."""
-    return MethodSpec.parse(text)
-
-
-def reuse_of(method: str | MethodSpec | RecomputeMethod | Reuse) -> Reuse:
-    """What KV ``method`` (a name, spec or instance; a :class:`Reuse` stands for itself) reuses."""
-    if isinstance(method, Reuse):
-        return method
-    if isinstance(method, RecomputeMethod):
-        return method.reuses
-    spec = method if isinstance(method, MethodSpec) else MethodSpec.parse(method)
-    return spec.method_class.reuses
-
-
-def _split_options(body: str) -> list[str]:
-    """Split on commas outside brackets (a value may be a JSON list)."""
-    parts, depth, current = [], 0, []
-    for char in body:
-        depth += char in "[{"
-        depth -= char in "]}"
-        if char == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    parts.append("".join(current))
-    return [p.strip() for p in parts]
-
-
-def _parse_value(text: str) -> Any:
-    """A JSON value (number, list, true/false) or else the text itself."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
-def _label(method: type[RecomputeMethod], options: Sequence[tuple[str, Any]]) -> str:
-    def show(value: Any) -> str:
-        if isinstance(value, float | int) and not isinstance(value, bool):
-            return f"{value:g}"
-        return value if isinstance(value, str) else json.dumps(_jsonable(value), separators=(",", ":"))
-
-    if not options:
-        return method.name
-    if len(options) == 1 and options[0][0] == method.shorthand:
-        return f"{method.name}@{show(options[0][1])}"
-    return f"{method.name}@" + ",".join(f"{key}={show(value)}" for key, value in options)
-
-
-# -- resolving a request -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ResolvedMethod:
-    """The method a request runs with, and the loading controller's decision when it chose an option."""
-
-    method: RecomputeMethod
-    decision: Decision | None = None
-
-    @property
-    def controller(self) -> dict[str, Any] | None:
-        """The decision as results report it (None when the caller set every option)."""
-        return self.decision.to_dict() if self.decision is not None else None
-
-
-def resolve_method(
-    method: str | MethodSpec | RecomputeMethod,
-    segments: Sequence[Segment],
-    controller: LoadingController | None = None,
-    options: Mapping[str, Any] | None = None,
-) -> ResolvedMethod:
-    """The method a request over ``segments`` runs with.
-
-    ``method`` is a registered name or spec with ``options`` (an option given as None counts as not
-    given), or a ready instance (then ``options`` must be empty). When the method has a ratio option the
-    caller left unset, ``controller`` chooses it from the cached tokens and the tier they load from."""
-    options = {key: value for key, value in (options or {}).items() if value is not None}
-    if isinstance(method, RecomputeMethod):
-        if options:
-            raise MethodOptionError(
-                f"options {sorted(options)} were given with a ready {method.name!r} method; "
-                "pass its name instead, or set them on the instance"
-            )
-        return ResolvedMethod(method)
-    if isinstance(method, MethodSpec):
-        method, options = method.name, {**dict(method.options), **options}
-    elif "@" in method:
-        spec = MethodSpec.parse(method)
-        method, options = spec.name, {**dict(spec.options), **options}
-    option = method_class(method).ratio_option
-    decision = None
-    if option is not None and option not in options and controller is not None:
-        decision = choose_ratio(controller, segments)
-        options[option] = decision.ratio
-    return ResolvedMethod(get_method(method, **options), decision)
-
-
-def choose_ratio(controller: LoadingController, segments: Sequence[Segment]) -> Decision:
-    """The controller's ratio for a prompt: matched to the slowest tier its chunks load from."""
-    sources = [s.kv for s in segments if s.kv is not None]
-    cached = sum(source.num_tokens for source in sources)
-    tier = "disk" if any(getattr(source, "tier", "ram") == "disk" for source in sources) else "ram"
-    return controller.choose(cached, sum(len(s) for s in segments), tier)

@@ -46,7 +46,7 @@ def read_questions(path: Path) -> list[str]:
 
 def query_batch_command(
     batch: Path,
-    store: Path,
+    corpus: Path,
     top_k: int | None,
     method: str | None,
     ratio: float | None,
@@ -59,7 +59,7 @@ def query_batch_command(
     """What ``query --batch FILE`` does: answer every question of FILE and print the answers (or JSON)."""
     try:
         questions = read_questions(batch)
-        rag = CacheBlendRAG(store, model=model)
+        rag = CacheBlendRAG(corpus, model=model)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
         started = time.perf_counter()
         results = rag.query_batch(questions, top_k, method, ratio, chunk_ids, sampling)

@@ -48,7 +48,10 @@ def eval_command(
     ] = "musique",
     methods: Annotated[
         str,
-        typer.Option(help="Comma-separated methods; cacheblend runs once per --ratios value, epic@K sets k."),
+        typer.Option(
+            help="Comma-separated methods or specs (epic@32, cacheblend@ratio=0.3,signal=v); a method with a "
+            "ratio given without one (cacheblend) runs once per --ratios value."
+        ),
     ] = "full_recompute,prefix_cache,full_reuse,cacheblend,epic",
     ratios: Annotated[str, typer.Option(help="CacheBlend recompute ratios.")] = "0,0.05,0.1,0.15,0.2,0.3,0.5",
     limit: Annotated[
@@ -79,12 +82,15 @@ def eval_command(
     model: Annotated[str | None, typer.Option("--model", help="Model name or local HF folder.")] = None,
 ) -> None:
     """Answer each case with every method; score against the gold answers and the full_recompute answer."""
+    from ..blend.spec import split_specs
     from ..eval.datasets import load_dataset
     from ..eval.harness import EvalConfig, run_eval
     from ..eval.markdown import update_markdown
     from ..eval.report import eval_section_name, plot_quality_vs_ttft, render_eval
 
-    method_list = parse_list(methods, str, "--methods")
+    method_list = split_specs(methods)
+    if not method_list:
+        raise typer.BadParameter("--methods: give at least one method")
     ratio_list = parse_list(ratios, float, "--ratios")
     try:
         dataset_name = load_dataset(data).name

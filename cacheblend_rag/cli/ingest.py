@@ -1,4 +1,4 @@
-"""``cacheblend-rag ingest``: build or update a store directory from files."""
+"""``cacheblend-rag ingest``: build or update a corpus directory from files."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ _STAGE_LABELS = {
 
 def ingest(
     paths: Annotated[list[Path], typer.Argument(help="Files or folders (.txt, .md, .html, .pdf, .jsonl).")],
-    store: Annotated[Path, typer.Option("--store", help="Store directory (created if missing).")],
+    corpus: Annotated[
+        Path, typer.Option("--corpus", "--store", help="Corpus directory (created if missing).")
+    ],
     chunk_tokens: Annotated[
-        int | None, typer.Option("--chunk-tokens", help="Max tokens per chunk of a new store (default 512).")
+        int | None, typer.Option("--chunk-tokens", help="Max tokens per chunk of a new corpus (default 512).")
     ] = None,
     index: Annotated[
         str | None, typer.Option("--index", help="Vector index: flat (exact), ivf or hnsw.")
@@ -63,7 +65,7 @@ def ingest(
 
             summary = run_ingest(
                 paths,
-                store,
+                corpus,
                 model=model,
                 progress=on_progress,
                 chunk_tokens=chunk_tokens,
@@ -77,7 +79,7 @@ def ingest(
         err_console.print("interrupted: files committed so far are kept; run the command again to resume")
         raise typer.Exit(130) from None
 
-    table = Table(title=f"ingest into {summary.store_dir}", show_header=False)
+    table = Table(title=f"ingest into {summary.corpus_dir}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row(

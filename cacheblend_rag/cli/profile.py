@@ -11,7 +11,9 @@ from rich.table import Table
 from ..errors import CacheBlendError
 
 console = Console()
-STORE_OPTION = typer.Option(None, "--store", help="Measure disk reads on this store directory's disk.")
+CORPUS_OPTION = typer.Option(
+    None, "--corpus", "--store", help="Measure disk reads on the disk of this corpus directory's KV store."
+)
 OUTPUT_OPTION = typer.Option(None, "--output", help="Where to save the profile (default: settings home).")
 
 
@@ -31,7 +33,7 @@ def profile(
     kv_dtype: str = typer.Option(None, "--kv-dtype", help="Storage dtype (default: settings.kv_dtype)."),
     chunk_tokens: int = typer.Option(512, help="Tokens per chunk for the load measurements."),
     repeats: int = typer.Option(3, min=1, help="Runs per measurement (the best is kept)."),
-    store: Path = STORE_OPTION,
+    corpus: Path = CORPUS_OPTION,
     output: Path = OUTPUT_OPTION,
 ) -> None:
     """Measure one layer's full-prefill time vs context length and each tier's load throughput."""
@@ -41,7 +43,7 @@ def profile(
 
     try:
         m = load_model(model)
-        work_dir = store / "kv" if store is not None else None
+        work_dir = corpus / "kv" if corpus is not None else None
         result = profile_device(
             m, _lengths(lengths), kv_dtype, chunk_tokens=chunk_tokens, repeats=repeats, work_dir=work_dir
         )

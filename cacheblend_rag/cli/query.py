@@ -1,4 +1,4 @@
-"""``cacheblend-rag query``: answer a question from an ingested store."""
+"""``cacheblend-rag query``: answer a question from an ingested corpus."""
 
 from __future__ import annotations
 
@@ -18,16 +18,23 @@ err_console = Console(stderr=True)
 
 
 def query(
-    store: Annotated[Path, typer.Option("--store", help="Store directory built by `ingest`.")],
+    corpus: Annotated[Path, typer.Option("--corpus", "--store", help="Corpus directory built by `ingest`.")],
     question: Annotated[str | None, typer.Argument(help="The question to answer.")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve (default 6).")] = None,
     method: Annotated[
         str | None,
         typer.Option(
-            help="cacheblend, full_recompute, full_reuse, prefix_cache or epic (default cacheblend)."
+            help="A method, with options if any: cacheblend (default), cacheblend@0.3, "
+            "cacheblend@ratio=0.3,signal=v, full_recompute, full_reuse, prefix_cache, epic, epic@k=32, "
+            "or a registered method of your own."
         ),
     ] = None,
-    ratio: Annotated[float | None, typer.Option(help="CacheBlend recompute ratio (default 0.15).")] = None,
+    ratio: Annotated[
+        float | None,
+        typer.Option(
+            help="Recompute ratio of a method that has one (default: the loading controller's, >= 0.15)."
+        ),
+    ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
     chunk_id: Annotated[
@@ -36,7 +43,7 @@ def query(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON object with timings.")] = False,
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
-    model: Annotated[str | None, typer.Option("--model", help="Model (default: the store's).")] = None,
+    model: Annotated[str | None, typer.Option("--model", help="Model (default: the corpus's).")] = None,
     engine: Annotated[
         str | None, typer.Option("--engine", help="torch (default) or vllm (needs the [vllm] extra).")
     ] = None,
@@ -63,11 +70,11 @@ def query(
         from .batch_query import query_batch_command
 
         query_batch_command(
-            batch, store, top_k, method, ratio, max_tokens, temperature, chunk_id, as_json, model
+            batch, corpus, top_k, method, ratio, max_tokens, temperature, chunk_id, as_json, model
         )
         return
     try:
-        rag = CacheBlendRAG(store, model=model, engine_kind=engine)
+        rag = CacheBlendRAG(corpus, model=model, engine_kind=engine)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
         handle = rag.stream(question, top_k, method, ratio, chunk_id, sampling)
         for event in handle:

@@ -1,4 +1,4 @@
-"""``cacheblend-rag store``: inspect and maintain the chunk KV store of a store directory."""
+"""``cacheblend-rag store``: inspect and maintain the chunk KV store of a corpus directory (DIR/kv)."""
 
 from __future__ import annotations
 
@@ -14,30 +14,32 @@ from ..errors import CacheBlendError, StoreError
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the chunk KV store (DIR/kv).")
 console = Console()
 
-STORE_OPTION = typer.Option(..., "--store", help="Store directory (its KV cache lives in DIR/kv).")
+CORPUS_OPTION = typer.Option(
+    ..., "--corpus", "--store", help="Corpus directory (its chunk KV store lives in DIR/kv)."
+)
 JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON.")
 
 
-def open_kv_store(store_dir: Path):
-    """The KV store of ``store_dir``; the model fingerprint comes from DIR/manifest.json, else the index."""
+def open_kv_store(corpus_dir: Path):
+    """The KV store of ``corpus_dir``; the model fingerprint comes from DIR/manifest.json, else the index."""
     from ..store.kvstore import INDEX_NAME, KVStore
 
-    kv_root = store_dir / "kv"
+    kv_root = corpus_dir / "kv"
     if not (kv_root / INDEX_NAME).is_file():
-        raise StoreError(f"no KV store at {kv_root}: ingest documents into {store_dir} first")
+        raise StoreError(f"no KV store at {kv_root}: ingest documents into {corpus_dir} first")
     fingerprint = None
-    manifest = store_dir / "manifest.json"
+    manifest = corpus_dir / "manifest.json"
     if manifest.is_file():
         try:
             fingerprint = json.loads(manifest.read_text()).get("model_fingerprint")
         except (ValueError, AttributeError) as exc:
-            raise StoreError(f"unreadable store manifest {manifest}: {exc}") from exc
+            raise StoreError(f"unreadable corpus manifest {manifest}: {exc}") from exc
     return KVStore.open_existing(kv_root, fingerprint)
 
 
-def _run(store_dir: Path, action):
+def _run(corpus_dir: Path, action):
     try:
-        store = open_kv_store(store_dir)
+        store = open_kv_store(corpus_dir)
         try:
             return action(store)
         finally:
@@ -52,9 +54,9 @@ def _print_json(data) -> None:
 
 
 @store_app.command("stats")
-def stats(store: Path = STORE_OPTION, as_json: bool = JSON_OPTION) -> None:
+def stats(corpus: Path = CORPUS_OPTION, as_json: bool = JSON_OPTION) -> None:
     """Entries and bytes per tier, budgets, model and dtype."""
-    data = _run(store, lambda s: s.stats())
+    data = _run(corpus, lambda s: s.stats())
     if as_json:
         _print_json(data)
         return
@@ -76,12 +78,12 @@ def stats(store: Path = STORE_OPTION, as_json: bool = JSON_OPTION) -> None:
 
 @store_app.command("verify")
 def verify(
-    store: Path = STORE_OPTION,
+    corpus: Path = CORPUS_OPTION,
     repair: bool = typer.Option(False, "--repair", help="Remove corrupt files and fix the index."),
     as_json: bool = JSON_OPTION,
 ) -> None:
     """Read every stored file and check it (metadata, every layer's checksum) and the index."""
-    report = _run(store, lambda s: s.verify(repair=repair))
+    report = _run(corpus, lambda s: s.verify(repair=repair))
     if as_json:
         _print_json(report.as_dict())
     else:
@@ -102,9 +104,9 @@ def verify(
 
 
 @store_app.command("gc")
-def gc(store: Path = STORE_OPTION, as_json: bool = JSON_OPTION) -> None:
+def gc(corpus: Path = CORPUS_OPTION, as_json: bool = JSON_OPTION) -> None:
     """Enforce the disk budget (LRU) and reconcile the index with the files."""
-    report = _run(store, lambda s: s.gc())
+    report = _run(corpus, lambda s: s.gc())
     if as_json:
         _print_json(report)
     else:
@@ -113,10 +115,11 @@ def gc(store: Path = STORE_OPTION, as_json: bool = JSON_OPTION) -> None:
 
 @store_app.command("clear")
 def clear(
-    store: Path = STORE_OPTION, yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask to confirm.")
+    corpus: Path = CORPUS_OPTION,
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask to confirm."),
 ) -> None:
     """Remove every cached chunk KV (the documents and their index are kept)."""
     if not yes:
-        typer.confirm(f"Remove all cached KV in {store / 'kv'}?", abort=True)
-    removed = _run(store, lambda s: s.clear())
+        typer.confirm(f"Remove all cached KV in {corpus / 'kv'}?", abort=True)
+    removed = _run(corpus, lambda s: s.clear())
     console.print(f"removed {removed} chunk files")

@@ -1,4 +1,4 @@
-"""The chunk store on disk: ``manifest.json`` (what the store was built with) and ``corpus.sqlite``.
+"""The corpus on disk: ``manifest.json`` (what the corpus was built with) and ``corpus.sqlite``.
 
 Tables of ``corpus.sqlite``:
 
@@ -90,8 +90,8 @@ def text_hash(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class StoreManifest:
-    """What a store directory was built with; a store only accepts work from the same model and embedder."""
+class CorpusManifest:
+    """What a corpus directory was built with; it only accepts work from the same model and embedder."""
 
     model: str
     model_path: str
@@ -104,24 +104,24 @@ class StoreManifest:
     created_at: float = field(default_factory=time.time)
 
     @classmethod
-    def load(cls, store_dir: Path) -> StoreManifest | None:
-        """The manifest of ``store_dir``, or None when the folder holds none."""
-        path = Path(store_dir) / MANIFEST_NAME
+    def load(cls, corpus_dir: Path) -> CorpusManifest | None:
+        """The manifest of ``corpus_dir``, or None when the folder holds none."""
+        path = Path(corpus_dir) / MANIFEST_NAME
         if not path.is_file():
             return None
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
             if raw.get("format_version") != FORMAT_VERSION:
                 raise StoreError(
-                    f"{path}: store format {raw.get('format_version')!r} is not supported "
-                    f"(this version reads format {FORMAT_VERSION}); rebuild the store"
+                    f"{path}: corpus format {raw.get('format_version')!r} is not supported "
+                    f"(this version reads format {FORMAT_VERSION}); rebuild the corpus"
                 )
             return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
         except (ValueError, TypeError, KeyError) as exc:
             raise StoreError(f"{path}: unreadable manifest: {exc}") from exc
 
-    def save(self, store_dir: Path) -> None:
-        path = Path(store_dir) / MANIFEST_NAME
+    def save(self, corpus_dir: Path) -> None:
+        path = Path(corpus_dir) / MANIFEST_NAME
         tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
         tmp.chmod(0o644)  # never world-writable, whatever the umask

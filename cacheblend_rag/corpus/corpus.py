@@ -1,4 +1,4 @@
-"""A corpus store directory opened for retrieval: ``Corpus.open(DIR).search(question)``.
+"""A corpus directory opened for retrieval: ``Corpus.open(DIR).search(question)``.
 
 Layout of DIR: ``manifest.json`` and ``corpus.sqlite`` (see :mod:`.chunkdb`), ``faiss.index`` (the vector
 index, rebuilt from the stored embeddings whenever it is missing or older than the chunk set) and
@@ -27,7 +27,7 @@ from ..store.keys import chunk_key
 from ..text.chunker import Chunk, Chunker, validate_chunk_id
 from ..text.document import Document
 from . import index as vector_index
-from .chunkdb import DB_NAME, INDEX_NAME, ChunkDB, ChunkRow, FileChanges, StoreManifest
+from .chunkdb import DB_NAME, INDEX_NAME, ChunkDB, ChunkRow, CorpusManifest, FileChanges
 from .embedder import Embedder, get_embedder
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 KV_DIR_NAME = "kv"
 _MAX_TOP_K = 1000
 _EMBED_BATCH = 64
-_STORE_DIR_MODE = 0o750  # never world-writable: a store's content ends up inside prompts
+_CORPUS_DIR_MODE = 0o750  # never world-writable: a corpus's content ends up inside prompts
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class RetrievedChunk:
 class CorpusStats:
     """Counts and settings of a store."""
 
-    store_dir: str
+    corpus_dir: str
     model: str
     model_fingerprint: str
     embedder: str
@@ -74,12 +74,12 @@ class CorpusStats:
 
 
 class Corpus:
-    """Chunks, embeddings and the vector index of one store directory. Thread-safe."""
+    """Chunks, embeddings and the vector index of one corpus directory. Thread-safe."""
 
     def __init__(
-        self, store_dir: Path, manifest: StoreManifest, db: ChunkDB, embedder: Embedder | None = None
+        self, corpus_dir: Path, manifest: CorpusManifest, db: ChunkDB, embedder: Embedder | None = None
     ):
-        self.store_dir = store_dir
+        self.corpus_dir = corpus_dir
         self.manifest = manifest
         self.db = db
         self._embedder = embedder
@@ -93,48 +93,48 @@ class Corpus:
     # --- opening --------------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, store_dir: str | Path, embedder: Embedder | None = None) -> Corpus:
-        """Open an existing store (built by ``cacheblend-rag ingest``)."""
-        store_dir = Path(store_dir).expanduser()
-        manifest = StoreManifest.load(store_dir)
+    def open(cls, corpus_dir: str | Path, embedder: Embedder | None = None) -> Corpus:
+        """Open an existing corpus directory (built by ``cacheblend-rag ingest``)."""
+        corpus_dir = Path(corpus_dir).expanduser()
+        manifest = CorpusManifest.load(corpus_dir)
         if manifest is None:
             raise StoreError(
-                f"{store_dir} is not a cacheblend-rag store (no manifest.json); "
-                f"build one with `cacheblend-rag ingest PATH... --store {store_dir}`"
+                f"{corpus_dir} is not a cacheblend-rag store (a corpus directory has a manifest.json); "
+                f"build one with `cacheblend-rag ingest PATH... --corpus {corpus_dir}`"
             )
-        if not (store_dir / DB_NAME).is_file():
-            raise StoreError(f"{store_dir}: {DB_NAME} is missing; re-ingest into a new store")
-        readonly = not os.access(store_dir, os.W_OK)
-        return cls(store_dir, manifest, ChunkDB(store_dir / DB_NAME, readonly=readonly), embedder)
+        if not (corpus_dir / DB_NAME).is_file():
+            raise StoreError(f"{corpus_dir}: {DB_NAME} is missing; re-ingest into a new store")
+        readonly = not os.access(corpus_dir, os.W_OK)
+        return cls(corpus_dir, manifest, ChunkDB(corpus_dir / DB_NAME, readonly=readonly), embedder)
 
     @classmethod
     def create(
         cls,
-        store_dir: str | Path,
+        corpus_dir: str | Path,
         model: ModelTokenizer,
         embedder: Embedder,
         chunk_tokens: int | None = None,
         index_type: str | None = None,
     ) -> Corpus:
-        """Open ``store_dir`` for writing, creating it if needed. Refuses (and changes nothing) when the
-        store was built with another model, embedder or chunk size; a new ``index_type`` is adopted."""
-        store_dir = Path(store_dir).expanduser()
+        """Open ``corpus_dir`` for writing, creating it if needed. Refuses (and changes nothing) when the
+        corpus was built with another model, embedder or chunk size; a new ``index_type`` is adopted."""
+        corpus_dir = Path(corpus_dir).expanduser()
         if index_type is not None:
             vector_index.check_index_type(index_type)
-        manifest = StoreManifest.load(store_dir) if store_dir.is_dir() else None
+        manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
         if manifest is not None:
-            check_compatible(store_dir, manifest, model, embedder, chunk_tokens)
+            check_compatible(corpus_dir, manifest, model, embedder, chunk_tokens)
             if index_type is not None and index_type != manifest.index_type:
                 manifest = replace(manifest, index_type=index_type)
-                manifest.save(store_dir)
-                log.info("store %s switches to a %s index", store_dir, index_type)
+                manifest.save(corpus_dir)
+                log.info("corpus %s switches to a %s index", corpus_dir, index_type)
         else:
-            check_new_store_dir(store_dir)
+            check_new_corpus_dir(corpus_dir)
             try:
-                store_dir.mkdir(parents=True, exist_ok=True, mode=_STORE_DIR_MODE)
+                corpus_dir.mkdir(parents=True, exist_ok=True, mode=_CORPUS_DIR_MODE)
             except OSError as exc:
-                raise StoreError(f"cannot create store folder {store_dir}: {exc}") from exc
-            manifest = StoreManifest(
+                raise StoreError(f"cannot create corpus directory {corpus_dir}: {exc}") from exc
+            manifest = CorpusManifest(
                 model=model.name,
                 model_path=str(model.path),
                 model_fingerprint=model.fingerprint,
@@ -143,9 +143,9 @@ class Corpus:
                 chunk_tokens=chunk_tokens or get_settings().chunk_tokens,
                 index_type=index_type or get_settings().index_type,
             )
-            ChunkDB(store_dir / DB_NAME).close()
-            manifest.save(store_dir)  # last: a folder with a manifest is a complete, empty store
-        corpus = cls(store_dir, manifest, ChunkDB(store_dir / DB_NAME), embedder)
+            ChunkDB(corpus_dir / DB_NAME).close()
+            manifest.save(corpus_dir)  # last: a folder with a manifest is a complete, empty corpus
+        corpus = cls(corpus_dir, manifest, ChunkDB(corpus_dir / DB_NAME), embedder)
         corpus._tokenizer = model
         return corpus
 
@@ -165,7 +165,7 @@ class Corpus:
     @property
     def kv_dir(self) -> Path:
         """Root of this store's chunk KV store (``Engine(store=corpus.kv_dir)``)."""
-        return self.store_dir / KV_DIR_NAME
+        return self.corpus_dir / KV_DIR_NAME
 
     @property
     def embedder(self) -> Embedder:
@@ -174,19 +174,19 @@ class Corpus:
             if self._embedder.dim != self.manifest.embedding_dim:
                 raise StoreError(
                     f"embedder {self.manifest.embedder} gives {self._embedder.dim}-dim vectors, "
-                    f"the store holds {self.manifest.embedding_dim}-dim ones"
+                    f"the corpus holds {self.manifest.embedding_dim}-dim ones"
                 )
         return self._embedder
 
     @property
     def chunker(self) -> Chunker:
-        """The store's chunker (loads the model's tokenizer, checking its fingerprint, on first use)."""
+        """The corpus's chunker (loads the model's tokenizer, checking its fingerprint, on first use)."""
         with self._lock:
             if self._chunker is None:
                 if self._tokenizer is None:
                     where = self.manifest.model_path
                     found = load_model_tokenizer(where if Path(where).is_dir() else self.manifest.model)
-                    check_compatible(self.store_dir, self.manifest, found, None, None)
+                    check_compatible(self.corpus_dir, self.manifest, found, None, None)
                     self._tokenizer = found
                 self._chunker = Chunker(self._tokenizer.tokenizer, self.manifest.chunk_tokens)
             return self._chunker
@@ -222,7 +222,7 @@ class Corpus:
         missing = [c for c in wanted if c not in rows]
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ChunkNotFoundError(f"no chunk {shown} in store {self.store_dir}")
+            raise ChunkNotFoundError(f"no chunk {shown} in corpus {self.corpus_dir}")
         return [_retrieved(rows[c], math.nan) for c in wanted]
 
     def find_by_text(self, text: str) -> RetrievedChunk | None:
@@ -278,7 +278,7 @@ class Corpus:
         embedded (``on_embedded(n)`` after each batch of n)."""
         with self._lock:
             if self.db.readonly:
-                raise StoreError(f"store {self.store_dir} is read-only")
+                raise StoreError(f"store {self.corpus_dir} is read-only")
             first: dict[str, tuple[Document, Chunk]] = {}
             for doc, chunks in documents:
                 for chunk in chunks:
@@ -301,7 +301,7 @@ class Corpus:
                 kv_key=lambda cid: chunk_key(fingerprint, kv_dtype, first[cid][1].token_ids),
             )
             after = self.db.version()
-            # extend the loaded index in place when nothing else changed the store meanwhile
+            # extend the loaded index in place when nothing else changed the corpus meanwhile
             appendable = self._index is not None and self._index_version == before and after == before + 1
             if appendable and not changes.removed_chunks and self.manifest.index_type != "ivf":
                 rows = self.db.chunks_by_ids(changes.new_chunks)
@@ -318,13 +318,13 @@ class Corpus:
 
     def sync_index(self):
         """The FAISS index for the current chunk set: the loaded one, the saved one if it is current, or
-        one rebuilt from the stored embeddings (and saved, when the store is writable)."""
+        one rebuilt from the stored embeddings (and saved, when the corpus is writable)."""
         with self._lock:
             version = self.db.version()
             if self._index is not None and self._index_version == version:
                 return self._index
             index = None
-            path = self.store_dir / INDEX_NAME
+            path = self.corpus_dir / INDEX_NAME
             if path.is_file() and self.db.index_version() == version:
                 index = vector_index.read_index(path)
                 if index.ntotal != self.db.counts()["chunks"]:
@@ -358,23 +358,23 @@ class Corpus:
 
     def _save_index(self, index, version: int) -> None:
         # the lock keeps "write file, then record its version" atomic across processes
-        with FileLock(str(self.store_dir / ".index.lock"), mode=0o644):
+        with FileLock(str(self.corpus_dir / ".index.lock"), mode=0o644):
             if self.db.index_version() > version:
                 return  # another process already saved a newer index
-            vector_index.write_index(index, self.store_dir / INDEX_NAME)
+            vector_index.write_index(index, self.corpus_dir / INDEX_NAME)
             self.db.set_index_version(version)
         self._index_dirty = False
 
     # --- information ----------------------------------------------------------------------------------
 
     def stats(self) -> CorpusStats:
-        """Counts of files, documents, chunks, tokens and precomputed KV, with the store's settings."""
+        """Counts of files, documents, chunks, tokens and precomputed KV, with the corpus's settings."""
         counts = self.db.counts()
         with self._lock:
             index_size = int(self.sync_index().ntotal)
         m = self.manifest
         return CorpusStats(
-            store_dir=str(self.store_dir),
+            corpus_dir=str(self.corpus_dir),
             model=m.model,
             model_fingerprint=m.model_fingerprint,
             embedder=m.embedder,
@@ -400,18 +400,21 @@ def _embedding_text(doc: Document, chunk: Chunk) -> str:
     return f"{doc.title}\n{chunk.text}" if doc.title else chunk.text
 
 
-def check_new_store_dir(store_dir: Path) -> None:
+def check_new_corpus_dir(corpus_dir: Path) -> None:
     """Refuse to turn a file, or a folder holding anything but hidden files and a KV store, into a store."""
-    if store_dir.exists() and (
-        not store_dir.is_dir()
-        or any(not p.name.startswith(".") and p.name != KV_DIR_NAME for p in store_dir.iterdir())
+    if corpus_dir.exists() and (
+        not corpus_dir.is_dir()
+        or any(not p.name.startswith(".") and p.name != KV_DIR_NAME for p in corpus_dir.iterdir())
     ):
-        raise StoreError(f"{store_dir} exists and is neither an empty folder nor a cacheblend-rag store")
+        raise StoreError(
+            f"{corpus_dir} exists and is neither an empty folder nor a cacheblend-rag store "
+            "(a corpus directory)"
+        )
 
 
 def check_compatible(
-    store_dir: Path,
-    manifest: StoreManifest,
+    corpus_dir: Path,
+    manifest: CorpusManifest,
     model: ModelTokenizer,
     embedder: Embedder | None,
     chunk_tokens: int | None,
@@ -419,17 +422,17 @@ def check_compatible(
     """Raise StoreError unless ``model`` (and the embedder and chunk size, when given) match the store's."""
     if model.fingerprint != manifest.model_fingerprint:
         raise StoreError(
-            f"store {store_dir} was built with model {manifest.model} (fingerprint "
+            f"corpus {corpus_dir} was built with model {manifest.model} (fingerprint "
             f"{manifest.model_fingerprint[:12]}…, at {manifest.model_path}); this run uses {model.name} "
-            f"({model.fingerprint[:12]}…, at {model.path}). Use the same model or another --store folder."
+            f"({model.fingerprint[:12]}…, at {model.path}). Use the same model or another corpus directory."
         )
     if embedder is not None and embedder.name != manifest.embedder:
         raise StoreError(
-            f"store {store_dir} was built with embedder {manifest.embedder}, not {embedder.name}; "
-            "use the same embedder or another --store folder"
+            f"corpus {corpus_dir} was built with embedder {manifest.embedder}, not {embedder.name}; "
+            "use the same embedder or another corpus directory"
         )
     if chunk_tokens is not None and chunk_tokens != manifest.chunk_tokens:
         raise StoreError(
-            f"store {store_dir} was built with {manifest.chunk_tokens}-token chunks, not {chunk_tokens}; "
-            "use the same chunk size or another --store folder"
+            f"corpus {corpus_dir} was built with {manifest.chunk_tokens}-token chunks, not {chunk_tokens}; "
+            "use the same chunk size or another corpus directory"
         )

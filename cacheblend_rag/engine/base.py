@@ -26,8 +26,9 @@ from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
 
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionResult
-from ..blend.methods import MethodSpec, RecomputeMethod, ResolvedMethod, Reuse
+from ..blend.methods import RecomputeMethod, Reuse
 from ..blend.segments import ChunkKVSource, Segment
+from ..blend.spec import MethodSpec, ResolvedMethod
 from ..errors import ContextLengthError, FusionInputError
 from ..store.kvstore import KVStore
 from .prompt import ChunkRef, PromptBuilder, PromptPart

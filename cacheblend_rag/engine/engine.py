@@ -13,8 +13,9 @@ import torch
 
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionResult, Fusor
-from ..blend.methods import Reuse, resolve_method, reuse_of
+from ..blend.methods import Reuse
 from ..blend.segments import ChunkKV, ChunkKVSource, Segment, prefill_chunk_kv
+from ..blend.spec import resolve_method, reuse_of
 from ..errors import ContextLengthError, CorruptKVError, StoreError
 from ..models.loader import load_model
 from ..models.runtime import LayerwiseModel

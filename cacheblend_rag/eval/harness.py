@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ..blend.fusor import FusionResult
-from ..blend.methods import MethodSpec, Reuse, parse_method
+from ..blend.methods import Reuse
+from ..blend.spec import MethodSpec, parse_method
 from ..corpus.embedder import Embedder
 from ..engine import ChunkRef, Engine, PromptBuilder, SamplingParams
 from ..errors import EvalDataError

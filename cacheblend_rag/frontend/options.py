@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 
 from pydantic import AliasChoices, BaseModel, Field, field_validator
 
-from ..blend.methods import MethodSpec
-from ..corpus.chunkdb import StoreManifest
+from ..blend.spec import MethodSpec
+from ..corpus.chunkdb import CorpusManifest
 from ..engine import GenerationResult, RequestHandle
 from ..settings import get_settings
 from .text import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
@@ -88,7 +88,7 @@ class GenerationOptions(BaseModel):
         """The model's name without loading it (for tracing parameters)."""
         if self.model:
             return Path(self.model).name
-        manifest = StoreManifest.load(Path(self.corpus_dir).expanduser()) if self.corpus_dir else None
+        manifest = CorpusManifest.load(Path(self.corpus_dir).expanduser()) if self.corpus_dir else None
         return manifest.model if manifest is not None else get_settings().model
 
     def identifying_params(self) -> dict[str, Any]:

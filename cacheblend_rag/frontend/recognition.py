@@ -31,11 +31,11 @@ class ChunkTextIndex:
     ``SimpleSummarize`` in llama-index-core 0.14 pastes ``str(list_of_texts)``). :meth:`find` slides over
     the text once, looks each window up in the anchor table and confirms a hit by comparing the whole form,
     taking the longest match; matches do not overlap. Cost: one dict look-up per character of the prompt
-    plus one database look-up per anchor hit, whatever the store's size and however the passages are
+    plus one database look-up per anchor hit, whatever the corpus's size and however the passages are
     separated. An exact match carries the chunk's stored token ids (and so its stored KV); another form is
     tokenized afresh and its KV cached under those ids on first sight, so later prompts reuse it too.
 
-    The table follows the store: chunks added or removed since the last call are picked up first.
+    The table follows the corpus: chunks added or removed since the last call are picked up first.
     """
 
     def __init__(self, corpus: Corpus) -> None:

@@ -5,7 +5,7 @@ KV, :class:`PromptFrontend` cuts that text back into segments:
 
 - **explicit documents** (the framework passes the documents it pasted, e.g. our RAG chains do): each
   document's text is located in the prompt; a stored chunk keeps its id, any other text is chunked,
-  added to the store (so the next prompt recognises it) and its KV computed once;
+  added to the corpus (so the next prompt recognises it) and its KV computed once;
 - **recognition** (a stock chain that passes only text): :class:`ChunkTextIndex` finds every span of the
   prompt that is exactly the text of a stored chunk.
 
@@ -13,8 +13,9 @@ Matched spans become cached segments with the chunk's *stored* token ids and KV;
 (chat template, instructions, the question) is tokenized as fresh segments. Every method (full recompute
 included) sees the same token ids for one prompt, so their answers are comparable token for token.
 
-:func:`get_frontend` and :func:`get_corpus` share one engine per (store, model) and one corpus per store
-across the process, so every LLM, chat model and retriever object over a store uses the same model, and
+:func:`get_frontend` and :func:`get_corpus` share one engine per (corpus, model) and one corpus per corpus
+directory across the process, so every LLM, chat model and retriever object over a corpus uses the same
+model, and
 their requests meet in one :class:`~cacheblend_rag.engine.scheduler.BatchScheduler`.
 """
 
@@ -26,8 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..blend.methods import MethodSpec
 from ..blend.segments import Segment
+from ..blend.spec import MethodSpec
 from ..corpus.corpus import Corpus
 from ..engine import (
     BatchRequest,
@@ -91,20 +92,20 @@ def text_request(
 class PromptFrontend:
     """Turns finished prompt texts into segments and answers them with one engine (see the module doc).
 
-    ``store_dir``: an ingested store (chunks are recognised in it and documents added to it); without one,
+    ``corpus_dir``: an ingested corpus (chunks are recognised in it and documents added to it); without one,
     nothing is recognised and explicit documents are only KV-cached (in the engine's default KV store).
-    ``model``: default the store's model (or the settings' model without a store); ``engine``: an
-    already loaded engine over the store's model instead.
+    ``model``: default the corpus's model (or the settings' model without a corpus); ``engine``: an
+    already loaded engine over the corpus's model instead.
     """
 
     def __init__(
         self,
-        store_dir: str | Path | None = None,
+        corpus_dir: str | Path | None = None,
         model: str | Path | None = None,
         engine: Engine | None = None,
     ) -> None:
-        if store_dir is not None:
-            self.rag: CacheBlendRAG | None = CacheBlendRAG(store_dir, engine=engine, model=model)
+        if corpus_dir is not None:
+            self.rag: CacheBlendRAG | None = CacheBlendRAG(corpus_dir, engine=engine, model=model)
             self.engine: Engine = self.rag.engine
             self.corpus: Corpus | None = self.rag.corpus
             self.index: ChunkTextIndex | None = ChunkTextIndex(self.rag.corpus)
@@ -130,7 +131,7 @@ class PromptFrontend:
     def chunk_documents(self, chunk_ids: Sequence[str]) -> list[DocumentRef]:
         """Stored chunks, by id, as documents to pass with a prompt."""
         if self.corpus is None:
-            raise ValueError("chunk ids were passed as documents, but there is no store to look them up in")
+            raise ValueError("chunk ids were passed as documents, but there is no corpus to look them up in")
         return [DocumentRef(c.text, c.chunk_id) for c in self.corpus.get_chunks(chunk_ids)]
 
     # -- segments ------------------------------------------------------------------------------------
@@ -139,7 +140,7 @@ class PromptFrontend:
         self, text: str, documents: Sequence[DocumentRef] = (), recognise: bool = True, remember: bool = True
     ) -> list[ChunkSpan]:
         """Where chunks sit in ``text``: the given documents first, then (with ``recognise``) stored chunks
-        found in the text between them. ``remember``: add documents the store lacks to it."""
+        found in the text between them. ``remember``: add documents the corpus lacks to it."""
         spans: list[ChunkSpan] = []
         cursor = 0
         for doc in documents:
@@ -271,22 +272,22 @@ _corpora: dict[str, Corpus] = {}
 _shared_lock = threading.Lock()
 
 
-def _store_key(store_dir: str | Path) -> str:
-    return str(Path(store_dir).expanduser().resolve())
+def _dir_key(corpus_dir: str | Path) -> str:
+    return str(Path(corpus_dir).expanduser().resolve())
 
 
-def get_frontend(store_dir: str | Path | None = None, model: str | Path | None = None) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (store, model), loaded on first use."""
-    key = (_store_key(store_dir) if store_dir is not None else None, str(model) if model else None)
+def get_frontend(corpus_dir: str | Path | None = None, model: str | Path | None = None) -> PromptFrontend:
+    """The process-wide :class:`PromptFrontend` for (corpus, model), loaded on first use."""
+    key = (_dir_key(corpus_dir) if corpus_dir is not None else None, str(model) if model else None)
     with _shared_lock:
         if key not in _frontends:
             _frontends[key] = PromptFrontend(key[0], model)
         return _frontends[key]
 
 
-def get_corpus(store_dir: str | Path) -> Corpus:
-    """The process-wide :class:`Corpus` of a store directory (for retrievers: no model is loaded)."""
-    key = _store_key(store_dir)
+def get_corpus(corpus_dir: str | Path) -> Corpus:
+    """The process-wide :class:`Corpus` of a corpus directory (for retrievers: no model is loaded)."""
+    key = _dir_key(corpus_dir)
     with _shared_lock:
         if key not in _corpora:
             _corpora[key] = Corpus.open(key)

@@ -1,4 +1,4 @@
-"""Ingest files into a store directory: read -> chunk -> embed -> index -> precompute KV.
+"""Ingest files into a corpus directory: read -> chunk -> embed -> index -> precompute KV.
 
 Incremental and crash-safe:
 
@@ -12,7 +12,7 @@ Incremental and crash-safe:
   where it stopped on the next run, even if no file changed.
 
 Every input is read and chunked before anything is written: a bad file stops the run with an
-``IngestError`` and the store is left as it was.
+``IngestError`` and the corpus is left as it was.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Protocol
 
 from filelock import FileLock, Timeout
 
-from ..corpus.chunkdb import StoreManifest
-from ..corpus.corpus import Corpus, check_compatible, check_new_store_dir
+from ..corpus.chunkdb import CorpusManifest
+from ..corpus.corpus import Corpus, check_compatible, check_new_corpus_dir
 from ..corpus.embedder import get_embedder
 from ..corpus.index import check_index_type
 from ..engine import create_engine
@@ -68,13 +68,13 @@ class ChunkKVWriter(Protocol):
 class IngestSummary:
     """What one ingest run did and how long it took."""
 
-    store_dir: str
+    corpus_dir: str
     files: int = 0  # input files found
     files_changed: int = 0  # new or modified files (re)ingested
     files_unchanged: int = 0
     documents: int = 0  # documents in the changed files
     chunks: int = 0  # chunk occurrences in the changed files
-    new_chunks: int = 0  # distinct chunks the store did not hold
+    new_chunks: int = 0  # distinct chunks the corpus did not hold
     removed_chunks: int = 0  # chunks no document uses any more (dropped with their KV)
     tokens: int = 0  # tokens of the chunk occurrences above
     kv_chunks: int = 0  # chunks whose KV was precomputed in this run
@@ -107,7 +107,7 @@ class _FilePlan:
 
 def ingest(
     paths: Iterable[str | Path],
-    store_dir: str | Path,
+    corpus_dir: str | Path,
     model: str | Path | None = None,
     progress: ProgressCallback | None = None,
     *,
@@ -117,17 +117,17 @@ def ingest(
     precompute_kv: bool = True,
     engine: ChunkKVWriter | None = None,
 ) -> IngestSummary:
-    """Ingest ``paths`` (files or folders) into ``store_dir``; see the module docstring.
+    """Ingest ``paths`` (files or folders) into ``corpus_dir``; see the module docstring.
 
     ``model``: model name or local folder (default: the settings' model). ``chunk_tokens``,
-    ``index_type``, ``embedder``: for a new store (default from settings); an existing store keeps its
+    ``index_type``, ``embedder``: for a new corpus (default from settings); an existing corpus keeps its
     chunk size and embedder (passing others is refused) and adopts a new index type. ``engine``: an
     already loaded engine for the KV stage (any :class:`ChunkKVWriter`; by default the PyTorch engine is
-    loaded on ``store_dir/kv``); with ``precompute_kv=False`` chunk KV is left for the engine to compute
+    loaded on ``corpus_dir/kv``); with ``precompute_kv=False`` chunk KV is left for the engine to compute
     on first use.
     """
     started = time.perf_counter()
-    store_dir = Path(store_dir).expanduser()
+    corpus_dir = Path(corpus_dir).expanduser()
     notify = progress or (lambda stage, done, total: None)
     if index_type is not None:
         check_index_type(index_type)
@@ -138,40 +138,42 @@ def ingest(
             "the engine given for the KV stage runs another model than the one chunks are cut for"
         )
     embedder_model = get_embedder(embedder)
-    manifest = StoreManifest.load(store_dir) if store_dir.is_dir() else None
+    manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
     if manifest is not None:
-        check_compatible(store_dir, manifest, tokenizer, embedder_model, chunk_tokens)
+        check_compatible(corpus_dir, manifest, tokenizer, embedder_model, chunk_tokens)
         chunk_tokens = manifest.chunk_tokens
     else:
-        check_new_store_dir(store_dir)
+        check_new_corpus_dir(corpus_dir)
     chunker = Chunker(tokenizer.tokenizer, chunk_tokens or get_settings().chunk_tokens)
-    summary = IngestSummary(store_dir=str(store_dir), files=len(files))
+    summary = IngestSummary(corpus_dir=str(corpus_dir), files=len(files))
     summary.stage_seconds["load"] = time.perf_counter() - started
 
-    created = not store_dir.exists()
+    created = not corpus_dir.exists()
     try:
-        store_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        corpus_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
     except OSError as exc:
-        raise StoreError(f"cannot create store folder {store_dir}: {exc}") from exc
-    lock = FileLock(str(store_dir / _LOCK_NAME), mode=0o644)
+        raise StoreError(f"cannot create corpus directory {corpus_dir}: {exc}") from exc
+    lock = FileLock(str(corpus_dir / _LOCK_NAME), mode=0o644)
     try:
         lock.acquire(timeout=_LOCK_TIMEOUT_S)
     except Timeout:
         raise StoreError(
-            f"another ingest is writing to {store_dir}; try again when it has finished"
+            f"another ingest is writing to {corpus_dir}; try again when it has finished"
         ) from None
     except OSError as exc:  # a read-only file system or folder
-        raise StoreError(f"cannot write to store {store_dir}: {exc.strerror or exc}") from exc
+        raise StoreError(
+            f"cannot write to store (corpus directory) {corpus_dir}: {exc.strerror or exc}"
+        ) from exc
     corpus: Corpus | None = None
     try:
         corpus = (
-            Corpus.create(store_dir, tokenizer, embedder_model, chunk_tokens, index_type)
+            Corpus.create(corpus_dir, tokenizer, embedder_model, chunk_tokens, index_type)
             if manifest is not None
             else None
         )
         plans = _read_stage(files, chunker, corpus, summary, notify)
         if corpus is None:
-            corpus = Corpus.create(store_dir, tokenizer, embedder_model, chunker.max_tokens, index_type)
+            corpus = Corpus.create(corpus_dir, tokenizer, embedder_model, chunker.max_tokens, index_type)
         index_changed = index_type is not None and manifest is not None and index_type != manifest.index_type
         removed_kv = _embed_stage(plans, corpus, summary, notify)
         _index_stage(corpus, index_changed, summary, notify)
@@ -179,7 +181,7 @@ def ingest(
             _kv_stage(corpus, tokenizer.path, engine, removed_kv, summary, notify)
     except BaseException:
         if created and corpus is None:
-            shutil.rmtree(store_dir, ignore_errors=True)  # nothing was stored: leave no empty store behind
+            shutil.rmtree(corpus_dir, ignore_errors=True)  # nothing was stored: leave no empty corpus behind
         raise
     finally:
         if corpus is not None:

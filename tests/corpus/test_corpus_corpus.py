@@ -154,7 +154,7 @@ def test_add_texts_stores_new_text_once_and_finds_existing(writable_corpus):
 
 
 def test_added_texts_survive_reopen(writable_corpus):
-    store = writable_corpus.store_dir
+    store = writable_corpus.corpus_dir
     [[chunk_id]] = writable_corpus.add_texts(["Zebras have black and white stripes that confuse flies."])
     writable_corpus.close()
     with Corpus.open(store) as reopened:

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cacheblend_rag.blend.methods import parse_method
+from cacheblend_rag.blend.spec import parse_method
 from cacheblend_rag.cli import app
 from cacheblend_rag.errors import EvalDataError
 from cacheblend_rag.eval.datasets import load_dataset

@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from cacheblend_rag.corpus.chunkdb import StoreManifest
+from cacheblend_rag.corpus.chunkdb import CorpusManifest
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.ingest.pipeline import ingest
 from cacheblend_rag.rag import CacheBlendRAG
@@ -79,7 +79,7 @@ def main() -> None:
     run_query.add_argument("--stall", choices=("write", "index"), required=True)
     args = parser.parse_args()
 
-    manifest = StoreManifest.load(args.store)
+    manifest = CorpusManifest.load(args.store)
     engine = Engine(model=manifest.model_path, store=args.store / "kv")
     if args.command == "ingest":
         if args.stall_write is not None:

@@ -37,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from ...blend.controller import LoadingController
-from ...blend.methods import ResolvedMethod, Reuse, resolve_method, reuse_of
+from ...blend.methods import Reuse
 from ...blend.segments import ChunkKVSource, Segment
+from ...blend.spec import ResolvedMethod, resolve_method, reuse_of
 from ...errors import CacheBlendError, StoreError, UnsupportedModelError
 from ...models.loader import SUPPORTED_FAMILIES, pick_device, pick_dtype
 from ...models.provision import resolve_model_path

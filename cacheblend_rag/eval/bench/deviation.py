@@ -8,7 +8,8 @@ import statistics
 from typing import Any
 
 from ...blend.diagnostics import measure_deviation
-from ...blend.methods import Reuse, parse_method
+from ...blend.methods import Reuse
+from ...blend.spec import parse_method
 from .config import BenchContext
 from .prompts import eval_engine, rag_prompts
 

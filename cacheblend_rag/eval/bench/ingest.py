@@ -39,10 +39,10 @@ def section_ingest(ctx: BenchContext) -> dict[str, Any]:
             text if config.ingest_max_chars is None else _cut(file, text, config)
         )
     engine = Engine(ctx.model, ctx.work_dir / "ingest-kv")
-    store_dir = ctx.work_dir / "ingest-store"
+    corpus_dir = ctx.work_dir / "ingest-store"
     try:
-        summary = ingest([corpus_dir], store_dir, chunk_tokens=config.chunk_tokens, engine=engine)
-        rag = CacheBlendRAG(store_dir, engine=engine)
+        summary = ingest([corpus_dir], corpus_dir, chunk_tokens=config.chunk_tokens, engine=engine)
+        rag = CacheBlendRAG(corpus_dir, engine=engine)
         sampling = SamplingParams(max_new_tokens=config.query_max_new_tokens)
         queries: dict[str, list[dict[str, Any]]] = {m: [] for m in QUERY_METHODS}
         for question in questions:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ...blend.methods import parse_method
+from ...blend.spec import parse_method
 from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
 from ..datasets import load_dataset, select_cases
 from ..harness import store_in_ram

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ...blend.methods import Reuse, parse_method
+from ...blend.methods import Reuse
+from ...blend.spec import parse_method
 from ...engine import ChunkRef, SamplingParams
 from ...models.runtime import LayerwiseModel
 from ...store.kvstore import KVStore

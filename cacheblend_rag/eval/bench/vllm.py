@@ -14,7 +14,8 @@ import statistics
 import time
 from typing import Any
 
-from ...blend.methods import Reuse, parse_method
+from ...blend.methods import Reuse
+from ...blend.spec import parse_method
 from ...engine import ChunkRef, SamplingParams
 from ...errors import EvalDataError
 from ..datasets import load_dataset

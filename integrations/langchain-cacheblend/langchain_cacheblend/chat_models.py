@@ -32,7 +32,7 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     Example:
         .. code-block:: python
 
-            llm = ChatCacheBlend(store_dir="my-store", max_tokens=128)
+            llm = ChatCacheBlend(corpus_dir="my-corpus", max_tokens=128)
             chain = retriever | format_docs | prompt | llm
     """
 
