@@ -31,17 +31,17 @@ def section_ingest(ctx: BenchContext) -> dict[str, Any]:
             q for q in questions if Path(q["file"]).name in {f.name for f in files[: config.ingest_files]}
         ]
         files = files[: config.ingest_files]
-    corpus_dir = ctx.work_dir / "corpus"
-    corpus_dir.mkdir()
+    sources = ctx.work_dir / "sources"
+    sources.mkdir()
     for file in files:
         text = file.read_text()
-        (corpus_dir / file.name).write_text(
+        (sources / file.name).write_text(
             text if config.ingest_max_chars is None else _cut(file, text, config)
         )
     engine = Engine(ctx.model, ctx.work_dir / "ingest-kv")
-    corpus_dir = ctx.work_dir / "ingest-store"
+    corpus_dir = ctx.work_dir / "ingest-corpus"
     try:
-        summary = ingest([corpus_dir], corpus_dir, chunk_tokens=config.chunk_tokens, engine=engine)
+        summary = ingest([sources], corpus_dir, chunk_tokens=config.chunk_tokens, engine=engine)
         rag = CacheBlendRAG(corpus_dir, engine=engine)
         sampling = SamplingParams(max_new_tokens=config.query_max_new_tokens)
         queries: dict[str, list[dict[str, Any]]] = {m: [] for m in QUERY_METHODS}
