@@ -92,13 +92,24 @@ class CacheBlendRAG:
         manifest = self.corpus.manifest
         if engine is None:
             recorded = manifest.model_path if Path(manifest.model_path).is_dir() else manifest.model
-            engine = create_engine(engine_kind, model or recorded, store=self.corpus.kv_dir)
+            engine = create_engine(
+                engine_kind,
+                model or recorded,
+                store=self.corpus.kv_dir,
+                chunk_context=self.corpus.chunk_context,
+            )
         self.engine = engine
         if manifest.model_fingerprint != self.engine.model.fingerprint:
             raise StoreError(
                 f"{corpus_dir} was built with model {manifest.model!r} (fingerprint "
                 f"{manifest.model_fingerprint[:12]}…) but the engine runs {self.engine.model.name!r} "
                 f"({self.engine.model.fingerprint[:12]}…); ingest into a new corpus directory for this model"
+            )
+        if self.corpus.chunk_context != self.engine.chunk_context:
+            raise StoreError(
+                f"{corpus_dir} precomputes chunk KV behind a {len(self.corpus.chunk_context)}-token chunk "
+                f"context, the engine behind a {len(self.engine.chunk_context)}-token one; create the engine "
+                "with chunk_context=Corpus.open(...).chunk_context (or re-run ingest to upgrade the corpus)"
             )
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 import platformdirs
 from pydantic import Field
@@ -35,6 +36,12 @@ class Settings(BaseSettings):
         description="Engine: 'torch' (our PyTorch runtime) or 'vllm' (vLLM with the CacheBlend connector).",
     )
     method: str = Field("cacheblend", description="Default PIC method.")
+    chunk_context: Literal["neutral", "none"] = Field(
+        "neutral",
+        description="What chunks are prefilled behind when their KV is precomputed: 'neutral' (the chat "
+        "template's opening with a generic system message) or 'none' (each chunk alone from position 0). "
+        "New corpora record it; see docs/fusor.md.",
+    )
     ratio: float = Field(0.15, description="Default CacheBlend recompute ratio (quality floor).")
     batch_max_requests: int = Field(8, description="Most requests the batch scheduler decodes together.")
     batch_kv_budget_bytes: int = Field(

@@ -25,6 +25,7 @@ from ..errors import ContextLengthError, FusionInputError
 from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
 from .methods import RecomputeMethod
 from .plan import FusionPlan, LayerState
+from .probe import run_probe
 from .segments import DirectLayerKV, LayerKVProvider, Segment
 
 # Called at every layer with (layer, query positions, q [1, H, S, d], keys [1, Hkv, T, d], mask): lets
@@ -44,6 +45,7 @@ class FusionResult:
     attended_tokens_per_layer: list[int] = field(default_factory=list)
     seconds: float = 0.0
     load_wait_s: float = 0.0
+    probe_token_layers: int = 0  # fresh-text token-layers of the query probe (0 when none ran)
 
     @property
     def num_tokens(self) -> int:
@@ -70,8 +72,9 @@ class FusionResult:
 
     @property
     def compute_fraction(self) -> float:
-        """Attention+MLP token-layers done, relative to a full prefill of the same prompt."""
-        return sum(self.attended_tokens_per_layer) / (
+        """Attention+MLP token-layers done (the query probe's included), relative to a full prefill of
+        the same prompt."""
+        return (sum(self.attended_tokens_per_layer) + self.probe_token_layers) / (
             self.plan.num_tokens * len(self.attended_tokens_per_layer)
         )
 
@@ -128,17 +131,22 @@ class Fusor:
         check_layers = set(method.check_layers(plan))
         num_cached_total = int(plan.cached_mask.sum())
 
-        selected = method.layer0_positions(plan).to(device)
-        self._check_selection(plan, selected, None)
-        hidden = model.embed(plan.token_ids[selected.cpu()][None]).to(dtype)
-        qkv_counts, attended_counts, load_wait = [], [], 0.0
+        qkv_counts, attended_counts, load_wait, probe = [], [], 0.0, None
         try:
+            if cached_spans and method.uses_query_attention(plan):
+                probe = run_probe(
+                    model, plan, cache, provider, lambda c, i, kv: self._place_cached(c, i, kv, cached_spans)
+                )
+                plan.query_attention, load_wait = probe.attention, probe.load_wait_s
+            selected = method.layer0_positions(plan).to(device)
+            self._check_selection(plan, selected, None)
+            hidden = model.embed(plan.token_ids[selected.cpu()][None]).to(dtype)
             cos_sin = model.rope.cos_sin(positions[selected], dtype)
             mask = AttentionMask.for_positions(selected, n)
             for layer in range(model.num_layers):
                 qkv = model.project_qkv(layer, hidden, positions[selected], cos_sin)
                 qkv_counts.append(selected.numel())
-                if cached_spans:
+                if cached_spans and probe is None:  # the probe placed every cached layer already
                     waited = time.perf_counter()
                     layer_kv = provider.layer(layer)  # providers serve layers in order; always ask
                     load_wait += time.perf_counter() - waited
@@ -184,6 +192,7 @@ class Fusor:
             attended_tokens_per_layer=attended_counts,
             seconds=time.perf_counter() - started,
             load_wait_s=load_wait,
+            probe_token_layers=probe.token_layers if probe is not None else 0,
         )
 
     def _place_cached(

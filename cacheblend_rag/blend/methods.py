@@ -68,6 +68,11 @@ class RecomputeMethod(BaseModel, ABC):
         """Positions, a subset of ``state.candidates`` (with all must-compute ones), that go on."""
         return state.candidates
 
+    def uses_query_attention(self, plan: FusionPlan) -> bool:
+        """Whether the fusor should run the query probe first (blend/probe.py) and set
+        ``plan.query_attention`` before :meth:`layer0_positions`; no by default."""
+        return False
+
     def describe(self) -> dict[str, Any]:
         """The method and its options, JSON-able (what results report as ``method_options``)."""
         return {"method": self.name, **self.options()}
@@ -131,23 +136,37 @@ class Epic(RecomputeMethod):
 
 
 # Check layers and the share of cached tokens kept at each, as multiples of the final ratio r (the last
-# entry is r itself). Chosen by measurement; see docs/fusor.md.
+# entry is r itself), for HKVD selection. See docs/fusor.md.
 DEFAULT_SCHEDULE: tuple[tuple[int, float], ...] = ((1, 1.0),)
 
 
 class CacheBlend(RecomputeMethod):
-    """CacheBlend: layer 0 computes every token; at each check layer the cached candidates with the
-    highest KV deviation (HKVD) are kept, narrowing gradually to ``ratio`` of the cached tokens, which
-    are recomputed at every later layer."""
+    """CacheBlend: reuse every cached chunk's KV except the ``ratio`` share of cached tokens that matter
+    most, which are recomputed at every layer (fresh text is always computed).
+
+    Which tokens matter is the ``selection`` rule:
+
+    - ``query`` (default): the tokens the question attends to most. A probe pass computes only the fresh
+      text over the cached KV and records where the question's tokens look, summed over layers and heads
+      (blend/probe.py); the top ``ratio`` of cached tokens are then recomputed from layer 0.
+    - ``hkvd``: the paper's rule. Layer 0 computes every token; at each check layer of ``schedule`` the
+      cached tokens whose fresh K (or V, ``signal``) deviates most from the cached one are kept.
+    """
 
     name = "cacheblend"
     shorthand = "ratio"
     ratio_option = "ratio"
 
     ratio: float = Field(0.15, ge=0.0, le=1.0, description="share of cached tokens recomputed, in [0, 1]")
-    signal: Literal["k", "v", "kv"] = Field("k", description="deviation of K, V or both (each normalised)")
+    selection: Literal["query", "hkvd"] = Field(
+        "query", description="which cached tokens to recompute: 'query' (question attention) or 'hkvd'"
+    )
+    signal: Literal["k", "v", "kv"] = Field(
+        "k", description="hkvd only: deviation of K, V or both (each normalised)"
+    )
     schedule: tuple[tuple[int, float], ...] = Field(
-        DEFAULT_SCHEDULE, description="check layers and their share as multiples of ratio: [[layer, x], ...]"
+        DEFAULT_SCHEDULE,
+        description="hkvd only: check layers and their share as multiples of ratio: [[layer, x], ...]",
     )
 
     @model_validator(mode="after")
@@ -159,10 +178,24 @@ class CacheBlend(RecomputeMethod):
             raise ValueError("the first check layer must be >= 1 (layer 0 is always computed in full)")
         return self
 
+    def uses_query_attention(self, plan: FusionPlan) -> bool:
+        return self.selection == "query"
+
     def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
-        return _all_positions(plan)
+        if self.selection == "hkvd":
+            return _all_positions(plan)
+        keep = plan.must_compute.clone()
+        cached = (~plan.must_compute).nonzero().squeeze(1)
+        budget = min(_budget(self.ratio, plan), cached.numel())
+        if budget and plan.query_attention is not None:
+            keep[cached[torch.topk(plan.query_attention[cached], budget).indices]] = True
+        elif budget:  # no probe ran (nothing cached to look at): every candidate is recomputed
+            keep[cached] = True
+        return keep.nonzero().squeeze(1)
 
     def check_layers(self, plan: FusionPlan) -> tuple[int, ...]:
+        if self.selection == "query":
+            return ()
         return tuple(layer for layer, _ in self.schedule)
 
     def select(self, state: LayerState) -> torch.Tensor:
@@ -170,7 +203,7 @@ class CacheBlend(RecomputeMethod):
         is_last = state.layer == self.schedule[-1][0]
         share = self.ratio if is_last else min(1.0, self.ratio * multiple)
         must = state.plan.must_compute[state.candidates]
-        budget = math.ceil(share * state.plan.num_cached - 1e-9)
+        budget = _budget(share, state.plan)
         cached_candidates = (~must).nonzero().squeeze(1)
         if budget >= cached_candidates.numel():
             return state.candidates
@@ -180,6 +213,11 @@ class CacheBlend(RecomputeMethod):
         )
         keep = torch.cat([must.nonzero().squeeze(1), top])
         return state.candidates[keep.sort().values]
+
+
+def _budget(share: float, plan: FusionPlan) -> int:
+    """Cached tokens a share of them amounts to (rounded up, so any share > 0 recomputes something)."""
+    return math.ceil(share * plan.num_cached - 1e-9)
 
 
 # -- the registry ------------------------------------------------------------------------------------

@@ -19,6 +19,9 @@ class FusionPlan:
     cached_mask: torch.Tensor  # [T] bool: position belongs to a cached segment
     must_compute: torch.Tensor  # [T] bool: fresh text plus the last prompt token
     spans: list[tuple[int, int]]  # [start, end) of every segment
+    # Attention the question paid each position in the query probe ([T]); set by the fusor before
+    # layer0_positions for methods that ask for it (see blend/probe.py), None otherwise.
+    query_attention: torch.Tensor | None = None
 
     @classmethod
     def from_segments(cls, segments: list[Segment]) -> FusionPlan:

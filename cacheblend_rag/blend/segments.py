@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
-from ..models.runtime import LayerwiseModel
+from ..models.runtime import KVCache, LayerwiseModel
+
+
+@dataclass(frozen=True)
+class ChunkContext:
+    """The tokens a chunk is prefilled behind when its KV is precomputed.
+
+    A chunk prefilled alone from position 0 turns its first token into an attention sink at every layer;
+    inside a prompt it never is one, and recomputing some of its tokens next to such fake sinks can make
+    answers worse, not better (docs/fusor.md). Prefilled behind a short context of its own — the chat
+    template's opening with a neutral system message, the same for every chunk — its tokens see a real
+    sink and a plausible lead-in, as they will in a prompt. The context's KV is then dropped and the
+    chunk's keys are rotated back to 0..n-1, so the stored layout is the same either way. The context is
+    part of the chunk's KV key: KV computed behind another context never hits.
+    """
+
+    token_ids: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """Identifies the context inside a chunk KV key ('' for none: the chunk prefilled alone)."""
+        if not self.token_ids:
+            return ""
+        return hashlib.sha256(np.asarray(self.token_ids, dtype="<i8").tobytes()).hexdigest()[:32]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+NO_CONTEXT = ChunkContext()
 
 
 @runtime_checkable
 class ChunkKVSource(Protocol):
     """Precomputed KV of one chunk, readable one layer at a time.
 
-    Keys are rotated to the chunk's own positions 0..n-1 (the chunk was prefilled alone, without BOS);
-    the fusor re-rotates them to where the chunk lands in the prompt. Shapes are [Hkv, n, head_dim].
+    Keys are rotated to the chunk's own positions 0..n-1 (whatever :class:`ChunkContext` it was
+    prefilled behind); the fusor re-rotates them to where the chunk lands in the prompt. Shapes are
+    [Hkv, n, head_dim].
     """
 
     fingerprint: str
@@ -78,15 +110,38 @@ class Segment:
         return len(self.token_ids)
 
 
-def prefill_chunk_kv(model: LayerwiseModel, token_ids: Sequence[int]) -> ChunkKV:
-    """A chunk's KV as it is stored and reused: the chunk prefilled alone at positions 0..n-1, no BOS."""
-    n = len(token_ids)
-    _, cache = model.prefill(list(token_ids))
-    return ChunkKV(
-        [k[0, :, :n].clone() for k in cache.keys],
-        [v[0, :, :n].clone() for v in cache.values],
-        model.fingerprint,
-    )
+def prefill_chunk_kv(
+    model: LayerwiseModel,
+    token_ids: Sequence[int],
+    context: ChunkContext = NO_CONTEXT,
+    context_cache: KVCache | None = None,
+) -> ChunkKV:
+    """A chunk's KV as it is stored and reused: the chunk prefilled behind ``context`` (alone at positions
+    0..n-1 when there is none), the context's own KV dropped and the keys rotated back to 0..n-1.
+
+    ``context_cache`` (from :func:`prefill_context`) saves prefilling the same context for every chunk."""
+    n, p = len(token_ids), len(context)
+    if p == 0:
+        _, cache = model.prefill(list(token_ids))
+        keys = [k[0, :, :n].clone() for k in cache.keys]
+    else:
+        cache = model.new_cache(p + n)
+        shared = context_cache if context_cache is not None else prefill_context(model, context)
+        for layer in range(model.num_layers):
+            cache.keys[layer][:, :, :p] = shared.keys[layer][:, :, :p]
+            cache.values[layer][:, :, :p] = shared.values[layer][:, :, :p]
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=model.device)[None]
+        model.forward(ids, torch.arange(p, p + n, device=model.device), cache)
+        here = torch.arange(p, p + n, device=model.device)
+        # rotated back in float64 (Rope.rerotate): the stored keys are those of positions 0..n-1
+        keys = [model.rope.rerotate(k[0, :, p:].float(), here, here - p).to(k.dtype) for k in cache.keys]
+    return ChunkKV(keys, [v[0, :, p : p + n].clone() for v in cache.values], model.fingerprint)
+
+
+def prefill_context(model: LayerwiseModel, context: ChunkContext) -> KVCache:
+    """The KV of ``context`` alone, shared by every chunk prefilled behind it."""
+    _, cache = model.prefill(list(context.token_ids))
+    return cache
 
 
 class LayerKVProvider(Protocol):

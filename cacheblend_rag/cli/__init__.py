@@ -13,6 +13,7 @@ from .models import models_app
 from .profile import profile
 from .query import query
 from .store import store_app
+from .tune import tune_command
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Fast RAG by blending precomputed KV caches."
@@ -24,6 +25,7 @@ app.command("ingest")(ingest)
 app.command("query")(query)
 app.command("eval")(eval_command)
 app.command("bench")(bench_command)
+app.command("tune")(tune_command)
 
 
 @app.callback()

@@ -58,6 +58,22 @@ def eval_command(
         int | None, typer.Option(min=1, help="Evaluate N cases chosen by --seed (all if unset).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the case selection.")] = 0,
+    skip: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Leave out the first N cases of the seeded order (--skip 60 on the full MuSiQue file: the "
+            "90 cases the shipped 60-case subset does not hold).",
+        ),
+    ] = 0,
+    chunk_context: Annotated[
+        str | None,
+        typer.Option(
+            "--chunk-context",
+            help="What chunk KV is precomputed behind: neutral or none (default: the chunk_context "
+            "setting); a method written none:SPEC uses none whatever this says.",
+        ),
+    ] = None,
     top_k: Annotated[int, typer.Option("--top-k", min=1, help="Chunks per prompt.")] = 6,
     chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", min=16, help="Most tokens per chunk.")] = 512,
     max_new_tokens: Annotated[
@@ -87,7 +103,10 @@ def eval_command(
     from ..eval.harness import EvalConfig, run_eval
     from ..eval.markdown import update_markdown
     from ..eval.report import eval_section_name, plot_quality_vs_ttft, render_eval
+    from ..eval.variants import CHUNK_CONTEXTS
 
+    if chunk_context is not None and chunk_context not in CHUNK_CONTEXTS:
+        raise typer.BadParameter(f"--chunk-context: use {' or '.join(CHUNK_CONTEXTS)}, got {chunk_context!r}")
     method_list = split_specs(methods)
     if not method_list:
         raise typer.BadParameter("--methods: give at least one method")
@@ -109,6 +128,8 @@ def eval_command(
                 *(["--limit", str(limit)] if limit is not None else []),
                 "--seed",
                 str(seed),
+                *(["--skip", str(skip)] if skip else []),
+                *(["--chunk-context", chunk_context] if chunk_context else []),
                 "--top-k",
                 str(top_k),
                 "--chunk-tokens",
@@ -136,6 +157,8 @@ def eval_command(
             kv_dir=kv_dir,
             json_path=json_path,
             command=command,
+            skip=skip,
+            chunk_context=chunk_context,
         )
 
         def progress(done: int, total: int, record: dict) -> None:

@@ -35,7 +35,10 @@ from ..errors import StoreError
 from ..text.chunker import Chunk, pack_token_ids, unpack_token_ids
 from ..text.document import Document
 
-FORMAT_VERSION = 1
+# 2: chunk KV is precomputed behind the chunk context the manifest records (part of each KV key).
+# A format-1 corpus (chunks prefilled alone) is read as having no context, and upgraded by ingest.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 DB_NAME = "corpus.sqlite"
 INDEX_NAME = "faiss.index"
@@ -102,6 +105,8 @@ class CorpusManifest:
     index_type: str
     format_version: int = FORMAT_VERSION
     created_at: float = field(default_factory=time.time)
+    # token ids chunks are prefilled behind when their KV is precomputed (empty: alone)
+    chunk_context: tuple[int, ...] = ()
 
     @classmethod
     def load(cls, corpus_dir: Path) -> CorpusManifest | None:
@@ -111,12 +116,15 @@ class CorpusManifest:
             return None
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-            if raw.get("format_version") != FORMAT_VERSION:
+            if raw.get("format_version") not in READABLE_FORMATS:
                 raise StoreError(
                     f"{path}: corpus format {raw.get('format_version')!r} is not supported "
-                    f"(this version reads format {FORMAT_VERSION}); rebuild the corpus"
+                    f"(this version reads formats {', '.join(map(str, READABLE_FORMATS))}); "
+                    "rebuild the corpus"
                 )
-            return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
+            fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+            fields["chunk_context"] = tuple(int(t) for t in fields.get("chunk_context", ()))
+            return cls(**fields)
         except (ValueError, TypeError, KeyError) as exc:
             raise StoreError(f"{path}: unreadable manifest: {exc}") from exc
 
@@ -336,6 +344,18 @@ class ChunkDB:
                 kv_key(chunk_id),
             ),
         ).lastrowid
+
+    def rekey_kv(self, kv_key: Callable[[tuple[int, ...]], str]) -> list[str]:
+        """Give every chunk the KV key ``kv_key(token_ids)`` and mark its KV as not computed yet (a new
+        chunk context changes every key); returns the old keys of chunks whose KV was ready."""
+        with self._lock:
+            rows = self._conn.execute("SELECT id, token_ids, kv_key, kv_ready FROM chunks").fetchall()
+            with self._transaction():
+                self._conn.executemany(
+                    "UPDATE chunks SET kv_key = ?, kv_ready = 0 WHERE id = ?",
+                    [(kv_key(unpack_token_ids(ids)), row) for row, ids, _, _ in rows],
+                )
+            return [old for _, _, old, ready in rows if ready]
 
     def mark_kv_ready(self, chunk_id: str, kv_key: str) -> None:
         """Record that the KV store holds this chunk's KV under ``kv_key``."""

@@ -20,14 +20,15 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
+from ..blend.segments import ChunkContext
 from ..errors import ChunkNotFoundError, InvalidQueryError, StoreError
-from ..models.tokenizer import ModelTokenizer, load_model_tokenizer
+from ..models.tokenizer import ModelTokenizer, chunk_context_ids, load_model_tokenizer
 from ..settings import get_settings
 from ..store.keys import chunk_key
 from ..text.chunker import Chunk, Chunker, validate_chunk_id
 from ..text.document import Document
 from . import index as vector_index
-from .chunkdb import DB_NAME, INDEX_NAME, ChunkDB, ChunkRow, CorpusManifest, FileChanges
+from .chunkdb import DB_NAME, FORMAT_VERSION, INDEX_NAME, ChunkDB, ChunkRow, CorpusManifest, FileChanges
 from .embedder import Embedder, get_embedder
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class Corpus:
         self._index_version = -1
         self._index_dirty = False  # in-memory index holds additions the saved one lacks
         self._lock = threading.RLock()
+        # KV keys of chunks whose KV an upgrade made stale (the KV store may delete them)
+        self.stale_kv_keys: list[str] = []
 
     # --- opening --------------------------------------------------------------------------------------
 
@@ -105,6 +108,14 @@ class Corpus:
         if not (corpus_dir / DB_NAME).is_file():
             raise StoreError(f"{corpus_dir}: {DB_NAME} is missing; re-ingest into a new store")
         readonly = not os.access(corpus_dir, os.W_OK)
+        if manifest.format_version < FORMAT_VERSION:
+            log.warning(
+                "corpus %s was built before chunk contexts (format %d): its chunk KV was precomputed with "
+                "each chunk alone, which blends less faithfully; run `cacheblend-rag ingest` on it again to "
+                "rebuild its KV (docs/fusor.md)",
+                corpus_dir,
+                manifest.format_version,
+            )
         return cls(corpus_dir, manifest, ChunkDB(corpus_dir / DB_NAME, readonly=readonly), embedder)
 
     @classmethod
@@ -122,8 +133,11 @@ class Corpus:
         if index_type is not None:
             vector_index.check_index_type(index_type)
         manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
+        stale_kv: list[str] = []
         if manifest is not None:
             check_compatible(corpus_dir, manifest, model, embedder, chunk_tokens)
+            if manifest.format_version < FORMAT_VERSION:
+                manifest, stale_kv = _upgrade(corpus_dir, manifest, new_chunk_context(model))
             if index_type is not None and index_type != manifest.index_type:
                 manifest = replace(manifest, index_type=index_type)
                 manifest.save(corpus_dir)
@@ -142,11 +156,13 @@ class Corpus:
                 embedding_dim=embedder.dim,
                 chunk_tokens=chunk_tokens or get_settings().chunk_tokens,
                 index_type=index_type or get_settings().index_type,
+                chunk_context=new_chunk_context(model).token_ids,
             )
             ChunkDB(corpus_dir / DB_NAME).close()
             manifest.save(corpus_dir)  # last: a folder with a manifest is a complete, empty corpus
         corpus = cls(corpus_dir, manifest, ChunkDB(corpus_dir / DB_NAME), embedder)
         corpus._tokenizer = model
+        corpus.stale_kv_keys = stale_kv
         return corpus
 
     def close(self) -> None:
@@ -161,6 +177,12 @@ class Corpus:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def chunk_context(self) -> ChunkContext:
+        """What this corpus's chunks are prefilled behind when their KV is precomputed (engines serving
+        the corpus must use it: it is part of every chunk's KV key)."""
+        return ChunkContext(self.manifest.chunk_context)
 
     @property
     def kv_dir(self) -> Path:
@@ -298,7 +320,9 @@ class Corpus:
                 documents,
                 vectors,
                 file,
-                kv_key=lambda cid: chunk_key(fingerprint, kv_dtype, first[cid][1].token_ids),
+                kv_key=lambda cid: chunk_key(
+                    fingerprint, kv_dtype, first[cid][1].token_ids, self.chunk_context.key
+                ),
             )
             after = self.db.version()
             # extend the loaded index in place when nothing else changed the corpus meanwhile
@@ -410,6 +434,35 @@ def check_new_corpus_dir(corpus_dir: Path) -> None:
             f"{corpus_dir} exists and is neither an empty folder nor a cacheblend-rag store "
             "(a corpus directory)"
         )
+
+
+def new_chunk_context(model: ModelTokenizer) -> ChunkContext:
+    """The chunk context a corpus created now records (the ``chunk_context`` setting)."""
+    return ChunkContext(chunk_context_ids(model.tokenizer, get_settings().chunk_context))
+
+
+def _upgrade(
+    corpus_dir: Path, manifest: CorpusManifest, context: ChunkContext
+) -> tuple[CorpusManifest, list[str]]:
+    """Bring a corpus of an older format to the current one: every chunk's KV key moves to ``context``
+    and its KV is marked as not computed (ingest then precomputes it). Returns the new manifest and the
+    now stale KV keys."""
+    db = ChunkDB(corpus_dir / DB_NAME)
+    try:
+        kv_dtype = get_settings().kv_dtype
+        stale = db.rekey_kv(lambda ids: chunk_key(manifest.model_fingerprint, kv_dtype, ids, context.key))
+    finally:
+        db.close()
+    upgraded = replace(manifest, format_version=FORMAT_VERSION, chunk_context=context.token_ids)
+    upgraded.save(corpus_dir)
+    log.info(
+        "corpus %s upgraded from format %d to %d: chunk KV is recomputed behind the %d-token chunk context",
+        corpus_dir,
+        manifest.format_version,
+        FORMAT_VERSION,
+        len(context),
+    )
+    return upgraded, stale
 
 
 def check_compatible(

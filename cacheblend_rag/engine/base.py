@@ -27,7 +27,7 @@ from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionResult
 from ..blend.methods import RecomputeMethod, Reuse
-from ..blend.segments import ChunkKVSource, Segment
+from ..blend.segments import ChunkContext, ChunkKVSource, Segment
 from ..blend.spec import MethodSpec, ResolvedMethod
 from ..errors import ContextLengthError, FusionInputError
 from ..store.kvstore import KVStore
@@ -222,6 +222,12 @@ class EngineProtocol(Protocol):
 
     def segments(self, parts: Sequence[PromptPart], method: Method | Reuse) -> list[Segment]:
         """A prompt laid out as fresh token runs and chunks, with the KV ``method`` reuses."""
+        ...
+
+    chunk_context: ChunkContext  # what chunks are prefilled behind; part of their KV keys
+
+    def chunk_key(self, token_ids: Sequence[int]) -> str:
+        """The KV store key of a chunk's KV (model, storage dtype, chunk context, token ids)."""
         ...
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:

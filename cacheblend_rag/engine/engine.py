@@ -14,11 +14,20 @@ import torch
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionResult, Fusor
 from ..blend.methods import Reuse
-from ..blend.segments import ChunkKV, ChunkKVSource, Segment, prefill_chunk_kv
+from ..blend.segments import (
+    NO_CONTEXT,
+    ChunkContext,
+    ChunkKV,
+    ChunkKVSource,
+    Segment,
+    prefill_chunk_kv,
+    prefill_context,
+)
 from ..blend.spec import resolve_method, reuse_of
 from ..errors import ContextLengthError, CorruptKVError, StoreError
 from ..models.loader import load_model
-from ..models.runtime import LayerwiseModel
+from ..models.runtime import KVCache, LayerwiseModel
+from ..models.tokenizer import chunk_context_ids
 from ..settings import get_settings
 from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader
@@ -51,9 +60,15 @@ class Engine(PromptSegments):
         model: LayerwiseModel | str | Path | None = None,
         store: KVStore | str | Path | None = None,
         prompt_builder: PromptBuilder | None = None,
+        chunk_context: ChunkContext | None = None,
     ) -> None:
         settings = get_settings()
         self.model = model if isinstance(model, LayerwiseModel) else load_model(model)
+        # What chunks are prefilled behind (docs/fusor.md); a corpus passes the one it was built with.
+        if chunk_context is None:
+            chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, settings.chunk_context))
+        self.chunk_context = chunk_context
+        self._context_cache: KVCache | None = None
         if not isinstance(store, KVStore):
             root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
             store = KVStore(root, self.model.fingerprint, self.model.shape)
@@ -78,25 +93,45 @@ class Engine(PromptSegments):
 
     # -- chunk KV ------------------------------------------------------------------------------------
 
-    def precompute(self, token_ids: Sequence[int]) -> ChunkKV:
-        """Prefill a chunk alone at positions 0..n-1 (no BOS) and return its per-layer K/V."""
+    def precompute(self, token_ids: Sequence[int], context: ChunkContext | None = None) -> ChunkKV:
+        """Prefill a chunk behind ``context`` (default: the engine's chunk context) and return its
+        per-layer K/V, keys rotated to the chunk's own positions 0..n-1."""
+        context = self.chunk_context if context is None else context
         n = len(token_ids)
         if n == 0:
             raise ValueError("cannot precompute KV of an empty chunk")
-        if n > self.model.shape.max_context:
+        if n + len(context) > self.model.shape.max_context:
             raise ContextLengthError(
-                f"chunk of {n} tokens exceeds the context of {self.model.shape.max_context}"
+                f"chunk of {n} tokens (behind a {len(context)}-token chunk context) exceeds the context "
+                f"of {self.model.shape.max_context}"
             )
         with self.forward_lock:
-            return prefill_chunk_kv(self.model, token_ids)
+            shared = None
+            if context == self.chunk_context and len(context):
+                if self._context_cache is None:
+                    self._context_cache = prefill_context(self.model, context)
+                shared = self._context_cache
+            return prefill_chunk_kv(self.model, token_ids, context, shared)
+
+    def chunk_key(self, token_ids: Sequence[int]) -> str:
+        """The KV store key of the chunk made of ``token_ids`` (prefilled behind the chunk context)."""
+        return self.store.key_for(token_ids, self.chunk_context.key)
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The chunk's KV from the store, computed and written back on a miss."""
-        key = self.store.key_for(token_ids)
+        return self._stored_kv(token_ids, self.chunk_context)
+
+    def prefix_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
+        """The KV of a prompt's own prefix as a prefix cache holds it: prefilled alone from position 0
+        (what ``prefix_cache`` reuses), from the store or computed and written back."""
+        return self._stored_kv(token_ids, NO_CONTEXT)
+
+    def _stored_kv(self, token_ids: Sequence[int], context: ChunkContext) -> ChunkKVSource:
+        key = self.store.key_for(token_ids, context.key)
         found = self.store.get(key)
         if found is not None:
             return found
-        kv = self.precompute(token_ids)
+        kv = self.precompute(token_ids, context)
         try:
             self.store.put(key, kv)
         except StoreError as exc:
@@ -108,7 +143,7 @@ class Engine(PromptSegments):
 
     def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
         """Precompute and store a chunk's KV unless present; returns the bytes written (0 if present)."""
-        key = self.store.key_for(token_ids)
+        key = self.chunk_key(token_ids)
         if self.store.contains(key):
             return 0
         return self.store.put(key, self.precompute(token_ids))
@@ -118,7 +153,8 @@ class Engine(PromptSegments):
     def segments(self, parts: Sequence[PromptPart], method: Method | Reuse) -> list[Segment]:
         """Segments of a prompt laid out as fresh token runs and chunks, with the KV ``method`` reuses
         (from the store, computed and stored on a miss)."""
-        return layout_segments(parts, reuse_of(method), self.chunk_kv)
+        reuses = reuse_of(method)
+        return layout_segments(parts, reuses, self.prefix_kv if reuses is Reuse.PREFIX else self.chunk_kv)
 
     # -- fusion and generation -----------------------------------------------------------------------
 
@@ -135,10 +171,9 @@ class Engine(PromptSegments):
                 if attempt == 2:
                     raise
                 log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
+                kv_for = self.prefix_kv if method.reuses is Reuse.PREFIX else self.chunk_kv
                 segments = [
-                    Segment.cached(s.token_ids, self.chunk_kv(s.token_ids), s.chunk_id)
-                    if s.kv is not None
-                    else s
+                    Segment.cached(s.token_ids, kv_for(s.token_ids), s.chunk_id) if s.kv is not None else s
                     for s in segments
                 ]
         raise AssertionError("unreachable")

@@ -4,20 +4,24 @@ BENCHMARKS.md sections and plots."""
 
 from .bench import BenchConfig, run_bench
 from .datasets import Dataset, EvalCase, load_dataset, select_cases
-from .harness import EvalConfig, method_specs, run_eval
+from .harness import EvalConfig, run_eval
 from .markdown import update_markdown
 from .metrics import continuation_nll, kl_divergence, qa_f1, rouge_l
 from .summary import summarize
+from .variants import Variant, method_specs, method_variants, parse_variant
 
 __all__ = [
     "BenchConfig",
     "Dataset",
     "EvalCase",
     "EvalConfig",
+    "Variant",
     "continuation_nll",
     "kl_divergence",
     "load_dataset",
     "method_specs",
+    "method_variants",
+    "parse_variant",
     "qa_f1",
     "rouge_l",
     "run_bench",

@@ -121,14 +121,19 @@ def selection_key(seed: int, case_id: int) -> str:
     return hashlib.sha256(f"{seed}:{case_id}".encode()).hexdigest()
 
 
-def select_cases(cases: tuple[EvalCase, ...], limit: int | None, seed: int) -> list[EvalCase]:
-    """The ``limit`` cases whose ``sha256(f"{seed}:{id}")`` sorts first, in id order (all without a limit).
+def select_cases(cases: tuple[EvalCase, ...], limit: int | None, seed: int, skip: int = 0) -> list[EvalCase]:
+    """The ``limit`` cases whose ``sha256(f"{seed}:{id}")`` sorts first after the first ``skip`` of that
+    order, in id order (all the rest without a limit).
 
     The order depends only on the seed and each id, so a subset file gives the same selection as the full
-    file whenever it holds the selected ids."""
+    file whenever it holds the selected ids, and ``skip=60`` on the full MuSiQue file gives exactly the
+    cases the shipped 60-case subset does not hold (a held-out set)."""
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
+    if skip < 0:
+        raise ValueError(f"--skip must be >= 0, got {skip}")
     chosen = list(cases)
-    if limit is not None and limit < len(cases):
-        chosen = sorted(cases, key=lambda c: selection_key(seed, c.case_id))[:limit]
+    if skip or (limit is not None and limit < len(cases)):
+        ordered = sorted(cases, key=lambda c: selection_key(seed, c.case_id))[skip:]
+        chosen = ordered[:limit] if limit is not None else ordered
     return sorted(chosen, key=lambda c: c.case_id)

@@ -29,17 +29,19 @@ import torch
 
 from ..blend.fusor import FusionResult
 from ..blend.methods import Reuse
-from ..blend.spec import MethodSpec, parse_method
+from ..blend.segments import ChunkContext
 from ..corpus.embedder import Embedder
 from ..engine import ChunkRef, Engine, PromptBuilder, SamplingParams
 from ..errors import EvalDataError
 from ..models.runtime import LayerwiseModel
+from ..models.tokenizer import chunk_context_ids
 from ..settings import get_settings
 from ..text.chunker import Chunker
 from .datasets import Dataset, EvalCase, load_dataset, select_cases
 from .metrics import continuation_nll, kl_divergence, qa_f1, rouge_l
 from .results import machine_info, write_json_atomic
 from .summary import REFERENCE, summarize
+from .variants import Variant, method_variants
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ _RESUME_KEYS = (
     "model_fingerprint",
     "kv_dtype",
     "prompt",
+    "chunk_context",
 )
 
 
@@ -90,25 +93,6 @@ def prompt_builder(tokenizer, task: str) -> PromptBuilder:
 
 def task_question(case: EvalCase, task: str) -> str:
     return SUMMARY_INSTRUCTION if task == "summary" else case.question
-
-
-# -- methods -----------------------------------------------------------------------------------------
-
-
-def method_specs(methods: Sequence[str], ratios: Sequence[float]) -> list[MethodSpec]:
-    """Expand ``methods`` into specs, the reference first: a plain method with a recompute ratio (e.g.
-    ``cacheblend``) once per ratio of ``ratios``."""
-    specs: list[MethodSpec] = []
-    for label in methods:
-        spec = parse_method(label)
-        if not spec.options and spec.method_class.ratio_option is not None:
-            specs.extend(spec.with_ratio(r) for r in ratios)
-        else:
-            specs.append(spec)
-    specs = list({s.label: s for s in specs}.values())
-    if not any(s.label == REFERENCE for s in specs):
-        specs.insert(0, MethodSpec(REFERENCE, REFERENCE))
-    return sorted(specs, key=lambda s: s.label != REFERENCE)
 
 
 # -- retrieval ---------------------------------------------------------------------------------------
@@ -166,6 +150,8 @@ class EvalConfig:
     kv_dir: Path | None = None
     json_path: Path | None = None
     command: str = ""
+    skip: int = 0  # cases of the seeded order left out before --limit (a held-out set)
+    chunk_context: str | None = None  # the chunk context of variants that name none (default: settings)
 
 
 @dataclass
@@ -174,8 +160,9 @@ class EvalRun:
 
     dataset: Dataset
     task: str
-    specs: list[MethodSpec]
-    engine: RecordingEngine
+    specs: list[Variant]
+    engine: RecordingEngine  # the run's chunk context
+    engines: dict[str, RecordingEngine]  # by chunk context name, sharing the model and the KV store
     chunker: Chunker
     embedder: Embedder | None
     sampling: SamplingParams
@@ -192,10 +179,16 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
         raise ValueError(f"unknown task {config.task!r}: use auto, qa or summary")
     if config.top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {config.top_k}")
-    specs = method_specs(config.methods, config.ratios)
+    specs = method_variants(config.methods, config.ratios)
     model = model or load_model(config.model)
     kv_dir = Path(config.kv_dir) if config.kv_dir is not None else default_kv_dir(model)
-    engine = RecordingEngine(model, kv_dir, prompt_builder(model.tokenizer, task))
+    context = config.chunk_context or get_settings().chunk_context
+    engines: dict[str, RecordingEngine] = {}
+    for name in dict.fromkeys([context, *(v.context for v in specs if v.context)]):
+        store = engines[context].store if engines else kv_dir
+        chunk_context = ChunkContext(chunk_context_ids(model.tokenizer, name))
+        engines[name] = RecordingEngine(model, store, prompt_builder(model.tokenizer, task), chunk_context)
+    engine = engines[context]
     max_new = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task]
     builder = engine.prompts
     run_config = {
@@ -213,6 +206,8 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
         "model_fingerprint": model.fingerprint,
         "compute_dtype": str(model.dtype).removeprefix("torch."),
         "kv_dtype": engine.store.kv_dtype_name,
+        "chunk_context": context,
+        "skip": config.skip,
         "kv_dir": str(kv_dir),
         "retrieval": "top-k by cosine similarity (all-MiniLM-L6-v2)" if task == "qa" else "first k chunks",
         "prompt": {
@@ -226,6 +221,7 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
         task=task,
         specs=specs,
         engine=engine,
+        engines=engines,
         chunker=Chunker(model.tokenizer, config.chunk_tokens),
         embedder=get_embedder() if task == "qa" else None,
         sampling=SamplingParams(max_new_tokens=max_new),
@@ -243,7 +239,7 @@ def store_in_ram(engine: Engine, question: str, refs: Sequence[ChunkRef]) -> Non
                     segment.kv.layer(layer)
 
 
-def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[MethodSpec]) -> dict[str, Any]:
+def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dict[str, Any]:
     """Retrieve, precompute and answer ``case`` with each of ``specs`` (the reference must be first)."""
     if not specs or specs[0].label != REFERENCE:
         raise ValueError(f"{REFERENCE} must be the first method: it is the reference of the others")
@@ -253,7 +249,8 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[MethodSpec]) -> 
     retrieved, total_chunks = retrieve_chunks(case, run.chunker, run.embedder, top_k, task)
     refs = [ChunkRef(r.token_ids) for r in retrieved]
     started = time.perf_counter()
-    store_in_ram(engine, question, refs)
+    for name in dict.fromkeys(v.context or run.config["chunk_context"] for v in specs):
+        store_in_ram(run.engines[name], question, refs)
     precompute_s = time.perf_counter() - started
 
     chunk_mask = chunk_positions(engine.prompts, question, refs)
@@ -262,18 +259,19 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[MethodSpec]) -> 
     reference: dict[str, Any] = {}
     methods: dict[str, dict[str, Any]] = {}
     prompt_tokens = 0
-    for spec in specs:
+    for variant in specs:
+        engine = run.engines[variant.context or run.config["chunk_context"]]
         t0 = time.perf_counter()
-        segments = engine.rag_segments(question, refs, spec)
+        segments = engine.rag_segments(question, refs, variant.spec)
         segments_s = time.perf_counter() - t0
-        result = engine.generate(segments, spec.build(), run.sampling)
+        result = engine.generate(segments, variant.spec.build(), run.sampling)
         fusion = engine.last_fusion
         assert fusion is not None
         prompt_tokens = fusion.num_tokens
-        if spec.label == REFERENCE:
+        if variant.label == REFERENCE:
             reference = {"text": result.text, "ids": result.token_ids, "logits": fusion.logits}
-        methods[spec.label] = _score(
-            run, case, spec, result, fusion, segments_s, gold_ids, reference, chunk_mask
+        methods[variant.label] = _score(
+            run, case, variant, result, fusion, segments_s, gold_ids, reference, chunk_mask
         )
         engine.last_fusion = None
     return {
@@ -319,7 +317,7 @@ def chunk_recompute_ratio(fusion: FusionResult, chunk_mask: torch.Tensor) -> flo
 def _score(
     run: EvalRun,
     case: EvalCase,
-    spec: MethodSpec,
+    spec: Variant,
     result,
     fusion: FusionResult,
     segments_s: float,
@@ -367,7 +365,7 @@ def run_eval(
     """Run (or resume) an evaluation; returns the results object, also written to ``config.json_path``
     after every case when given."""
     run = setup_run(config, model)
-    cases = select_cases(run.dataset.cases, config.limit, config.seed)
+    cases = select_cases(run.dataset.cases, config.limit, config.seed, config.skip)
     results = _start_results(run, config)
     done = {c["id"]: c for c in results["cases"]}
     labels = [s.label for s in run.specs]

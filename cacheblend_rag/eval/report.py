@@ -9,6 +9,12 @@ from .markdown import checks_list, fmt, machine_line, relative_link, table
 from .plots import log_x, pyplot, save_figure
 
 
+def selection(config: dict[str, Any]) -> str:
+    """The case-selection options of a run, as given on the command line."""
+    skip = f"--skip {config['skip']} " if config.get("skip") else ""
+    return f"{skip}--limit {config['limit']} --seed {config['seed']}"
+
+
 def eval_section_name(results: dict[str, Any]) -> str:
     return f"eval-{results['config']['dataset']}"
 
@@ -68,8 +74,9 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
         f"contexts chunked to <= {config['chunk_tokens']} tokens, {config['top_k']} chunks per prompt "
         f"({config['retrieval']}); greedy, at most {config['max_new_tokens']} new tokens. Data: "
         f"`{Path(config['dataset_path']).name}` (sha256 {config['dataset_sha256'][:12]}…), cases chosen with "
-        f"`--limit {config['limit']} --seed {config['seed']}`. Means over cases; TTFT is the median, and the "
-        "speed-up is the median over cases of full_recompute's TTFT over the method's. Agreement and "
+        f"`{selection(config)}`; chunk KV precomputed behind the {config.get('chunk_context', 'none')} chunk "
+        "context unless a method's label names another (`none:`). Means over cases; TTFT is the median, "
+        "and the speed-up is the median over cases of full_recompute's TTFT over the method's. Agreement and "
         "first-token agreement compare each answer with the full_recompute answer; KL is "
         "KL(full prefill || method) of the first-token distribution; NLL is per token, teacher-forced "
         "under the method's fused cache. Raw per-case numbers: the `--json` file.",
@@ -97,7 +104,7 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
             ),
         ]
     if summary.get("checks"):
-        parts += ["", "Claims of issue 7 on these numbers:", "", checks_list(summary["checks"])]
+        parts += ["", "Claims of issue 13 on these numbers:", "", checks_list(summary["checks"])]
     if plot is not None:
         parts += ["", f"![quality vs TTFT, {config['dataset']}]({relative_link(plot, markdown)})"]
     return "\n".join(parts)

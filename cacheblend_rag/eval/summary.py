@@ -1,8 +1,9 @@
-"""Summaries of eval results: per-method means (medians for times) over the cases, and issue 7's claims
+"""Summaries of eval results: per-method means (medians for times) over the cases, and issue 13's claims
 evaluated on them."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -59,44 +60,88 @@ def summarize(
 
 
 def _checks(table: dict[str, dict[str, Any]], task: str) -> list[dict[str, Any]]:
-    """Issue 7's claims, evaluated on this run's numbers (pass or fail, with the numbers)."""
-    blend, reference, reuse = table.get("cacheblend@0.15"), table.get(REFERENCE), table.get("full_reuse")
+    """Issue 13's claims on the default method (cacheblend at the default ratio), evaluated on this run's
+    numbers (pass or fail, with the numbers). Claims whose columns the run lacks are left out."""
+    default = default_label()
+    blend, reference = table.get(default), table.get(REFERENCE)
     if blend is None or reference is None:
         return []
-    checks = []
-    cheap = {
-        label: entry
-        for label, entry in table.items()
-        if label != REFERENCE and entry.get("chunk_recompute_ratio", 1.0) <= 0.2 + 1e-9
-    }
-    best = max(cheap, key=lambda label: cheap[label]["agreement_f1"])
-    checks.append(
-        {
-            "claim": "cacheblend@0.15 has the best agreement F1 of the methods recomputing <= 20% of tokens",
-            "passed": cheap[best]["agreement_f1"] <= blend["agreement_f1"] + 1e-12,
-            "detail": {label: round(e["agreement_f1"], 4) for label, e in cheap.items()},
-        }
-    )
-    gap = reference["gold"] - blend["gold"]
-    checks.append(
-        {
-            "claim": f"gold {'Rouge-L' if task == 'summary' else 'F1'} gap of cacheblend@0.15 to "
-            "full_recompute <= 0.02",
-            "passed": gap <= 0.02,
-            "detail": {"full_recompute": reference["gold"], "cacheblend@0.15": blend["gold"], "gap": gap},
-        }
-    )
-    if reuse is not None:
+    reuse, epic = table.get("full_reuse"), table.get("epic")
+    checks = [
+        _check(
+            f"{default} recomputes <= 15% of the cached tokens",
+            blend.get("chunk_recompute_ratio", 1.0) <= 0.15 + 1e-9,
+            {"chunk_recompute_ratio": blend.get("chunk_recompute_ratio")},
+        )
+    ]
+    if task == "summary":
+        gap = reference["gold"] - blend["gold"]
         checks.append(
-            {
-                "claim": "full_reuse is worse than cacheblend@0.15 on agreement and on the NLL of the "
-                "full_recompute answer",
-                "passed": reuse["agreement_f1"] < blend["agreement_f1"]
-                and reuse.get("nll_reference", 0.0) > blend.get("nll_reference", 0.0),
-                "detail": {
-                    "agreement_f1": [reuse["agreement_f1"], blend["agreement_f1"]],
-                    "nll_reference": [reuse.get("nll_reference"), blend.get("nll_reference")],
-                },
-            }
+            _check(
+                f"Rouge-L gap of {default} to full_recompute <= 0.02",
+                gap <= 0.02,
+                {REFERENCE: reference["gold"], default: blend["gold"], "gap": gap},
+            )
+        )
+    else:
+        agreement = blend["first_token_agreement"]
+        checks.append(_check(f"{default} first-token agreement >= 0.95", agreement >= 0.95, agreement))
+    if reuse is not None:
+        kl, reuse_kl = blend["kl_first_token"], reuse["kl_first_token"]
+        checks.append(
+            _check(f"{default} first-token KL <= 0.5 x full_reuse's", kl <= 0.5 * reuse_kl, [kl, reuse_kl])
+        )
+        gap = blend["nll_reference"] - reference["nll_reference"]
+        reuse_gap = reuse["nll_reference"] - reference["nll_reference"]
+        checks.append(
+            _check(
+                f"{default} gap to full prefill in NLL of its answer <= 0.5 x full_reuse's",
+                gap <= 0.5 * reuse_gap,
+                [gap, reuse_gap],
+            )
+        )
+    if epic is not None:
+        checks.append(
+            _check(
+                f"{default} first-token KL below epic's",
+                blend["kl_first_token"] < epic["kl_first_token"],
+                [blend["kl_first_token"], epic["kl_first_token"]],
+            )
+        )
+    others = [label for label in ("full_reuse", "epic") if label in table]
+    if others:
+        checks.append(
+            _check(
+                f"{default} agreement F1 above {' and '.join(others)}",
+                all(blend["agreement_f1"] > table[label]["agreement_f1"] for label in others),
+                {label: table[label]["agreement_f1"] for label in [default, *others]},
+            )
+        )
+    ratios = sorted(
+        (float(e["options"]["ratio"]), e["kl_first_token"])
+        for label, e in table.items()
+        if label.startswith("cacheblend@") and "ratio" in e.get("options", {}) and len(e["options"]) == 1
+    )
+    if len(ratios) > 2:
+        rises = [b[1] - a[1] for a, b in itertools.pairwise(ratios)]
+        checks.append(
+            _check(
+                "monotone: cacheblend's first-token KL never rises by > 0.02 from one ratio to the next",
+                max(rises) <= 0.02,
+                {f"{r:g}": round(kl, 4) for r, kl in ratios},
+            )
         )
     return checks
+
+
+def default_label() -> str:
+    """The results label of the default method at the default ratio (e.g. ``cacheblend@0.15``)."""
+    from ..blend.spec import parse_method
+    from ..settings import get_settings
+
+    settings = get_settings()
+    return parse_method(settings.method).with_ratio(settings.ratio).label
+
+
+def _check(claim: str, passed: bool, detail: Any) -> dict[str, Any]:
+    return {"claim": claim, "passed": bool(passed), "detail": detail}

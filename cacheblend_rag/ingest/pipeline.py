@@ -28,8 +28,9 @@ from typing import Protocol
 
 from filelock import FileLock, Timeout
 
-from ..corpus.chunkdb import CorpusManifest
-from ..corpus.corpus import Corpus, check_compatible, check_new_corpus_dir
+from ..blend.segments import ChunkContext
+from ..corpus.chunkdb import FORMAT_VERSION, CorpusManifest
+from ..corpus.corpus import Corpus, check_compatible, check_new_corpus_dir, new_chunk_context
 from ..corpus.embedder import get_embedder
 from ..corpus.index import check_index_type
 from ..engine import create_engine
@@ -58,6 +59,12 @@ class ChunkKVWriter(Protocol):
 
     model: ModelIdentity
     store: KVStore
+
+    chunk_context: ChunkContext
+
+    def chunk_key(self, token_ids: Sequence[int]) -> str:
+        """The store key of the chunk's KV."""
+        ...
 
     def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
         """Compute and store the chunk's KV unless present; the bytes written."""
@@ -137,6 +144,7 @@ def ingest(
         raise StoreError(
             "the engine given for the KV stage runs another model than the one chunks are cut for"
         )
+
     embedder_model = get_embedder(embedder)
     manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
     if manifest is not None:
@@ -144,6 +152,14 @@ def ingest(
         chunk_tokens = manifest.chunk_tokens
     else:
         check_new_corpus_dir(corpus_dir)
+    # an older corpus is upgraded to the current chunk context when opened for writing below
+    current = manifest is not None and manifest.format_version == FORMAT_VERSION
+    context = ChunkContext(manifest.chunk_context) if current else new_chunk_context(tokenizer)
+    if engine is not None and engine.chunk_context != context:
+        raise StoreError(
+            f"the engine given for the KV stage prefills chunks behind another chunk context than corpus "
+            f"{corpus_dir} uses; create it with chunk_context=Corpus.open(...).chunk_context"
+        )
     chunker = Chunker(tokenizer.tokenizer, chunk_tokens or get_settings().chunk_tokens)
     summary = IngestSummary(corpus_dir=str(corpus_dir), files=len(files))
     summary.stage_seconds["load"] = time.perf_counter() - started
@@ -175,7 +191,7 @@ def ingest(
         if corpus is None:
             corpus = Corpus.create(corpus_dir, tokenizer, embedder_model, chunker.max_tokens, index_type)
         index_changed = index_type is not None and manifest is not None and index_type != manifest.index_type
-        removed_kv = _embed_stage(plans, corpus, summary, notify)
+        removed_kv = corpus.stale_kv_keys + _embed_stage(plans, corpus, summary, notify)
         _index_stage(corpus, index_changed, summary, notify)
         if precompute_kv:
             _kv_stage(corpus, tokenizer.path, engine, removed_kv, summary, notify)
@@ -290,14 +306,16 @@ def _kv_stage(
     owned = None
     if todo and engine is None:
         loading = time.perf_counter()
-        engine = owned = create_engine("torch", model=model_path, store=corpus.kv_dir)
+        engine = owned = create_engine(
+            "torch", model=model_path, store=corpus.kv_dir, chunk_context=corpus.chunk_context
+        )
         loaded = time.perf_counter() - loading
         summary.stage_seconds["load"] += loaded
         t0 += loaded
     try:
         for done, (chunk_id, token_ids) in enumerate(todo, start=1):
             written = engine.ensure_chunk_kv(token_ids)
-            corpus.db.mark_kv_ready(chunk_id, engine.store.key_for(token_ids))
+            corpus.db.mark_kv_ready(chunk_id, engine.chunk_key(token_ids))
             summary.kv_bytes += written
             summary.kv_chunks += 1 if written else 0
             notify("kv", done, len(todo))

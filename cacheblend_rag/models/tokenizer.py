@@ -39,3 +39,32 @@ def _load(path_str: str) -> ModelTokenizer:
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot load the tokenizer of {path}: {exc}") from exc
     return ModelTokenizer(path.name, path, model_fingerprint(path, family), tokenizer)
+
+
+# The system message of the neutral chunk context: generic, so the context suits any RAG prompt template.
+NEUTRAL_SYSTEM_MESSAGE = "You are a helpful assistant."
+_STAND_IN = "\x00"
+
+
+def chunk_context_ids(tokenizer: Any, kind: str) -> tuple[int, ...]:
+    """Token ids of the context chunks are prefilled behind when their KV is precomputed
+    (``blend.segments.ChunkContext``).
+
+    ``neutral``: the model's chat template opened with a generic system message and the start of a user
+    turn, where the passages of a RAG prompt go (for SmolLM2: ``<|im_start|>system\nYou are a helpful
+    assistant.<|im_end|>\n<|im_start|>user\n``); a tokenizer without a chat template gets its BOS token,
+    or nothing. ``none``: no context (each chunk prefilled alone from position 0)."""
+    if kind == "none":
+        return ()
+    if kind != "neutral":
+        raise ValueError(f"unknown chunk context {kind!r}: use 'neutral' or 'none'")
+    if getattr(tokenizer, "chat_template", None):
+        messages = [
+            {"role": "system", "content": NEUTRAL_SYSTEM_MESSAGE},
+            {"role": "user", "content": _STAND_IN},
+        ]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+        head = text[: text.index(_STAND_IN)]
+        return tuple(tokenizer(head, add_special_tokens=False)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return (int(bos),) if bos is not None else ()

@@ -45,8 +45,11 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(resolve_kv_dtype(dtype)).removeprefix("torch.")
 
 
-def chunk_key(model_fingerprint: str, kv_dtype: torch.dtype | str, token_ids: Sequence[int]) -> str:
-    """Hex sha256 identifying one chunk's KV for one model, storage dtype and layout version."""
+def chunk_key(
+    model_fingerprint: str, kv_dtype: torch.dtype | str, token_ids: Sequence[int], context: str = ""
+) -> str:
+    """Hex sha256 identifying one chunk's KV for one model, storage dtype, layout version and the
+    context the chunk was prefilled behind (``ChunkContext.key``; '' for a chunk prefilled alone)."""
     if not model_fingerprint:
         raise ValueError("chunk_key needs a non-empty model fingerprint")
     ids = np.asarray(token_ids)
@@ -59,6 +62,8 @@ def chunk_key(model_fingerprint: str, kv_dtype: torch.dtype | str, token_ids: Se
         raise ValueError("token ids must be non-negative")
     digest = hashlib.sha256()
     fields = ("cacheblend-kv", model_fingerprint, dtype_name(kv_dtype), f"v{LAYOUT_VERSION}", f"n={ids.size}")
+    if context:  # keys of chunks prefilled alone are unchanged, so KV stored before contexts still hits
+        fields += (f"ctx={context}",)
     header = "\0".join(fields) + "\0"
     digest.update(header.encode())
     digest.update(ids.astype("<i8").tobytes())

@@ -173,9 +173,10 @@ class KVStore:
 
     # -- keys and paths ------------------------------------------------------------------------------
 
-    def key_for(self, token_ids: Sequence[int]) -> str:
-        """The key of the chunk made of ``token_ids`` under this store's model and storage dtype."""
-        return chunk_key(self.fingerprint, self.kv_dtype, token_ids)
+    def key_for(self, token_ids: Sequence[int], context: str = "") -> str:
+        """The key of the chunk made of ``token_ids`` under this store's model and storage dtype,
+        prefilled behind the chunk context whose ``ChunkContext.key`` is ``context``."""
+        return chunk_key(self.fingerprint, self.kv_dtype, token_ids, context)
 
     def path_for(self, key: str) -> Path:
         """Where the disk tier keeps ``key``'s file."""

@@ -110,7 +110,7 @@ def test_full_reuse_of_single_leading_chunk_is_exact(model, cases):
 
 def test_recompute_work_matches_the_selection(model, prompt):
     segments, _ = prompt
-    method = CacheBlend(ratio=0.15, schedule=((1, 2.0), (2, 1.0)))
+    method = CacheBlend(ratio=0.15, selection="hkvd", schedule=((1, 2.0), (2, 1.0)))
     qkv_before, attn_before = model.qkv_token_layers, model.attention_token_layers
     fused = Fusor(model).fuse(segments, method)
     n, cached = fused.plan.num_tokens, fused.plan.num_cached

@@ -99,7 +99,7 @@ def test_cacheblend_reuses_stored_chunks(engine, rag_chunks):
     cached = sum(len(c.token_ids) for c in chunks)
     assert result.reused_tokens == cached - math.ceil(0.15 * cached - 1e-9)
     assert result.chunk_ids == ["c0", "c1", "c2"]
-    assert all(engine.store.contains(engine.store.key_for(c.token_ids)) for c in chunks)
+    assert all(engine.store.contains(engine.chunk_key(c.token_ids)) for c in chunks)
     assert result.controller is None  # the ratio was given
 
 

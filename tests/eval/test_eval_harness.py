@@ -11,8 +11,9 @@ from cacheblend_rag.blend.spec import parse_method
 from cacheblend_rag.cli import app
 from cacheblend_rag.errors import EvalDataError
 from cacheblend_rag.eval.datasets import load_dataset
-from cacheblend_rag.eval.harness import EvalConfig, method_specs, run_eval
+from cacheblend_rag.eval.harness import EvalConfig, run_eval
 from cacheblend_rag.eval.metrics import normalize_answer
+from cacheblend_rag.eval.variants import method_specs
 
 METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
 LABELS = {"full_recompute", "prefix_cache", "full_reuse", "cacheblend@0", "cacheblend@0.15", "epic"}

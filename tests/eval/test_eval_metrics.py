@@ -38,14 +38,20 @@ def test_qa_f1_takes_the_best_gold_answer():
     assert qa_f1("nothing", ["Exeter College"]) == 0.0
 
 
-def test_rouge_l_known_values():
-    # LCS "the cat on the mat" = 5 of 6 tokens each side
-    assert rouge_l("the cat sat on the mat", ["the cat lay on the mat"]) == pytest.approx(5 / 6)
-    # LCS (a, c, d) is not contiguous: P = 3/4, R = 3/5
-    assert rouge_l("a b c d", ["a x c y d"]) == pytest.approx(2 * 0.75 * 0.6 / 1.35)
-    assert rouge_l("Same Words.", ["same words"]) == 1.0
-    assert rouge_l("", ["anything"]) == 0.0
-    assert rouge_l("a b", ["x", "b a"]) == pytest.approx(0.5)  # best reference
+def test_rouge_l_is_longbenchs():
+    """LongBench scores summaries with the rouge package's Rouge-L F, unnormalised, 0 on failure."""
+    from rouge import Rouge
+
+    pairs = [("the cat sat on the mat", "the cat lay on the mat"), ("a b c d", "a x c y d")]
+    for prediction, reference in pairs:
+        expected = Rouge().get_scores([prediction], [reference], avg=True)["rouge-l"]["f"]
+        assert rouge_l(prediction, [reference]) == pytest.approx(expected)
+    # LCS (a, c, d): P = 3/4, R = 3/5
+    assert rouge_l("a b c d", ["a x c y d"]) == pytest.approx(2 * 0.75 * 0.6 / 1.35, abs=1e-6)
+    assert rouge_l("same words", ["same words"]) == pytest.approx(1.0, abs=1e-6)
+    assert rouge_l("Same Words.", ["same words"]) == 0.0  # no normalisation, as LongBench
+    assert rouge_l("", ["anything"]) == 0.0  # the package refuses an empty text: scored 0
+    assert rouge_l("a b", ["x", "b a"]) == pytest.approx(0.5, abs=1e-6)  # best reference
 
 
 def test_kl_divergence_known_value():

@@ -45,7 +45,7 @@ def test_kv_stage_precomputes_once_resumes_and_drops_replaced_chunks(small_store
     with Corpus.open(store) as corpus:
         assert corpus.stats().kv_ready == len(keys)
         for chunk in corpus.get_chunks(list(keys)):
-            assert chunk.kv_key == engine.store.key_for(chunk.token_ids)
+            assert chunk.kv_key == engine.chunk_key(chunk.token_ids)
             assert engine.store.contains(chunk.kv_key)
             assert engine.chunk_kv(chunk.token_ids).num_tokens == chunk.n_tokens
 

@@ -146,7 +146,7 @@ def test_documents_from_another_retriever_are_cached_on_first_sight(sample_store
     frontend = get_frontend(store)
     added = [frontend.corpus.find_by_text(t) for t in FOREIGN]
     assert all(added) and first.response_metadata["chunk_ids"] == [c.chunk_id for c in added]
-    assert all(frontend.engine.store.contains(frontend.engine.store.key_for(c.token_ids)) for c in added)
+    assert all(frontend.engine.store.contains(frontend.engine.chunk_key(c.token_ids)) for c in added)
 
     # A later question through a plain drop-in chain over the same retriever finds them by their text.
     second = drop_in_chain(other, llm).invoke("When did the school close?")

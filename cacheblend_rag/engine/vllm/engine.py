@@ -38,13 +38,13 @@ from typing import Any
 
 from ...blend.controller import LoadingController
 from ...blend.methods import Reuse
-from ...blend.segments import ChunkKVSource, Segment
+from ...blend.segments import ChunkContext, ChunkKVSource, Segment
 from ...blend.spec import ResolvedMethod, resolve_method, reuse_of
 from ...errors import CacheBlendError, StoreError, UnsupportedModelError
 from ...models.loader import SUPPORTED_FAMILIES, pick_device, pick_dtype
 from ...models.provision import resolve_model_path
 from ...models.runtime import ModelShape
-from ...models.tokenizer import load_model_tokenizer
+from ...models.tokenizer import chunk_context_ids, load_model_tokenizer
 from ...settings import get_settings
 from ...store.keys import dtype_name
 from ...store.kvstore import KVStore
@@ -133,6 +133,7 @@ class VLLMEngine(PromptSegments):
         kv_cache_bytes: int | None = None,
         enforce_eager: bool | None = None,
         llm_options: dict[str, Any] | None = None,
+        chunk_context: ChunkContext | None = None,
     ) -> None:
         vllm = import_vllm()
         from transformers import AutoConfig
@@ -148,6 +149,10 @@ class VLLMEngine(PromptSegments):
             )
         # the model's identity without its weights (name, folder, fingerprint, tokenizer)
         self.model = load_model_tokenizer(path)
+        # what chunks are prefilled behind; the worker's engine precomputes with the same context
+        if chunk_context is None:
+            chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, settings.chunk_context))
+        self.chunk_context = chunk_context
         device = pick_device(settings.device)
         dtype = pick_dtype(settings.compute_dtype, device)
         if isinstance(store, KVStore):
@@ -168,7 +173,12 @@ class VLLMEngine(PromptSegments):
                 # it only ever loads KV into vLLM; nothing is handed back
                 kv_role="kv_consumer",
                 kv_load_failure_policy="recompute",
-                kv_connector_extra_config={"model": str(path), "store": str(root), "kv_dtype": kv_dtype},
+                kv_connector_extra_config={
+                    "model": str(path),
+                    "store": str(root),
+                    "kv_dtype": kv_dtype,
+                    "chunk_context": list(self.chunk_context.token_ids),
+                },
             ),
             "worker_extension_cls": WORKER_EXTENSION,
         }
@@ -228,14 +238,18 @@ class VLLMEngine(PromptSegments):
         """Precompute and store a chunk's KV (in the worker) unless present; returns the bytes written."""
         if not token_ids:
             raise ValueError("cannot precompute KV of an empty chunk")
-        if self.store.contains(self.store.key_for(token_ids)):
+        if self.store.contains(self.chunk_key(token_ids)):
             return 0
         return int(self._rpc("cacheblend_ensure_chunks", [list(token_ids)]))
+
+    def chunk_key(self, token_ids: Sequence[int]) -> str:
+        """The KV store key of the chunk made of ``token_ids`` (prefilled behind the chunk context)."""
+        return self.store.key_for(token_ids, self.chunk_context.key)
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The chunk's KV from the store, precomputed by the worker first when missing."""
         self.ensure_chunk_kv(token_ids)
-        key = self.store.key_for(token_ids)
+        key = self.chunk_key(token_ids)
         found = self.store.get(key)
         if found is None:
             raise StoreError(
@@ -256,7 +270,7 @@ class VLLMEngine(PromptSegments):
             for p in parts
             if isinstance(p, ChunkRef)
             and p.kv is None
-            and not self.store.contains(self.store.key_for(p.token_ids))
+            and not self.store.contains(self.chunk_key(p.token_ids))
         ]
         if missing:
             self._rpc("cacheblend_ensure_chunks", missing)

@@ -20,7 +20,7 @@ import torch
 
 from ...blend.fusor import FusionResult
 from ...blend.methods import get_method
-from ...blend.segments import Segment
+from ...blend.segments import ChunkContext, Segment
 from ...errors import CacheBlendError
 from ...models.loader import load_model
 from ...store.kvstore import KVStore
@@ -41,7 +41,13 @@ class WorkerBlender:
     """Fuses blend requests with our layer-wise model over the engine's chunk KV store."""
 
     def __init__(
-        self, model: str, store: str, kv_dtype: str, device: torch.device, dtype: torch.dtype
+        self,
+        model: str,
+        store: str,
+        kv_dtype: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        chunk_context: Sequence[int] = (),
     ) -> None:
         # vLLM sized this process's thread pool for serving; loading our model must not change it.
         threads = torch.get_num_threads()
@@ -50,7 +56,9 @@ class WorkerBlender:
         finally:
             torch.set_num_threads(threads)
         self.engine = Engine(
-            layerwise, store=KVStore(Path(store), layerwise.fingerprint, layerwise.shape, kv_dtype)
+            layerwise,
+            store=KVStore(Path(store), layerwise.fingerprint, layerwise.shape, kv_dtype),
+            chunk_context=ChunkContext(tuple(chunk_context)),  # the driver's: both key chunks alike
         )
         self._stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._stats_lock = threading.Lock()
@@ -89,7 +97,14 @@ def start_blender(config: dict[str, Any], device: torch.device, dtype: torch.dty
     global _blender
     with _blender_lock:
         if _blender is None:
-            _blender = WorkerBlender(config["model"], config["store"], config["kv_dtype"], device, dtype)
+            _blender = WorkerBlender(
+                config["model"],
+                config["store"],
+                config["kv_dtype"],
+                device,
+                dtype,
+                config.get("chunk_context", ()),
+            )
         return _blender
 
 

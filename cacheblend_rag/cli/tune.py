@@ -1,0 +1,94 @@
+"""``cacheblend-rag tune``: the fusor's variants on a development split, one table (docs/fusor.md)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from ..errors import CacheBlendError
+from .eval import settings_prefix
+
+err_console = Console(stderr=True)
+
+
+def tune_command(
+    variants: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Variants: \\[none:]SPEC, e.g. cacheblend@ratio=0.15,selection=hkvd (default: the "
+            "sweep that chose the defaults)."
+        ),
+    ] = None,
+    data: Annotated[str, typer.Option("--data", help="Data file or musique / multinews.")] = "musique",
+    limit: Annotated[int | None, typer.Option(min=1, help="Cases (default: all).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the case selection.")] = 0,
+    skip: Annotated[int, typer.Option(min=0, help="Leave out the first N cases of the seeded order.")] = 0,
+    chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", min=16, help="Most tokens per chunk.")] = 512,
+    top_k: Annotated[int, typer.Option("--top-k", min=1, help="Chunks per prompt.")] = 6,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Results file; rerunning with it skips finished cases.")
+    ] = None,
+    markdown: Annotated[
+        Path | None, typer.Option("--markdown", help="Write the table into this file's tune section.")
+    ] = None,
+) -> None:
+    """Answer a development split with each variant and tabulate how closely each tracks full prefill."""
+    from ..eval.datasets import load_dataset
+    from ..eval.harness import EvalConfig, run_eval
+    from ..eval.markdown import update_markdown
+    from ..eval.tune import DEFAULT_VARIANTS, render_tune, tune_section_name
+
+    chosen = list(variants or DEFAULT_VARIANTS)
+    try:
+        name = load_dataset(data).name
+        json_path = json_path or Path(f"tune-{name}-{chunk_tokens}.json")
+        command = shlex.join(
+            [
+                *settings_prefix(),
+                "cacheblend-rag",
+                "tune",
+                *chosen,
+                "--data",
+                data,
+                *(["--limit", str(limit)] if limit is not None else []),
+                "--seed",
+                str(seed),
+                *(["--skip", str(skip)] if skip else []),
+                "--chunk-tokens",
+                str(chunk_tokens),
+                "--top-k",
+                str(top_k),
+                "--json",
+                str(json_path),
+                *(["--markdown", str(markdown)] if markdown else []),
+            ]
+        )
+        config = EvalConfig(
+            data=data,
+            methods=chosen,
+            ratios=(),
+            limit=limit,
+            seed=seed,
+            skip=skip,
+            top_k=top_k,
+            chunk_tokens=chunk_tokens,
+            json_path=json_path,
+            command=command,
+        )
+
+        def progress(done: int, total: int, record: dict) -> None:
+            err_console.print(f"[{done}/{total}] case {record['id']}", highlight=False)
+
+        results = run_eval(config, on_case=progress)
+        body = render_tune(results)
+        if markdown is not None:
+            update_markdown(markdown, tune_section_name(results), body)
+    except (CacheBlendError, ValueError) as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    print(body)
+    err_console.print(f"results: {json_path}")

@@ -1,0 +1,84 @@
+"""``cacheblend-rag tune``: named variants of the blend on a development split, in one table.
+
+The sweep that chose the default method (docs/fusor.md): where chunk KV is precomputed (behind the
+neutral chunk context or alone), which tokens the budget buys (query attention or HKVD), the deviation
+signal and the check-layer schedule, against full reuse and EPIC. Every row is scored against full
+prefill on the same prompts by the eval harness.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .markdown import fmt, machine_line, table
+from .report import selection
+
+# The variants that chose the defaults (docs/fusor.md); `none:` marks chunk KV precomputed alone.
+DEFAULT_VARIANTS = (
+    "none:full_reuse",
+    "full_reuse",
+    "none:epic",
+    "epic",
+    "none:cacheblend@ratio=0.15,selection=hkvd",
+    "cacheblend@ratio=0.15,selection=hkvd",
+    "cacheblend@ratio=0.15,selection=hkvd,signal=v",
+    "cacheblend@ratio=0.15,selection=hkvd,schedule=[[1,2.0],[3,1.0]]",
+    "none:cacheblend@0.15",
+    "cacheblend@0.05",
+    "cacheblend@0.1",
+    "cacheblend@0.15",
+    "cacheblend@0.3",
+)
+
+
+def tune_section_name(results: dict[str, Any]) -> str:
+    config = results["config"]
+    return f"tune-{config['dataset']}-{config['chunk_tokens']}"
+
+
+def render_tune(results: dict[str, Any]) -> str:
+    """The sweep's table: one row per variant, scored against full prefill."""
+    config, summary = results["config"], results["summary"]
+    gold = "Rouge-L" if config["task"] == "summary" else "F1"
+    rows = [
+        [
+            f"`{label}`",
+            fmt(e.get("chunk_recompute_ratio"), 3),
+            fmt(e.get("ttft_median_s"), 2),
+            fmt(e.get("kl_first_token")),
+            fmt(e.get("first_token_agreement"), 2),
+            fmt(e.get("agreement_f1")),
+            fmt(e.get("nll_reference")),
+            fmt(e.get("gold")),
+        ]
+        for label, e in summary["methods"].items()
+    ]
+    header = [
+        "variant",
+        "cached tokens recomputed",
+        "TTFT median (s)",
+        "first-token KL",
+        "first-token agreement",
+        "agreement F1",
+        "NLL of the full-prefill answer",
+        f"gold {gold}",
+    ]
+    return "\n".join(
+        [
+            f"#### Sweep: {config['dataset']}, {summary['cases']} cases, chunks of <= "
+            f"{config['chunk_tokens']} tokens, {config['top_k']} per prompt",
+            "",
+            "```bash",
+            *dict.fromkeys(results.get("commands") or []),
+            "```",
+            "",
+            f"Machine: {machine_line(results['machine'])}. Cases `{selection(config)}` of "
+            f"`{Path(config['dataset_path']).name}`; chunk KV behind the {config['chunk_context']} chunk "
+            "context unless the label starts with `none:` (chunks prefilled alone). Means over cases (TTFT: "
+            "median); KL is KL(full prefill || variant) of the first-token distribution, agreement compares "
+            "with the full-prefill answer, NLL is per token, teacher-forced.",
+            "",
+            table(header, rows),
+        ]
+    )

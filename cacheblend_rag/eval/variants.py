@@ -1,0 +1,66 @@
+"""What one results column is: a method spec, optionally with the chunk context its chunk KV is
+precomputed behind (``none:cacheblend@0.15`` measures chunks prefilled alone), and how a list of them is
+expanded from ``--methods`` and ``--ratios``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..blend.spec import MethodSpec, parse_method
+from .summary import REFERENCE
+
+CHUNK_CONTEXTS = ("neutral", "none")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of eval results: ``label`` (``cacheblend@0.15``, ``none:epic``), the method spec and
+    the chunk context (None: the run's own, set by ``--chunk-context``)."""
+
+    label: str
+    spec: MethodSpec
+    context: str | None = None
+
+    @property
+    def options(self) -> dict:
+        return dict(self.spec.options)
+
+
+def parse_variant(text: str) -> Variant:
+    """``[context:]spec``: ``cacheblend@ratio=0.15,selection=hkvd``, ``none:full_reuse``."""
+    head, colon, rest = text.strip().partition(":")
+    if colon and head in CHUNK_CONTEXTS:
+        spec = parse_method(rest)
+        return Variant(f"{head}:{spec.label}", spec, head)
+    if colon:
+        raise ValueError(
+            f"{text!r}: unknown chunk context {head!r} before ':' (use {' or '.join(CHUNK_CONTEXTS)})"
+        )
+    spec = parse_method(text)
+    return Variant(spec.label, spec)
+
+
+def method_variants(methods: Sequence[str], ratios: Sequence[float]) -> list[Variant]:
+    """Expand ``methods`` into variants, the reference first: a plain method with a recompute ratio (e.g.
+    ``cacheblend`` or ``none:cacheblend``) once per ratio of ``ratios``."""
+    variants: list[Variant] = []
+    for text in methods:
+        variant = parse_variant(text)
+        spec = variant.spec
+        if not spec.options and spec.method_class.ratio_option is not None:
+            for ratio in ratios:
+                with_ratio = spec.with_ratio(ratio)
+                prefix = f"{variant.context}:" if variant.context else ""
+                variants.append(Variant(prefix + with_ratio.label, with_ratio, variant.context))
+        else:
+            variants.append(variant)
+    variants = list({v.label: v for v in variants}.values())
+    if not any(v.label == REFERENCE for v in variants):
+        variants.insert(0, Variant(REFERENCE, MethodSpec(REFERENCE, REFERENCE)))
+    return sorted(variants, key=lambda v: v.label != REFERENCE)
+
+
+def method_specs(methods: Sequence[str], ratios: Sequence[float]) -> list[MethodSpec]:
+    """The method specs of :func:`method_variants` (the reference first)."""
+    return [v.spec for v in method_variants(methods, ratios)]

@@ -1,0 +1,111 @@
+"""Query-aware selection (cacheblend's default): the probe pass, what it selects and what it costs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from cacheblend_rag.blend import CacheBlend, FullReuse, Fusor, Segment
+from cacheblend_rag.blend.probe import query_positions
+from cacheblend_rag.blend.segments import ChunkContext, prefill_chunk_kv
+from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
+from cacheblend_rag.eval.metrics import kl_divergence
+from cacheblend_rag.models.tokenizer import chunk_context_ids
+from cacheblend_rag.text.chunker import Chunker
+
+from .test_fusor import flat_ids
+
+DATA_DIR = Path(__file__).parent.parent / "data"
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return json.loads((DATA_DIR / "musique_24.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def prompts(model, cases):
+    """Three real RAG prompts of up to six <= 512-token chunks (each case's paragraphs cut by the ingest
+    chunker), chunk KV precomputed behind the neutral chunk context and stored in fp16, and their
+    full-prefill logits."""
+    tok = model.tokenizer
+    context = ChunkContext(chunk_context_ids(tok, "neutral"))
+    chunker = Chunker(tok, 512)
+    out = []
+    for case in cases[:3]:
+        text = "\n\n".join(c["title"] + "\n" + c["text"] for c in case["ctxs"])
+        chunks = [
+            ChunkRef(c.token_ids, None, prefill_chunk_kv(model, c.token_ids, context).to(torch.float16))
+            for c in chunker.split(text)[:6]
+        ]
+        segments = PromptBuilder(tok).rag_segments(case["question"], chunks)
+        logits, _ = model.prefill(flat_ids(segments))
+        out.append((segments, logits[0]))
+    return out
+
+
+def test_query_selection_recomputes_the_most_attended_tokens_at_every_layer(model, prompts):
+    segments, _ = prompts[0]
+    qkv_before = model.qkv_token_layers
+    fused = Fusor(model).fuse(segments, CacheBlend(ratio=0.15))
+    plan = fused.plan
+    n, cached = plan.num_tokens, plan.num_cached
+    fresh = n - cached
+    budget = math.ceil(0.15 * cached - 1e-9)
+    layers = model.num_layers
+    # the probe computes the fresh text at every layer; then fresh text + budget at every layer
+    assert fused.probe_token_layers == fresh * layers
+    assert fused.attended_tokens_per_layer == [fresh + budget] * layers
+    assert model.qkv_token_layers - qkv_before == fresh * layers + (fresh + budget) * layers
+    assert fused.reused_tokens == cached - budget
+    # the selected cached tokens are exactly the top-budget of the probe's attention
+    attention = plan.query_attention
+    assert attention is not None and attention.shape == (n,)
+    candidates = (~plan.must_compute).nonzero().squeeze(1)
+    expected = set(candidates[torch.topk(attention[candidates], budget).indices].tolist())
+    chosen = set(fused.selected.tolist()) - set(plan.must_compute.nonzero().squeeze(1).tolist())
+    assert chosen == expected
+    # the probe's query rows are the fresh text after the last chunk, ending at the last token
+    rows = query_positions(plan)
+    assert int(rows[-1]) == n - 1 and int(rows[0]) == plan.cached_spans()[-1][1]
+    # its attention is a distribution per head and query row, summed over them and over layers
+    heads = model.shape.num_heads
+    assert float(attention.sum()) == pytest.approx(heads * rows.numel() * layers, rel=1e-4)
+    assert fused.compute_fraction < 0.3
+
+
+def test_query_selection_tracks_full_prefill_better_than_reuse_and_hkvd(model, prompts):
+    fusor = Fusor(model)
+    kl = {"query": 0.0, "hkvd": 0.0, "full_reuse": 0.0}
+    for segments, reference in prompts:
+        for label, method in (
+            ("query", CacheBlend(ratio=0.15)),
+            ("hkvd", CacheBlend(ratio=0.15, selection="hkvd")),
+            ("full_reuse", FullReuse()),
+        ):
+            kl[label] += kl_divergence(reference, fusor.fuse(segments, method).logits) / len(prompts)
+    assert kl["query"] < 0.5 * kl["full_reuse"], kl
+    assert kl["query"] < kl["hkvd"], kl
+
+
+def test_query_selection_is_monotone_in_the_ratio(model, prompts):
+    fusor = Fusor(model)
+    segments, reference = prompts[1]
+    kls = [
+        kl_divergence(reference, fusor.fuse(segments, CacheBlend(ratio=r)).logits)
+        for r in (0.0, 0.15, 0.5, 1.0)
+    ]
+    assert kls[-1] < 1e-6, kls
+    assert all(later <= earlier + 0.02 for earlier, later in itertools.pairwise(kls)), kls
+
+
+def test_no_cached_chunk_means_no_probe(model):
+    ids = model.tokenizer("Just a question, no passages.", add_special_tokens=False)["input_ids"]
+    fused = Fusor(model).fuse([Segment.fresh(ids)], CacheBlend())
+    assert fused.probe_token_layers == 0
+    assert fused.plan.query_attention is None
