@@ -52,6 +52,14 @@ class CorruptKVError(StoreError):
         self.layer = layer
 
 
+class RemoteKVUnavailableError(CorruptKVError):
+    """The remote KV tier went down while a chunk's layers were being read from it (nothing was removed).
+
+    Handled like a corrupt chunk: the caller recomputes it and retries; the tier reports misses until it
+    is back.
+    """
+
+
 class InvalidQueryError(CacheBlendError, ValueError):
     """A retrieval request is malformed (empty question, top_k out of range, empty text to add)."""
 

@@ -98,7 +98,7 @@ class Engine(PromptSegments):
             return found
         kv = self.precompute(token_ids)
         try:
-            self.store.put(key, kv)
+            self.store.put(key, kv, pinned=False)  # request traffic: evictable in a remote tier
         except StoreError as exc:
             # A store that cannot keep the chunk (read-only, disk full) costs a recompute next time, not
             # this answer.
@@ -107,9 +107,11 @@ class Engine(PromptSegments):
         return kv.to(self.store.kv_dtype)
 
     def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
-        """Precompute and store a chunk's KV unless present; returns the bytes written (0 if present)."""
+        """Precompute and store a chunk's KV unless present (locally or in the remote tier) as corpus KV;
+        returns the bytes written (0 if present)."""
         key = self.store.key_for(token_ids)
         if self.store.contains(key):
+            self.store.pin(key)  # a shared remote tier holds corpus KV too, never evicted there
             return 0
         return self.store.put(key, self.precompute(token_ids))
 

@@ -228,14 +228,17 @@ class VLLMEngine(PromptSegments):
         """Precompute and store a chunk's KV (in the worker) unless present; returns the bytes written."""
         if not token_ids:
             raise ValueError("cannot precompute KV of an empty chunk")
-        if self.store.contains(self.store.key_for(token_ids)):
+        key = self.store.key_for(token_ids)
+        if self.store.contains(key):
+            self.store.pin(key)  # a shared remote tier holds corpus KV too, never evicted there
             return 0
         return int(self._rpc("cacheblend_ensure_chunks", [list(token_ids)]))
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The chunk's KV from the store, precomputed by the worker first when missing."""
-        self.ensure_chunk_kv(token_ids)
         key = self.store.key_for(token_ids)
+        if not self.store.contains(key):  # (not ensure_chunk_kv: a request's chunk is not pinned as corpus)
+            self._rpc("cacheblend_ensure_chunks", [list(token_ids)])
         found = self.store.get(key)
         if found is None:
             raise StoreError(
