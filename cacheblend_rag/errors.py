@@ -60,6 +60,11 @@ class RemoteKVUnavailableError(CorruptKVError):
     """
 
 
+class StructuredOutputError(CacheBlendError, ValueError):
+    """A JSON schema the constrained decoder cannot enforce (the message names the feature), a token
+    that violates the constraint, or an engine that cannot honour a constraint."""
+
+
 class InvalidQueryError(CacheBlendError, ValueError):
     """A retrieval request is malformed (empty question, top_k out of range, empty text to add)."""
 

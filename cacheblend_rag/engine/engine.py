@@ -33,6 +33,7 @@ from .base import (
     eos_token_ids,
     generation_budget,
 )
+from .constraints import masked, start_constraint
 from .prompt import PromptBuilder, PromptPart, layout_segments
 from .sampling import SamplingParams, make_generator, sample_next
 from .scheduler import BatchScheduler
@@ -168,13 +169,17 @@ class Engine(PromptSegments):
         generator = make_generator(sampling)
         answer = TextStream(self.model.tokenizer, self.eos_ids, sampling.stop, max_new)
         cache, logits, position, ttft = fusion.cache, fusion.logits, fusion.num_tokens, 0.0
+        # structured output: the request's JSON matcher (None without a constraint)
+        constraint = start_constraint(sampling, self.model.tokenizer, self.eos_ids, logits.shape[-1], max_new)
         while True:
-            token = sample_next(logits, sampling, generator)
+            token = sample_next(masked(logits, constraint), sampling, generator)
             if not answer.token_ids:
                 ttft = time.perf_counter() - started
             piece = answer.push(token)
             if piece is not None:
                 yield TokenEvent(token, piece)
+            if constraint is not None and constraint.accept(token):
+                answer.finish_reason = "stop"  # the JSON is complete
             if answer.finished:
                 break
             with self.forward_lock:

@@ -40,7 +40,7 @@ from ...blend.controller import LoadingController
 from ...blend.methods import Reuse
 from ...blend.segments import ChunkKVSource, Segment
 from ...blend.spec import ResolvedMethod, resolve_method, reuse_of
-from ...errors import CacheBlendError, StoreError, UnsupportedModelError
+from ...errors import CacheBlendError, StoreError, StructuredOutputError, UnsupportedModelError
 from ...models.loader import SUPPORTED_FAMILIES, pick_device, pick_dtype
 from ...models.provision import resolve_model_path
 from ...models.runtime import ModelShape
@@ -277,6 +277,11 @@ class VLLMEngine(PromptSegments):
         from vllm import SamplingParams as VSamplingParams
 
         sampling = sampling or SamplingParams()
+        if sampling.constraint is not None:  # never drop a constraint silently
+            raise StructuredOutputError(
+                "structured output (SamplingParams.constraint) is not wired to vLLM's guided decoding yet; "
+                "use engine='torch'"
+            )
         resolved = resolve_method(method, segments, self.controller, method_options)
         recompute = resolved.method
         ids = [t for s in segments for t in s.token_ids]
