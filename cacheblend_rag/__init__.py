@@ -7,7 +7,7 @@ The public names, importable from here (``from cacheblend_rag import CacheBlendR
   from there);
 - engines: :class:`Engine` (PyTorch), :func:`create_engine` (``"torch"`` or ``"vllm"``), the contract
   :class:`EngineProtocol`, :class:`BatchRequest`, :class:`SamplingParams`, :class:`ChunkRef`,
-  :class:`GenerationResult`, :class:`BatchScheduler`;
+  :class:`GenerationResult`, :class:`BatchScheduler`, :class:`JsonConstraint` (structured output);
 - methods: :class:`RecomputeMethod`, :func:`register_method`, :class:`MethodSpec`, :class:`Segment`;
 - storage: :class:`Corpus`, :class:`CorpusManifest` (the corpus directory), :class:`KVStore` (its chunk
   KV store);
@@ -34,6 +34,7 @@ _EXPORTS = {
     "BatchScheduler": "engine",
     "ChunkRef": "engine",
     "GenerationResult": "engine",
+    "JsonConstraint": "engine",
     "SamplingParams": "engine",
     "TokenEvent": "engine",
     "RecomputeMethod": "blend",
@@ -65,6 +66,7 @@ __all__ = [
     "GenerationOptions",
     "GenerationResult",
     "IngestSummary",
+    "JsonConstraint",
     "KVStore",
     "MethodSpec",
     "PromptFrontend",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:
         Engine,
         EngineProtocol,
         GenerationResult,
+        JsonConstraint,
         SamplingParams,
         TokenEvent,
         create_engine,

@@ -52,6 +52,19 @@ class CorruptKVError(StoreError):
         self.layer = layer
 
 
+class RemoteKVUnavailableError(CorruptKVError):
+    """The remote KV tier went down while a chunk's layers were being read from it (nothing was removed).
+
+    Handled like a corrupt chunk: the caller recomputes it and retries; the tier reports misses until it
+    is back.
+    """
+
+
+class StructuredOutputError(CacheBlendError, ValueError):
+    """A JSON schema the constrained decoder cannot enforce (the message names the feature), a token
+    that violates the constraint, or an engine that cannot honour a constraint."""
+
+
 class InvalidQueryError(CacheBlendError, ValueError):
     """A retrieval request is malformed (empty question, top_k out of range, empty text to add)."""
 

@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     )
     ram_budget_bytes: int = Field(2 * 1024**3, description="RAM tier byte budget.")
     disk_budget_bytes: int = Field(50 * 1024**3, description="Disk tier byte budget.")
+    kv_remote: str | None = Field(
+        None,
+        description="Shared remote KV tier under RAM and disk: redis://HOST:PORT/DB (Redis or Valkey).",
+    )
     index_type: str = Field("flat", description="Vector index of new corpora: flat (exact), ivf or hnsw.")
     embedder: str = Field("all-MiniLM-L6-v2", description="Embedding model name or local directory.")
 

@@ -194,5 +194,7 @@ def choose_ratio(controller: LoadingController, segments: Sequence[Segment]) -> 
     """The controller's ratio for a prompt: matched to the slowest tier its chunks load from."""
     sources = [s.kv for s in segments if s.kv is not None]
     cached = sum(source.num_tokens for source in sources)
-    tier = "disk" if any(getattr(source, "tier", "ram") == "disk" for source in sources) else "ram"
+    # the controller profiles RAM and disk; a remote chunk loads at least as slowly as one from disk
+    slow = ("disk", "remote")
+    tier = "disk" if any(getattr(source, "tier", "ram") in slow for source in sources) else "ram"
     return controller.choose(cached, sum(len(s) for s in segments), tier)

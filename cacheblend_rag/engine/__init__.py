@@ -17,6 +17,7 @@ from .base import (
     TokenEvent,
     TokenStream,
 )
+from .constraints import JsonConstraint
 from .engine import Engine
 from .prompt import ChunkRef, PromptBuilder, PromptPart
 from .sampling import SamplingParams
@@ -53,6 +54,7 @@ __all__ = [
     "EngineProtocol",
     "FusionStats",
     "GenerationResult",
+    "JsonConstraint",
     "PromptBuilder",
     "PromptPart",
     "RequestHandle",

@@ -42,6 +42,7 @@ from .base import (
     eos_token_ids,
     generation_budget,
 )
+from .constraints import masked, start_constraint
 from .prompt import PromptBuilder, PromptPart, layout_segments
 from .sampling import SamplingParams, make_generator, sample_next
 from .scheduler import BatchScheduler
@@ -133,7 +134,7 @@ class Engine(PromptSegments):
             return found
         kv = self.precompute(token_ids, context)
         try:
-            self.store.put(key, kv)
+            self.store.put(key, kv, pinned=False)  # request traffic: evictable in a remote tier
         except StoreError as exc:
             # A store that cannot keep the chunk (read-only, disk full) costs a recompute next time, not
             # this answer.
@@ -142,9 +143,11 @@ class Engine(PromptSegments):
         return kv.to(self.store.kv_dtype)
 
     def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
-        """Precompute and store a chunk's KV unless present; returns the bytes written (0 if present)."""
+        """Precompute and store a chunk's KV unless present (locally or in the remote tier) as corpus KV;
+        returns the bytes written (0 if present)."""
         key = self.chunk_key(token_ids)
         if self.store.contains(key):
+            self.store.pin(key)  # a shared remote tier holds corpus KV too, never evicted there
             return 0
         return self.store.put(key, self.precompute(token_ids))
 
@@ -201,13 +204,17 @@ class Engine(PromptSegments):
         generator = make_generator(sampling)
         answer = TextStream(self.model.tokenizer, self.eos_ids, sampling.stop, max_new)
         cache, logits, position, ttft = fusion.cache, fusion.logits, fusion.num_tokens, 0.0
+        # structured output: the request's JSON matcher (None without a constraint)
+        constraint = start_constraint(sampling, self.model.tokenizer, self.eos_ids, logits.shape[-1], max_new)
         while True:
-            token = sample_next(logits, sampling, generator)
+            token = sample_next(masked(logits, constraint), sampling, generator)
             if not answer.token_ids:
                 ttft = time.perf_counter() - started
             piece = answer.push(token)
             if piece is not None:
                 yield TokenEvent(token, piece)
+            if constraint is not None and constraint.accept(token):
+                answer.finish_reason = "stop"  # the JSON is complete
             if answer.finished:
                 break
             with self.forward_lock:

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .constraints import JsonConstraint
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to generate. ``temperature == 0`` is greedy; ``stop`` strings end generation (excluded)."""
+    """How to generate. ``temperature == 0`` is greedy; ``stop`` strings end generation (excluded);
+    ``constraint`` (a :class:`~cacheblend_rag.engine.constraints.JsonConstraint`) makes the output JSON."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    constraint: JsonConstraint | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -24,6 +30,11 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.constraint is not None:
+            from .constraints import JsonConstraint  # llguidance loads only when a constraint is used
+
+            if not isinstance(self.constraint, JsonConstraint):
+                raise TypeError(f"constraint must be a JsonConstraint, got {type(self.constraint).__name__}")
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

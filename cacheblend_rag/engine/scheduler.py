@@ -38,6 +38,7 @@ from ..settings import get_settings
 from ..store.keys import kv_bytes_per_token
 from .base import BatchRequest, FusionStats, GenerationResult, Method, TokenEvent, generation_budget
 from .batch_kv import DecodeCache, SharedChunk, share_chunks
+from .constraints import ConstraintState, masked, start_constraint
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
@@ -135,6 +136,7 @@ class _Row:
     ttft_s: float
     token: int = 0
     position: int = 0
+    constraint: ConstraintState | None = None  # structured output: the request's JSON matcher
 
 
 class BatchScheduler:
@@ -306,7 +308,11 @@ class BatchScheduler:
 
     def _begin_row(self, pending: _Pending, fusion: FusionResult) -> None:
         generator = make_generator(pending.sampling)
-        token = sample_next(fusion.logits, pending.sampling, generator)
+        vocab = fusion.logits.shape[-1]
+        constraint = start_constraint(
+            pending.sampling, self.model.tokenizer, self.engine.eos_ids, vocab, pending.max_new
+        )
+        token = sample_next(masked(fusion.logits, constraint), pending.sampling, generator)
         row = _Row(
             pending,
             TextStream(self.model.tokenizer, self.engine.eos_ids, pending.sampling.stop, pending.max_new),
@@ -314,6 +320,7 @@ class BatchScheduler:
             FusionStats.of(fusion),
             ttft_s=time.perf_counter() - pending.handle.submitted_at,
             position=pending.prompt_tokens,
+            constraint=constraint,
         )
         pending.handle.first_token_at = time.perf_counter()
         if not self._accept(row, token):
@@ -325,6 +332,8 @@ class BatchScheduler:
         piece = row.text.push(token)
         if piece is not None:
             row.pending.handle._emit(TokenEvent(token, piece))
+        if row.constraint is not None and row.constraint.accept(token):
+            row.text.finish_reason = "stop"  # the JSON is complete
         if row.text.finished:
             self._complete(row)
             return True
@@ -354,7 +363,8 @@ class BatchScheduler:
         finished = []
         for slot, row in enumerate(rows):
             row.position += 1
-            if self._accept(row, sample_next(logits[slot], row.pending.sampling, row.generator)):
+            token = sample_next(masked(logits[slot], row.constraint), row.pending.sampling, row.generator)
+            if self._accept(row, token):
                 finished.append(slot)
         for slot in reversed(finished):  # swap the last active row into each freed slot
             last = len(self._rows) - 1

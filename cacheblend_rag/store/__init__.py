@@ -1,5 +1,5 @@
-"""The chunk KV store: keys, the file format, the RAM and disk tiers behind :class:`KVStore`, and
-layer-wise pipelined loading."""
+"""The chunk KV store: keys, the file format, the RAM, disk and (shared, optional) remote tiers behind
+:class:`KVStore`, and layer-wise pipelined loading."""
 
 from .disk import DiskChunkKV, DiskTier
 from .fileformat import EncodedChunk, FileMeta, InvalidKVFile, decode, encode
@@ -8,6 +8,7 @@ from .kvstore import KVStore, StoreCounters
 from .maintenance import VerifyReport
 from .pipeline import LoadTimings, PipelinedLayerLoader
 from .ram import RamTier
+from .remote import RedisKVTier, RemoteChunkKV, RemoteVerifyReport
 from .tier import KVTier, tier_of
 
 __all__ = [
@@ -22,6 +23,9 @@ __all__ = [
     "LoadTimings",
     "PipelinedLayerLoader",
     "RamTier",
+    "RedisKVTier",
+    "RemoteChunkKV",
+    "RemoteVerifyReport",
     "StoreCounters",
     "VerifyReport",
     "chunk_key",

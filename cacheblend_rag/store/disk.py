@@ -30,9 +30,18 @@ from filelock import Timeout as LockTimeout
 from ..blend.segments import ChunkKV
 from ..errors import CorruptKVError, StoreError
 from ..models.runtime import ModelShape
-from .fileformat import EncodedChunk, FileMeta, InvalidKVFile, encode, open_file, read_layer
+from .fileformat import (
+    EncodedChunk,
+    FileMeta,
+    InvalidKVFile,
+    check_model,
+    encode,
+    open_file,
+    read_layer,
+)
 from .index import KVIndex
 from .keys import kv_bytes_per_token
+from .tier import StoredChunkKV
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +50,7 @@ TEMP_SUFFIX = ".tmp"
 LOCK_TIMEOUT_S = 120.0
 
 
-class DiskChunkKV:
+class DiskChunkKV(StoredChunkKV):
     """A stored chunk served from its memory-mapped file, one verified layer at a time.
 
     With ``promote``, each layer read is kept (as an owned copy) and, once every layer has been read, the
@@ -53,42 +62,25 @@ class DiskChunkKV:
     def __init__(
         self, disk: DiskTier, key: str, handle, meta: FileMeta, stat: os.stat_result, promote
     ) -> None:
-        self.fingerprint = meta.model_fingerprint
-        self.num_tokens = meta.num_tokens
-        self.num_layers = meta.num_layers
-        self.key = key
+        super().__init__(key, meta.model_fingerprint, meta.num_tokens, meta.num_layers, promote)
         self._disk = disk
         self._handle = handle
         self._meta = meta
         self._stat = stat
-        self._promote: Callable[[str, ChunkKV], None] | None = promote
-        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._lock = threading.Lock()
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} out of range for a chunk with {self.num_layers} layers")
-        with self._lock:
-            kept = self._kept.get(layer)
-            if kept is not None:
-                return kept
-            try:
-                k, v = read_layer(self._handle, self._meta, layer)
-            except InvalidKVFile as exc:
-                self._disk.discard(self.key, str(exc), self._stat)
-                raise CorruptKVError(
-                    self.key, f"stored KV of chunk {self.key[:16]}… is corrupt: {exc}; it was removed", layer
-                ) from None
-            self._disk.on_layer_read(self.key, k.nbytes + v.nbytes)
-            if self._promote is None:
-                return k, v
-            k, v = k.clone(), v.clone()
-            self._kept[layer] = (k, v)
-            if len(self._kept) == self.num_layers:
-                layers = [self._kept[i] for i in range(self.num_layers)]
-                kv = ChunkKV([kv[0] for kv in layers], [kv[1] for kv in layers], self.fingerprint)
-                self._promote(self.key, kv)
-            return k, v
+    def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            k, v = read_layer(self._handle, self._meta, layer)
+        except InvalidKVFile as exc:
+            self._disk.discard(self.key, str(exc), self._stat)
+            raise CorruptKVError(
+                self.key, f"stored KV of chunk {self.key[:16]}… is corrupt: {exc}; it was removed", layer
+            ) from None
+        self._disk.on_layer_read(self.key, k.nbytes + v.nbytes)
+        return k, v
+
+    def _own(self, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv[0].clone(), kv[1].clone()  # memory-mapped: kept copies must not depend on the file
 
 
 class DiskTier:
@@ -182,13 +174,7 @@ class DiskTier:
         return source
 
     def check_ours(self, meta: FileMeta) -> None:
-        if meta.model_fingerprint != self.fingerprint:
-            raise InvalidKVFile(f"foreign file of model {meta.model_fingerprint[:16]}…")
-        if meta.kv_dtype != self.kv_dtype_name:
-            raise InvalidKVFile(f"foreign file in {meta.kv_dtype} (store keeps {self.kv_dtype_name})")
-        shape = (meta.num_layers, meta.num_kv_heads, meta.head_dim)
-        if shape != (self.shape.num_layers, self.shape.num_kv_heads, self.shape.head_dim):
-            raise InvalidKVFile(f"foreign file of shape {shape}")
+        check_model(meta, self.fingerprint, self.kv_dtype_name, self.shape, what="file")
 
     def drop_live(self, key: str | None = None) -> None:
         """Forget the open reader of ``key`` (or all), so the next get opens the file again."""

@@ -6,7 +6,9 @@ layer's K then V bytes) and a crc32 of the metadata itself. Checking the metadat
 each layer is checked against its crc when read, so one layer can be loaded alone and still be verified.
 
 :func:`encode` / :func:`decode` work on bytes (for any tier that keeps whole chunks, on disk or remote);
-:func:`open_file` / :func:`read_layer` read a memory-mapped file layer by layer.
+:func:`open_file` / :func:`read_layer` read a memory-mapped file layer by layer. A tier that keeps a chunk's
+layers apart (the remote tier: one hash field per layer) stores the same metadata, checked by
+:func:`parse_metadata`, beside each layer's :func:`layer_bytes`, read back by :func:`decode_layer`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from safetensors.torch import save as save_safetensors
 from ..blend.segments import ChunkKV
 from ..errors import StoreError
 from ..models.runtime import ModelShape
-from .keys import LAYOUT_VERSION
+from .keys import KV_DTYPES, LAYOUT_VERSION
 
 FILE_FORMAT = "cacheblend-kv"
 SAFETENSORS_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
@@ -50,6 +52,17 @@ class FileMeta:
     head_dim: int
     layer_crc32: tuple[int, ...]
     checksum: str  # crc32 of the metadata, which covers every layer's crc: identifies the content
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int]:
+        """Shape of one layer's K (and of its V): [Hkv, n, head_dim]."""
+        return self.num_kv_heads, self.num_tokens, self.head_dim
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer's K and V together in the storage dtype."""
+        itemsize = torch.empty((), dtype=KV_DTYPES[self.kv_dtype]).element_size()
+        return 2 * self.num_kv_heads * self.num_tokens * self.head_dim * itemsize
 
 
 @dataclass(frozen=True)
@@ -97,11 +110,8 @@ def build_metadata(
     return {**fields, "meta_crc32": metadata_crc(fields)}
 
 
-def check_metadata(
-    meta: Mapping[str, str], tensors: Mapping[str, tuple[list[int], str]], key: str
-) -> FileMeta:
-    """Check metadata and the tensor table (name -> (shape, safetensors dtype)) against each other and
-    the key the chunk is stored under."""
+def parse_metadata(meta: Mapping[str, str], key: str) -> FileMeta:
+    """Check metadata against its own crc and the key the chunk is stored under (no tensor bytes needed)."""
     if meta.get("format") != FILE_FORMAT:
         raise InvalidKVFile(f"not a cacheblend KV file (format {meta.get('format')!r})")
     fields = {k: v for k, v in meta.items() if k != "meta_crc32"}
@@ -131,16 +141,39 @@ def check_metadata(
         raise InvalidKVFile(f"unknown storage dtype {parsed.kv_dtype!r}")
     if len(parsed.layer_crc32) != parsed.num_layers or parsed.num_tokens <= 0:
         raise InvalidKVFile("metadata and layer count disagree")
+    return parsed
+
+
+def check_metadata(
+    meta: Mapping[str, str], tensors: Mapping[str, tuple[list[int], str]], key: str
+) -> FileMeta:
+    """Check metadata and the tensor table (name -> (shape, safetensors dtype)) against each other and
+    the key the chunk is stored under."""
+    parsed = parse_metadata(meta, key)
     expected_names = {name for i in range(parsed.num_layers) for name in layer_tensor_names(i)}
     if set(tensors) != expected_names:
         raise InvalidKVFile("tensor table does not match the layer count")
-    want_shape = [parsed.num_kv_heads, parsed.num_tokens, parsed.head_dim]
+    want_shape = list(parsed.layer_shape)
     want_dtype = SAFETENSORS_DTYPES[parsed.kv_dtype]
     for name in expected_names:
         tensor_shape, dtype = tensors[name]
         if list(tensor_shape) != want_shape or dtype != want_dtype:
             raise InvalidKVFile(f"tensor {name} has shape {list(tensor_shape)} {dtype}")
     return parsed
+
+
+def check_model(
+    meta: FileMeta, fingerprint: str, kv_dtype: str, shape: ModelShape, what: str = "file"
+) -> None:
+    """Raise :class:`InvalidKVFile` unless ``meta`` is of this model, storage dtype and shape (``what``
+    names the stored thing in the message: 'file', 'value')."""
+    if meta.model_fingerprint != fingerprint:
+        raise InvalidKVFile(f"foreign {what} of model {meta.model_fingerprint[:16]}…")
+    if meta.kv_dtype != kv_dtype:
+        raise InvalidKVFile(f"foreign {what} in {meta.kv_dtype} (store keeps {kv_dtype})")
+    got = (meta.num_layers, meta.num_kv_heads, meta.head_dim)
+    if got != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
+        raise InvalidKVFile(f"foreign {what} of shape {got}")
 
 
 def storage_tensors(
@@ -253,3 +286,21 @@ def _checked(
     if tensor_crc32(v, tensor_crc32(k)) != meta.layer_crc32[layer]:
         raise InvalidKVFile(f"layer {layer} checksum mismatch")
     return k, v
+
+
+def layer_bytes(keys: torch.Tensor, values: torch.Tensor) -> bytes:
+    """One layer as a record of its own: its K bytes then its V bytes (contiguous, storage dtype), whose
+    crc32 is the layer's recorded crc."""
+    return b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in (keys, values))
+
+
+def decode_layer(data: bytes, meta: FileMeta, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :func:`layer_bytes` record as (K, V), checked against its length and crc; raises
+    :class:`InvalidKVFile`. The tensors own their memory."""
+    if len(data) != meta.layer_nbytes:
+        raise InvalidKVFile(f"layer {layer} holds {len(data)} bytes, metadata says {meta.layer_nbytes}")
+    if zlib.crc32(data) != meta.layer_crc32[layer]:
+        raise InvalidKVFile(f"layer {layer} checksum mismatch")
+    flat = torch.frombuffer(bytearray(data), dtype=KV_DTYPES[meta.kv_dtype])
+    half = flat.numel() // 2
+    return flat[:half].view(meta.layer_shape), flat[half:].view(meta.layer_shape)

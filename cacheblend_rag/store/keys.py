@@ -24,6 +24,7 @@ KV_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
 }
+_KEY_CHARS = frozenset("0123456789abcdef")
 _ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
 
 
@@ -68,6 +69,17 @@ def chunk_key(
     digest.update(header.encode())
     digest.update(ids.astype("<i8").tobytes())
     return digest.hexdigest()
+
+
+def is_chunk_key(key: object) -> bool:
+    """Whether ``key`` has the form of a chunk key (64 lowercase hex characters)."""
+    return isinstance(key, str) and len(key) == 64 and _KEY_CHARS.issuperset(key)
+
+
+def check_key(key: object) -> None:
+    """Raise ValueError unless ``key`` has the form of a chunk key."""
+    if not is_chunk_key(key):
+        raise ValueError(f"invalid KV key {key!r}: expected the 64 hex characters of KVStore.key_for()")
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: torch.dtype | str) -> int:

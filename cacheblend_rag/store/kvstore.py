@@ -1,5 +1,6 @@
 """The chunk KV store: an LRU RAM tier (:mod:`.ram`) over a persistent disk tier (:mod:`.disk`), indexed
-in SQLite (:mod:`.index`), files in the format of :mod:`.fileformat`.
+in SQLite (:mod:`.index`), files in the format of :mod:`.fileformat`; optionally over a remote tier shared
+by several nodes (:mod:`.remote`, Redis/Valkey; ``remote=`` or the ``kv_remote`` setting).
 
 Disk layout under the store root::
 
@@ -7,8 +8,11 @@ Disk layout under the store root::
     chunks/ab/<key>.safetensors  one file per chunk; tensors ``layers.<i>.keys`` / ``layers.<i>.values``
     locks/ab.lock                one lock file per key prefix (256 at most), held while a key is written
 
-A read tries the RAM tier, then the disk; a write goes to both. Every file is self-describing and checked
-(metadata on open, each layer's crc32 when it is read); a bad file is logged, removed and recomputed.
+A read tries the RAM tier, then the disk, then the remote tier (read-through: a chunk read whole from it is
+then kept in RAM and written to the local disk); a write goes to all (pinned in the remote tier for corpus
+KV, with a TTL for a request's). Every file and remote value is self-describing and checked (metadata on
+open, each layer's crc32 when it is read); a bad one is logged, removed and recomputed. The remote tier
+never raises into an answer: while it is down it reports misses and skips writes (one warning per outage).
 """
 
 from __future__ import annotations
@@ -25,21 +29,20 @@ from typing import Any
 import torch
 
 from ..blend.segments import ChunkKV, ChunkKVSource
-from ..errors import StoreError
+from ..errors import CorruptKVError, StoreError
 from ..models.runtime import ModelShape
 from ..settings import get_settings
 from . import maintenance
 from .disk import LOCK_TIMEOUT_S, DiskChunkKV, DiskTier, make_dirs
-from .fileformat import encode
+from .fileformat import EncodedChunk, encode
 from .index import INDEX_NAME, KVIndex, stored_models
-from .keys import LAYOUT_VERSION, chunk_key, dtype_name, resolve_kv_dtype
+from .keys import LAYOUT_VERSION, check_key, chunk_key, dtype_name, resolve_kv_dtype
 from .maintenance import VerifyReport
 from .ram import RamTier
+from .remote import RedisKVTier, connect_remote
 from .tier import tier_of
 
 log = logging.getLogger(__name__)
-
-_KEY_CHARS = frozenset("0123456789abcdef")
 
 __all__ = ["INDEX_NAME", "DiskChunkKV", "KVStore", "StoreCounters", "VerifyReport", "tier_of"]
 
@@ -68,7 +71,9 @@ class StoreCounters:
 
 
 class KVStore:
-    """Chunk KV of one model and storage dtype: RAM tier (LRU, byte budget) over disk files (LRU, budget).
+    """Chunk KV of one model and storage dtype: RAM tier (LRU, byte budget) over disk files (LRU, budget),
+    over an optional shared remote tier (``remote``: a :class:`RedisKVTier` or its URL; None: the
+    ``kv_remote`` setting; '': none).
 
     Safe for several threads and several processes on the same root. Returned sources implement
     :class:`ChunkKVSource`; their tensors are in the storage dtype and must not be modified in place.
@@ -83,6 +88,7 @@ class KVStore:
         ram_budget_bytes: int | None = None,
         disk_budget_bytes: int | None = None,
         promote_on_read: bool = True,
+        remote: RedisKVTier | str | None = None,
     ) -> None:
         settings = get_settings()
         if not model_fingerprint:
@@ -118,6 +124,10 @@ class KVStore:
             on_layer_read=self._count_layer_read,
             forget=self.ram.delete,
         )
+        self.remote = connect_remote(
+            settings.kv_remote if remote is None else remote, self.fingerprint, shape, self.kv_dtype
+        )
+        self._owns_remote = not isinstance(remote, RedisKVTier)  # a tier given may serve other stores
         if not self.read_only:
             self.index.add_model(self.fingerprint, self.kv_dtype_name, shape)
 
@@ -159,11 +169,13 @@ class KVStore:
         return cls(root, fingerprint, shape, **kwargs)
 
     def close(self) -> None:
-        """Wait for background writes and close the index."""
+        """Wait for background writes and close the index (and the remote tier this store opened)."""
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
         self.index.close()
+        if self.remote is not None and self._owns_remote:
+            self.remote.close()
 
     def __enter__(self) -> KVStore:
         return self
@@ -180,23 +192,26 @@ class KVStore:
 
     def path_for(self, key: str) -> Path:
         """Where the disk tier keeps ``key``'s file."""
-        _check_key(key)
+        check_key(key)
         return self.disk.path_for(key)
 
     # -- reads ---------------------------------------------------------------------------------------
 
-    def contains(self, key: str) -> bool:
-        """Whether ``key`` is in RAM or has a file on disk (the file is checked only when read)."""
-        _check_key(key)
-        return self.ram.contains(key) or self.disk.contains(key)
+    def contains(self, key: str, remote: bool = True) -> bool:
+        """Whether ``key`` is in RAM, has a file on local disk or (with ``remote``) is held by the remote
+        tier. Nothing is checked here: a file or value is checked when it is read."""
+        check_key(key)
+        if self.ram.contains(key) or self.disk.contains(key):
+            return True
+        return remote and self.remote is not None and self.remote.contains(key)
 
     def get(self, key: str) -> ChunkKVSource | None:
-        """The chunk's KV from the RAM tier, else from disk; None on a miss.
+        """The chunk's KV from the RAM tier, else from disk, else from the remote tier; None on a miss.
 
         A file that is truncated, corrupted or foreign is logged, removed and reported as a miss. A layer
         whose bytes fail their checksum raises :class:`CorruptKVError` when that layer is read.
         """
-        _check_key(key)
+        check_key(key)
         kv = self.ram.get(key)
         if kv is not None:
             self._count(ram_hits=1)
@@ -204,7 +219,10 @@ class KVStore:
             return kv
         self._count(ram_misses=1)
         limit = self.ram.budget if self.promote_on_read else -1
-        return self.disk.get(key, self._promote, promote_max_bytes=limit)
+        found = self.disk.get(key, self._promote, promote_max_bytes=limit)
+        if found is None and self.remote is not None:
+            return self.remote.get(key, on_complete=self._filled_from_remote)
+        return found
 
     def get_many(self, keys: Sequence[str]) -> list[ChunkKVSource | None]:
         """:meth:`get` for each key; a key repeated in ``keys`` maps to the same source (read once)."""
@@ -216,28 +234,63 @@ class KVStore:
 
     # -- writes --------------------------------------------------------------------------------------
 
-    def put(self, key: str, kv: ChunkKV, ram: bool = True) -> int:
-        """Store ``kv`` under ``key`` in the storage dtype, on disk (atomically) and in RAM.
+    def put(self, key: str, kv: ChunkKV, ram: bool = True, pinned: bool = True) -> int:
+        """Store ``kv`` under ``key`` in the storage dtype, on disk (atomically) and in RAM, and write it
+        through to the remote tier if there is one (``pinned``: as corpus KV, never evicted there; else
+        as a request's KV, with a TTL).
 
         Returns the bytes written to disk: 0 when another writer had already stored a valid file.
         Raises StoreError when the store is read-only or the disk is full; nothing stored is changed.
         """
-        _check_key(key)
+        check_key(key)
         encoded = encode(key, kv, self.fingerprint, self.shape, self.kv_dtype)
+        written = self._put_local(key, encoded, ram)
+        if self.remote is not None:
+            self.remote.put(key, encoded, pinned)
+        return written
+
+    def put_local(self, key: str, kv: ChunkKV, ram: bool = True) -> int:
+        """:meth:`put` to the RAM and disk tiers only."""
+        check_key(key)
+        return self._put_local(key, encode(key, kv, self.fingerprint, self.shape, self.kv_dtype), ram)
+
+    def _put_local(self, key: str, encoded: EncodedChunk, ram: bool) -> int:
         written = self.disk.write(key, encoded)
         if ram:
             self._count(ram_evictions=self.ram.put(key, encoded.kv))
         self._count(puts=1)
         return written
 
-    def put_async(self, key: str, kv: ChunkKV) -> Future[int]:
-        """:meth:`put` on a background thread (for write-back of chunks a request had to compute)."""
+    def put_async(self, key: str, kv: ChunkKV, pinned: bool = False) -> Future[int]:
+        """:meth:`put` on a background thread (for write-back of chunks a request had to compute: by
+        default request traffic, evictable in the remote tier)."""
+        return self._in_background(self.put, key, kv, pinned=pinned)
+
+    def _in_background(self, put, key: str, kv: ChunkKV, **options: Any) -> Future[int]:
         with self._mutex:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-writer")
-        future = self._writer.submit(self.put, key, kv)
+        future = self._writer.submit(put, key, kv, **options)
         future.add_done_callback(_log_failed_put)
         return future
+
+    def pin(self, key: str) -> bool:
+        """Make sure the remote tier holds ``key`` as pinned corpus KV (what ingest does for a chunk that
+        is already stored somewhere): a copy there with a TTL is made permanent, else the local copy is
+        pushed. Returns whether the remote tier holds it pinned now; False without a remote tier, while
+        it is down, or when neither tier holds a usable copy."""
+        check_key(key)
+        if self.remote is None:
+            return False
+        if self.remote.pin(key):
+            return True
+        if not self.remote.available:
+            return False
+        kv = self._local_kv(key)
+        if kv is None:
+            return False
+        self.remote.put(key, kv, pinned=True)
+        return self.remote.pin(key)  # held now, whether this put or a concurrent writer's stored it
 
     def flush(self) -> None:
         """Wait until every :meth:`put_async` so far has finished."""
@@ -249,12 +302,13 @@ class KVStore:
     # -- removal -------------------------------------------------------------------------------------
 
     def delete(self, key: str) -> bool:
-        """Remove ``key`` from both tiers. Returns whether anything was removed."""
-        _check_key(key)
+        """Remove ``key`` from every tier, the remote one included. Returns whether anything was removed."""
+        check_key(key)
         self.disk.require_writable(f"delete chunk {key[:16]}…")
         in_ram = self.ram.delete(key)
         self.disk.drop_live(key)
-        return self.disk.delete(key, LOCK_TIMEOUT_S) or in_ram
+        in_remote = self.remote is not None and self.remote.delete(key)
+        return self.disk.delete(key, LOCK_TIMEOUT_S) or in_ram or in_remote
 
     def evict_ram(self, key: str | None = None) -> None:
         """Drop ``key`` (or everything) from the RAM tier only, so the next get reads the disk tier."""
@@ -265,7 +319,8 @@ class KVStore:
         self.disk.drop_live(key)
 
     def clear(self) -> int:
-        """Remove every entry of every model in this root, in RAM and on disk. Returns files removed."""
+        """Remove every entry of every model in this root, in RAM and on disk (not the shared remote
+        tier, which other nodes use: see its :meth:`~RedisKVTier.gc`). Returns files removed."""
         self.disk.require_writable("clear it")
         self.evict_ram()
         return self.disk.clear()
@@ -285,7 +340,8 @@ class KVStore:
     # -- statistics ----------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Entries and bytes per tier, budgets, and this process's counters."""
+        """Entries and bytes per tier, budgets, and this process's counters; ``remote``: the remote tier's
+        facts and counters (:meth:`RedisKVTier.describe`; no server call), or None."""
         (entries, size, models) = self.index.sql(
             "SELECT count(*), COALESCE(SUM(size_bytes), 0), count(DISTINCT model_fingerprint) FROM chunks"
         )[0]
@@ -307,6 +363,7 @@ class KVStore:
                 "budget_bytes": self.disk_budget_bytes,
             },
             "counters": self.counters.as_dict(),
+            "remote": self.remote.describe() if self.remote is not None else None,
         }
 
     def reset_counters(self) -> None:
@@ -326,10 +383,29 @@ class KVStore:
     def _promote(self, key: str, kv: ChunkKV) -> None:
         self._count(ram_evictions=self.ram.put(key, kv))
 
+    # -- remote tier (the logic is in store/remote/) ---------------------------------------------------
 
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or len(key) != 64 or not _KEY_CHARS.issuperset(key):
-        raise ValueError(f"invalid KV key {key!r}: expected the 64 hex characters of KVStore.key_for()")
+    def _filled_from_remote(self, key: str, kv: ChunkKV) -> None:
+        """Every layer of a remote chunk has been read: keep it in RAM and on local disk."""
+        if self.promote_on_read:
+            self._promote(key, kv)
+        if not self.read_only:
+            self._in_background(self.put_local, key, kv, ram=False)
+
+    def _local_kv(self, key: str) -> ChunkKV | None:
+        """The chunk's whole KV from RAM or the local disk (every layer checked), or None."""
+        kv = self.ram.get(key)
+        if kv is not None:
+            return kv
+        source = self.disk.get(key)
+        if source is None:
+            return None
+        try:
+            layers = [source.layer(i) for i in range(source.num_layers)]
+        except CorruptKVError as exc:  # removed by the disk tier; the caller recomputes it
+            log.warning("chunk KV %s… not pushed to the remote tier: %s", key[:16], exc)
+            return None
+        return ChunkKV([k for k, _ in layers], [v for _, v in layers], source.fingerprint)
 
 
 def _log_failed_put(future: Future[int]) -> None:

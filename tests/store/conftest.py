@@ -15,18 +15,17 @@ from cacheblend_rag.blend.segments import ChunkKV, prefill_chunk_kv
 from cacheblend_rag.models.runtime import LayerwiseModel, ModelShape
 
 
-def _load_support():
-    """Import store_support.py by path and register it, so that this directory's test modules can
-    ``from store_support import ...`` although tests run with --import-mode=importlib."""
-    path = Path(__file__).with_name("store_support.py")
-    spec = importlib.util.spec_from_file_location("store_support", path)
+def _load_support(name: str, path: Path):
+    """Import a support module by path and register it, so that this directory's test modules can
+    ``from <name> import ...`` although tests run with --import-mode=importlib."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    sys.modules["store_support"] = module
+    sys.modules[name] = module
     return module
 
 
-FINGERPRINT = _load_support().FINGERPRINT
+FINGERPRINT = _load_support("store_support", Path(__file__).with_name("store_support.py")).FINGERPRINT
 
 
 @pytest.fixture
@@ -68,3 +67,8 @@ def real_chunks(model: LayerwiseModel) -> list[tuple[list[int], ChunkKV]]:
         ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
         out.append((ids, prefill_chunk_kv(model, ids)))
     return out
+
+
+# -- a real Redis server for the remote-tier tests (tests/redis_support.py) ------------------------------
+# (on a free loopback port; the fixture skips, saying why, when no redis-server binary is found)
+redis_server = _load_support("redis_support", Path(__file__).parents[1] / "redis_support.py").redis_server

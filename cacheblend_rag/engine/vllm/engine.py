@@ -40,7 +40,7 @@ from ...blend.controller import LoadingController
 from ...blend.methods import Reuse
 from ...blend.segments import ChunkContext, ChunkKVSource, Segment
 from ...blend.spec import ResolvedMethod, resolve_method, reuse_of
-from ...errors import CacheBlendError, StoreError, UnsupportedModelError
+from ...errors import CacheBlendError, StoreError, StructuredOutputError, UnsupportedModelError
 from ...models.loader import SUPPORTED_FAMILIES, pick_device, pick_dtype
 from ...models.provision import resolve_model_path
 from ...models.runtime import ModelShape
@@ -238,7 +238,9 @@ class VLLMEngine(PromptSegments):
         """Precompute and store a chunk's KV (in the worker) unless present; returns the bytes written."""
         if not token_ids:
             raise ValueError("cannot precompute KV of an empty chunk")
-        if self.store.contains(self.chunk_key(token_ids)):
+        key = self.chunk_key(token_ids)
+        if self.store.contains(key):
+            self.store.pin(key)  # a shared remote tier holds corpus KV too, never evicted there
             return 0
         return int(self._rpc("cacheblend_ensure_chunks", [list(token_ids)]))
 
@@ -248,8 +250,9 @@ class VLLMEngine(PromptSegments):
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The chunk's KV from the store, precomputed by the worker first when missing."""
-        self.ensure_chunk_kv(token_ids)
         key = self.chunk_key(token_ids)
+        if not self.store.contains(key):  # (not ensure_chunk_kv: a request's chunk is not pinned as corpus)
+            self._rpc("cacheblend_ensure_chunks", [list(token_ids)])
         found = self.store.get(key)
         if found is None:
             raise StoreError(
@@ -288,6 +291,11 @@ class VLLMEngine(PromptSegments):
         from vllm import SamplingParams as VSamplingParams
 
         sampling = sampling or SamplingParams()
+        if sampling.constraint is not None:  # never drop a constraint silently
+            raise StructuredOutputError(
+                "structured output (SamplingParams.constraint) is not wired to vLLM's guided decoding yet; "
+                "use engine='torch'"
+            )
         resolved = resolve_method(method, segments, self.controller, method_options)
         recompute = resolved.method
         ids = [t for s in segments for t in s.token_ids]
