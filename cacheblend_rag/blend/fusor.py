@@ -15,6 +15,7 @@ The algorithm, per the CacheBlend paper:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ContextLengthError, FusionInputError
+from ..models.rope import Rope
 from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
 from .methods import RecomputeMethod
 from .plan import FusionPlan, LayerState
@@ -64,11 +66,12 @@ class FusionResult:
 
     @property
     def recompute_ratio(self) -> float:
-        """Share of cached (reusable) tokens recomputed at the last layer."""
-        cached = int(self.plan.cached_mask.sum())
-        if cached == 0:
+        """Share of the cached tokens that are worth recomputing (not exact) recomputed at the last layer."""
+        blended = self.plan.cached_mask & ~self.plan.exact_mask
+        total = int(blended.sum())
+        if total == 0:
             return 1.0
-        return 1.0 - self.reused_tokens / cached
+        return float(blended[self.selected].sum()) / total
 
     @property
     def compute_fraction(self) -> float:
@@ -126,17 +129,18 @@ class Fusor:
         provider = kv_provider or DirectLayerKV([s.kv for s in segments if s.kv is not None])
         cached_spans = plan.cached_spans()
         n = plan.num_tokens
-        cache = model.new_cache(n + extra_capacity)
+        # every slot 0..n-1 is written before attention reads it (placed or recomputed), decode slots too
+        cache = model.new_cache(n + extra_capacity, zeroed=False)
+        rotations = self._rerotations(cached_spans)
         positions = torch.arange(n, device=device)
         check_layers = set(method.check_layers(plan))
         num_cached_total = int(plan.cached_mask.sum())
 
         qkv_counts, attended_counts, load_wait, probe = [], [], 0.0, None
         try:
-            if cached_spans and method.uses_query_attention(plan):
-                probe = run_probe(
-                    model, plan, cache, provider, lambda c, i, kv: self._place_cached(c, i, kv, cached_spans)
-                )
+            if plan.num_cached and method.uses_query_attention(plan):
+                place = functools.partial(self._place_cached, spans=cached_spans, rotations=rotations)
+                probe = run_probe(model, plan, cache, provider, place)
                 plan.query_attention, load_wait = probe.attention, probe.load_wait_s
             selected = method.layer0_positions(plan).to(device)
             self._check_selection(plan, selected, None)
@@ -153,7 +157,7 @@ class Fusor:
                     # Placing is skipped where every cached position is recomputed anyway.
                     needs_cached = int(plan.cached_mask[selected.cpu()].sum()) < num_cached_total
                     if needs_cached or layer in check_layers:
-                        self._place_cached(cache, layer, layer_kv, cached_spans)
+                        self._place_cached(cache, layer, layer_kv, cached_spans, rotations)
                 if layer in check_layers:
                     state = LayerState(
                         layer,
@@ -195,19 +199,29 @@ class Fusor:
             probe_token_layers=probe.token_layers if probe is not None else 0,
         )
 
+    def _rerotations(self, spans: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per cached span, the float64 tables that turn its keys from 0..n-1 to its prompt positions;
+        the same at every layer, so computed once per fusion."""
+        device = self.model.device
+        tables = []
+        for start, end in spans:
+            local = torch.arange(end - start, device=device)
+            tables.append(self.model.rope.rerotation(local, local + start))
+        return tables
+
     def _place_cached(
         self,
         cache: KVCache,
         layer: int,
         layer_kv: list[tuple[torch.Tensor, torch.Tensor]],
         spans: list[tuple[int, int]],
+        rotations: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         """Write each cached chunk's K/V at its prompt positions, keys re-rotated from 0..n-1."""
-        rope, device, dtype = self.model.rope, self.model.device, self.model.dtype
-        for (k, v), (start, end) in zip(layer_kv, spans, strict=True):
-            k = k.to(device)
-            local = torch.arange(end - start, device=device)
-            cache.keys[layer][0, :, start:end] = rope.rerotate(k.float(), local, local + start).to(dtype)
+        device, dtype = self.model.device, self.model.dtype
+        for (k, v), (start, end), tables in zip(layer_kv, spans, rotations, strict=True):
+            keys = Rope.apply_rerotation(k.to(device, torch.float32), tables)
+            cache.keys[layer][0, :, start:end] = keys.to(dtype)
             cache.values[layer][0, :, start:end] = v.to(device, dtype)
 
     @staticmethod

@@ -130,7 +130,7 @@ class Epic(RecomputeMethod):
 
     def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
         keep = plan.must_compute.clone()
-        for start, end in plan.cached_spans():
+        for start, end in plan.chunk_spans():
             keep[start : min(end, start + self.k)] = True
         return keep.nonzero().squeeze(1)
 
@@ -183,9 +183,9 @@ class CacheBlend(RecomputeMethod):
 
     def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
         if self.selection == "hkvd":
-            return _all_positions(plan)
+            return (~plan.exact_mask).nonzero().squeeze(1)
         keep = plan.must_compute.clone()
-        cached = (~plan.must_compute).nonzero().squeeze(1)
+        cached = plan.candidate_mask.nonzero().squeeze(1)
         budget = min(_budget(self.ratio, plan), cached.numel())
         if budget and plan.query_attention is not None:
             keep[cached[torch.topk(plan.query_attention[cached], budget).indices]] = True

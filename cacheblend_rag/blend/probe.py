@@ -39,7 +39,7 @@ class ProbeResult:
 def query_positions(plan: FusionPlan) -> torch.Tensor:
     """The probe's query rows: the fresh text after the last cached chunk (always including the last
     prompt token, whose hidden state gives the answer's first token)."""
-    spans = plan.cached_spans()
+    spans = plan.chunk_spans()
     start = spans[-1][1] if spans else 0
     rows = plan.must_compute.nonzero().squeeze(1)
     return rows[rows >= min(start, plan.num_tokens - 1)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -57,7 +58,7 @@ def share_chunks(requests: Sequence[Sequence[Segment]]) -> list[list[Segment]]:
             if chunk is None:
                 chunk = shared[id(segment.kv)] = SharedChunk(segment.kv)
             chunk.users += 1
-            segments.append(Segment(segment.token_ids, chunk, segment.chunk_id))
+            segments.append(replace(segment, kv=chunk))
         out.append(segments)
     return out
 

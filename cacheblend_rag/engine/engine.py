@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,9 @@ from .textstream import TextStream
 
 log = logging.getLogger(__name__)
 
+# Template openings whose exact KV an engine keeps in memory (a few KB per token each).
+MAX_EXACT_HEADS = 16
+
 
 class Engine(PromptSegments):
     """Owns the model, the fusor and the chunk KV store; implements
@@ -70,6 +74,9 @@ class Engine(PromptSegments):
             chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, settings.chunk_context))
         self.chunk_context = chunk_context
         self._context_cache: KVCache | None = None
+        # template openings seen lately, by token ids: their exact KV (see _exact_head)
+        self._heads: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
+        self._heads_lock = threading.Lock()
         if not isinstance(store, KVStore):
             root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
             store = KVStore(root, self.model.fingerprint, self.model.shape)
@@ -157,7 +164,29 @@ class Engine(PromptSegments):
         """Segments of a prompt laid out as fresh token runs and chunks, with the KV ``method`` reuses
         (from the store, computed and stored on a miss)."""
         reuses = reuse_of(method)
-        return layout_segments(parts, reuses, self.prefix_kv if reuses is Reuse.PREFIX else self.chunk_kv)
+        if reuses is Reuse.PREFIX:
+            return layout_segments(parts, reuses, self.prefix_kv)
+        segments = layout_segments(parts, reuses, self.chunk_kv)
+        return self._exact_head(segments) if reuses is Reuse.CHUNKS else segments
+
+    def _exact_head(self, segments: list[Segment]) -> list[Segment]:
+        """The fresh text before the first chunk (a template's opening: system prompt, "Passages:") is the
+        same in every prompt of the template, and its KV does not depend on what follows. Computed once
+        from position 0 and kept in memory in the compute dtype, it is exactly what a full prefill
+        computes there, so it is reused as an exact segment (as vLLM's prefix caching would)."""
+        if len(segments) < 2 or segments[0].is_cached or not any(s.is_cached for s in segments[1:]):
+            return segments
+        ids = segments[0].token_ids
+        with self._heads_lock:
+            kv = self._heads.pop(ids, None)
+        if kv is None:
+            with self.forward_lock:
+                kv = prefill_chunk_kv(self.model, ids)
+        with self._heads_lock:
+            self._heads[ids] = kv
+            while len(self._heads) > MAX_EXACT_HEADS:
+                self._heads.popitem(last=False)
+        return [Segment.cached(ids, kv, exact=True), *segments[1:]]
 
     # -- fusion and generation -----------------------------------------------------------------------
 
@@ -176,7 +205,9 @@ class Engine(PromptSegments):
                 log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
                 kv_for = self.prefix_kv if method.reuses is Reuse.PREFIX else self.chunk_kv
                 segments = [
-                    Segment.cached(s.token_ids, kv_for(s.token_ids), s.chunk_id) if s.kv is not None else s
+                    Segment.cached(s.token_ids, kv_for(s.token_ids), s.chunk_id)
+                    if s.kv is not None and not s.exact  # an exact head lives in memory, never corrupt
+                    else s
                     for s in segments
                 ]
         raise AssertionError("unreachable")

@@ -55,11 +55,21 @@ class KVCache:
 
     @classmethod
     def empty(
-        cls, shape: ModelShape, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu"
+        cls,
+        shape: ModelShape,
+        capacity: int,
+        batch: int = 1,
+        dtype=torch.float32,
+        device="cpu",
+        zeroed: bool = True,
     ) -> KVCache:
+        """Buffers for ``capacity`` positions. ``zeroed=False`` skips clearing them: only for a caller that
+        writes every slot before attention reads it (a fusion fills 0..T-1; decoding writes each slot
+        before attending it), since a padded batch row would read whatever is there."""
         dims = (batch, shape.num_kv_heads, capacity, shape.head_dim)
-        keys = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        values = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        alloc = torch.zeros if zeroed else torch.empty
+        keys = [alloc(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        values = [alloc(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         return cls(keys, values)
 
     @property
@@ -92,8 +102,9 @@ class KVCache:
 
 
 # Ascending query positions (a CacheBlend selection) are attended in this many row blocks, each over
-# the keys up to its last position only, which skips most of the masked-out upper triangle.
-ATTENTION_ROW_BLOCKS = 4
+# the keys up to its last position only, which skips most of the masked-out upper triangle (16 blocks
+# attended a 15 % selection of 3,000 positions ~10 % faster than 4 on this CPU).
+ATTENTION_ROW_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -108,6 +119,9 @@ class AttentionMask:
     tensor: torch.Tensor | None
     is_causal: bool
     blocks: tuple[tuple[int, int, int], ...] = ()
+    # queries are the contiguous positions suffix_start..T-1 (a prefix-cache hit, a chunk prefilled behind
+    # its context): on CPU attended as the keys before them, unmasked, merged with a causal square
+    suffix_start: int | None = None
 
     @classmethod
     def for_positions(cls, positions: torch.Tensor, key_length: int) -> AttentionMask:
@@ -119,6 +133,13 @@ class AttentionMask:
                 return cls(None, True)
             if bool((positions == key_length - 1).all()):
                 return cls(None, False)
+            start = key_length - positions.numel()
+            if (
+                positions.device.type == "cpu"
+                and positions.numel() > 1
+                and bool((positions == torch.arange(start, key_length, device=positions.device)).all())
+            ):
+                return cls(None, False, suffix_start=start)
             if positions.numel() > 1 and bool((positions[1:] > positions[:-1]).all()):
                 bounds = torch.linspace(0, positions.numel(), ATTENTION_ROW_BLOCKS + 1).long().tolist()
                 blocks = tuple(
@@ -130,6 +151,23 @@ class AttentionMask:
         key_positions = torch.arange(key_length, device=positions.device)
         # [B, 1, S, T]: the query at position p sees the keys at positions 0..p
         return cls(key_positions[None, None, None, :] <= positions[:, None, :, None], False, blocks)
+
+
+def _suffix_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scaling: float
+) -> torch.Tensor:
+    """Exact causal attention of queries at positions start..T-1 over keys 0..T-1, as two fast CPU
+    kernels: every query sees keys 0..start-1 (no mask), and keys start..T-1 form a causal square; the two
+    softmaxes are merged through their log-sum-exps. A boolean mask over the whole rectangle runs the
+    masked kernel, about 1.5x slower here."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    seen, seen_lse = flash(q, keys[:, :, :start], values[:, :, :start], scale=scaling)[:2]
+    own, own_lse = flash(q, keys[:, :, start:], values[:, :, start:], is_causal=True, scale=scaling)[:2]
+    top = torch.maximum(seen_lse, own_lse)
+    seen_w, own_w = torch.exp(seen_lse - top).unsqueeze(-1), torch.exp(own_lse - top).unsqueeze(-1)
+    return ((seen * seen_w + own * own_w) / (seen_w + own_w)).to(q.dtype)
 
 
 class LayerwiseModel:
@@ -218,6 +256,8 @@ class LayerwiseModel:
             groups = q.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling)
+        elif mask.suffix_start is not None:
+            out = _suffix_attention(q, keys, values, mask.suffix_start, self.scaling)
         elif mask.blocks:
             out = torch.cat(
                 [
@@ -274,8 +314,10 @@ class LayerwiseModel:
         cache.length = max(cache.length, end)
         return self.logits(hidden if all_logits else hidden[:, -1])
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        return KVCache.empty(self.shape, capacity, batch=batch, dtype=self.dtype, device=self.device)
+    def new_cache(self, capacity: int, batch: int = 1, zeroed: bool = True) -> KVCache:
+        return KVCache.empty(
+            self.shape, capacity, batch=batch, dtype=self.dtype, device=self.device, zeroed=zeroed
+        )
 
     @torch.inference_mode()
     def prefill(self, ids: list[int] | torch.Tensor, extra_capacity: int = 0, all_logits: bool = False):
