@@ -141,7 +141,8 @@ class Fusor:
             if plan.num_cached and method.uses_query_attention(plan):
                 place = functools.partial(self._place_cached, spans=cached_spans, rotations=rotations)
                 probe = run_probe(model, plan, cache, provider, place)
-                plan.query_attention, load_wait = probe.attention, probe.load_wait_s
+                plan.query_attention, plan.query_contribution = probe.attention, probe.contribution
+                load_wait = probe.load_wait_s
             selected = method.layer0_positions(plan).to(device)
             self._check_selection(plan, selected, None)
             hidden = model.embed(plan.token_ids[selected.cpu()][None]).to(dtype)

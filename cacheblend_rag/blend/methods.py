@@ -161,6 +161,11 @@ class CacheBlend(RecomputeMethod):
     selection: Literal["query", "hkvd"] = Field(
         "query", description="which cached tokens to recompute: 'query' (question attention) or 'hkvd'"
     )
+    score: Literal["attention", "contribution"] = Field(
+        "attention",
+        description="query only: rank by the attention the question pays a token, or by that attention "
+        "times the token's value norm (its contribution to the attention output)",
+    )
     signal: Literal["k", "v", "kv"] = Field(
         "k", description="hkvd only: deviation of K, V or both (each normalised)"
     )
@@ -187,8 +192,9 @@ class CacheBlend(RecomputeMethod):
         keep = plan.must_compute.clone()
         cached = plan.candidate_mask.nonzero().squeeze(1)
         budget = min(_budget(self.ratio, plan), cached.numel())
-        if budget and plan.query_attention is not None:
-            keep[cached[torch.topk(plan.query_attention[cached], budget).indices]] = True
+        score = plan.query_attention if self.score == "attention" else plan.query_contribution
+        if budget and score is not None:
+            keep[cached[torch.topk(score[cached], budget).indices]] = True
         elif budget:  # no probe ran (nothing cached to look at): every candidate is recomputed
             keep[cached] = True
         return keep.nonzero().squeeze(1)

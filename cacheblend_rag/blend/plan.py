@@ -23,6 +23,8 @@ class FusionPlan:
     # Attention the question paid each position in the query probe ([T]); set by the fusor before
     # layer0_positions for methods that ask for it (see blend/probe.py), None otherwise.
     query_attention: torch.Tensor | None = None
+    # the same weighted by each position's value norm at each layer (ProbeResult.contribution)
+    query_contribution: torch.Tensor | None = None
 
     @classmethod
     def from_segments(cls, segments: list[Segment]) -> FusionPlan:

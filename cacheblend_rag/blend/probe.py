@@ -27,9 +27,11 @@ from .segments import LayerKVProvider
 @dataclass
 class ProbeResult:
     """Attention mass the query rows paid each prompt position ([T], summed over heads, query rows and
-    layers), and what the probe cost."""
+    layers), the same weighted by each position's value norm (its contribution), and what the probe
+    cost."""
 
     attention: torch.Tensor
+    contribution: torch.Tensor  # attention weighted by the norm of each position's value, [T]
     query_positions: torch.Tensor
     token_layers: int
     seconds: float
@@ -70,6 +72,7 @@ def run_probe(
     # query row i sees the keys at positions <= queries[i]
     visible = positions[None, :] <= queries[:, None]  # [m, T]
     attention = torch.zeros(n, dtype=torch.float32, device=device)
+    contribution = torch.zeros(n, dtype=torch.float32, device=device)
     load_wait = 0.0
     for layer in range(model.num_layers):
         qkv = model.project_qkv(layer, hidden, positions[fresh], cos_sin)
@@ -79,11 +82,15 @@ def run_probe(
         place_cached(cache, layer, layer_kv)
         cache.write(layer, fresh, qkv.k, qkv.v)
         keys, values = cache.keys[layer][:, :, :n], cache.values[layer][:, :, :n]
-        attention += _attention_mass(qkv.q[0, :, rows], keys[0], visible, model.scaling)
+        mass = _attention_mass(qkv.q[0, :, rows], keys[0], visible, model.scaling)  # [Hkv, T]
+        attention += mass.sum(dim=0)
+        # what a token adds to the attention output scales with its value's norm too
+        contribution += (mass * values[0].float().norm(dim=-1)).sum(dim=0)
         if layer < model.num_layers - 1:  # the last layer's output is not needed
             hidden = model.attend_and_mlp(layer, hidden, qkv.q, keys, values, mask)
     return ProbeResult(
         attention=attention.cpu(),
+        contribution=contribution.cpu(),
         query_positions=queries.cpu(),
         token_layers=fresh.numel() * model.num_layers,
         seconds=time.perf_counter() - started,
@@ -95,10 +102,10 @@ def _attention_mass(
     q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scaling: float
 ) -> torch.Tensor:
     """Softmax attention of ``q`` [H, m, d] over ``keys`` [Hkv, T, d] (grouped-query heads share a KV
-    head), summed over heads and query rows: [T]."""
+    head), summed over the query rows and the heads of each KV head: [Hkv, T]."""
     heads, m, d = q.shape
     kv_heads = keys.shape[0]
     grouped = q.float().reshape(kv_heads, (heads // kv_heads) * m, d)  # heads of one group are adjacent
     scores = grouped @ keys.float().transpose(1, 2) * scaling  # [Hkv, g*m, T]
     scores = scores.view(kv_heads, heads // kv_heads, m, -1).masked_fill(~visible, float("-inf"))
-    return torch.softmax(scores, dim=-1).sum(dim=(0, 1, 2))
+    return torch.softmax(scores, dim=-1).sum(dim=(1, 2))
