@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -48,7 +48,12 @@ class RunningRequest:
     """
 
     def __init__(
-        self, handle: RequestHandle | TokenStream, engine: str, received: float, param: str, on_cancel=None
+        self,
+        handle: RequestHandle | TokenStream,
+        engine: str,
+        received: float,
+        param: str,
+        on_cancel: Callable[[], None] | None = None,
     ) -> None:
         self.received = received
         self.submitted = getattr(handle, "submitted_at", time.perf_counter())
