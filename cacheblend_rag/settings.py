@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import platformdirs
-from pydantic import Field
+from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -65,3 +66,25 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """Process-wide settings (cached; call ``get_settings.cache_clear()`` after changing the environment)."""
     return Settings()
+
+
+def override_settings(**values: Any) -> Settings:
+    """Set settings for this process and every process it starts (what a command-line flag such as
+    ``--kv-remote`` does): each value is checked by :class:`Settings`, then written to its
+    ``CACHEBLEND_<FIELD>`` environment variable, and the cached settings are dropped. The environment is
+    the one channel every child inherits: vLLM's engine and worker processes open their own KV store from
+    their own settings. Returns the new settings; a bad name or value raises ``ValueError`` and changes
+    nothing."""
+    unknown = sorted(set(values) - set(Settings.model_fields))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
+    if any(value is None for value in values.values()):
+        raise ValueError("a setting cannot be overridden with None")
+    try:
+        Settings(**values)
+    except ValidationError as exc:
+        raise ValueError(f"bad setting value: {exc}") from None
+    for name, value in values.items():
+        os.environ[f"CACHEBLEND_{name.upper()}"] = str(value)
+    get_settings.cache_clear()
+    return get_settings()

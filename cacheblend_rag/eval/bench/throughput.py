@@ -88,7 +88,9 @@ def throughput_requests(engine: Engine, config: BenchConfig, count: int) -> list
     return requests
 
 
-def _throughput_row(timings: Sequence[RequestTiming], seconds: float) -> dict[str, Any]:
+def throughput_row(timings: Sequence[Any], seconds: float) -> dict[str, Any]:
+    """Requests/s, tokens/s and TTFT percentiles of a run; ``timings`` are dataclasses with ``ttft_s`` and
+    ``tokens`` (:class:`RequestTiming`, the serve section's samples)."""
     ttfts = [t.ttft_s for t in timings]
     return {
         "requests": len(timings),
@@ -116,12 +118,12 @@ def section_throughput(ctx: BenchContext) -> dict[str, Any]:
         for method in THROUGHPUT_METHODS:
             started = time.perf_counter()
             timings = run_sequential(engine, baseline, method, sampling, config.ratio)
-            table["sequential"][method] = _throughput_row(timings, time.perf_counter() - started)
+            table["sequential"][method] = throughput_row(timings, time.perf_counter() - started)
             table["scheduler"][method] = {}
             for level in levels:
                 started = time.perf_counter()
                 timings = bench_runner(engine, requests[:level], method, sampling, config.ratio)
-                table["scheduler"][method][str(level)] = _throughput_row(
+                table["scheduler"][method][str(level)] = throughput_row(
                     timings, time.perf_counter() - started
                 )
     finally:
