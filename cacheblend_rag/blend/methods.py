@@ -162,7 +162,7 @@ class CacheBlend(RecomputeMethod):
         "query", description="which cached tokens to recompute: 'query' (question attention) or 'hkvd'"
     )
     score: Literal["attention", "contribution"] = Field(
-        "attention",
+        "contribution",
         description="query only: rank by the attention the question pays a token, or by that attention "
         "times the token's value norm (its contribution to the attention output)",
     )

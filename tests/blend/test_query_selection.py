@@ -52,7 +52,7 @@ def prompts(model, cases):
 def test_query_selection_recomputes_the_most_attended_tokens_at_every_layer(model, prompts):
     segments, _ = prompts[0]
     qkv_before = model.qkv_token_layers
-    fused = Fusor(model).fuse(segments, CacheBlend(ratio=0.15))
+    fused = Fusor(model).fuse(segments, CacheBlend(ratio=0.15, score="attention"))
     plan = fused.plan
     n, cached = plan.num_tokens, plan.num_cached
     fresh = n - cached
@@ -81,7 +81,7 @@ def test_query_selection_recomputes_the_most_attended_tokens_at_every_layer(mode
 
 def test_contribution_score_ranks_by_attention_times_value_norm(model, prompts):
     segments, _ = prompts[0]
-    fused = Fusor(model).fuse(segments, CacheBlend(ratio=0.15, score="contribution"))
+    fused = Fusor(model).fuse(segments, CacheBlend(ratio=0.15))  # the default score
     plan = fused.plan
     budget = math.ceil(0.15 * plan.num_cached - 1e-9)
     candidates = plan.candidate_mask.nonzero().squeeze(1)
