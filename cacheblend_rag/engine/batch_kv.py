@@ -63,6 +63,21 @@ def share_chunks(requests: Sequence[Sequence[Segment]]) -> list[list[Segment]]:
     return out
 
 
+def fusion_batches(items: Sequence[int], sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """``items`` split, in order, into runs whose ``sizes`` (bytes of each request's fusion cache) sum to
+    at most ``budget`` (a single item larger than the budget runs alone): what may be fused together."""
+    batches: list[list[int]] = []
+    used = 0
+    for item, size in zip(items, sizes, strict=True):
+        if batches and used + size <= budget:
+            batches[-1].append(item)
+            used += size
+        else:
+            batches.append([item])
+            used = size
+    return batches
+
+
 class DecodeCache:
     """The decode batch's KV: per layer [rows, Hkv, capacity, d]; active rows occupy slots 0..n-1."""
 

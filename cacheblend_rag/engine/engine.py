@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from ..blend.controller import LoadingController
-from ..blend.fusor import FusionResult, Fusor
-from ..blend.methods import Reuse
+from ..blend.fusor import FusionRequest, FusionResult, Fusor
+from ..blend.methods import RecomputeMethod, Reuse
 from ..blend.segments import (
     NO_CONTEXT,
     ChunkContext,
@@ -211,6 +211,40 @@ class Engine(PromptSegments):
                     for s in segments
                 ]
         raise AssertionError("unreachable")
+
+    def fuse_many(
+        self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
+    ) -> list[FusionResult | Exception]:
+        """Fuse several prompts together (one projection and one MLP per layer over all their tokens;
+        :meth:`Fusor.fuse_many`), each equal to fusing it alone. If that fails (bad input, corrupt KV),
+        they are fused one at a time instead, so one request's problem stays its own: the caller gets
+        each request's result or exception in order."""
+        loaders = [
+            FusionRequest(
+                segments,
+                method,
+                PipelinedLayerLoader(
+                    [s.kv for s in segments if s.kv is not None],
+                    dtype=self.model.dtype,
+                    device=self.model.device,
+                ),
+            )
+            for segments, method in requests
+        ]
+        try:
+            with self.forward_lock:
+                return self.fusor.fuse_many(loaders)
+        except Exception as exc:  # each request is retried alone below and fails on its own
+            if len(requests) == 1:
+                raise
+            log.info("fusing %d requests together failed (%s); fusing them one at a time", len(requests), exc)
+        out: list = []
+        for segments, method in requests:
+            try:
+                out.append(self.fuse(segments, method))
+            except Exception as exc:  # handed to the caller in its request's place
+                out.append(exc)
+        return out
 
     def stream(
         self,

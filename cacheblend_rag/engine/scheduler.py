@@ -2,15 +2,16 @@
 
 Requests wait in one FIFO queue. A worker thread admits them in groups, as many as the decode batch has
 room for (``max_batch`` rows and a budget of KV bytes); a request that does not fit waits, and nothing
-behind it overtakes it. Each admitted group is fused request by request (the fusion methods select
-tokens per request, and on CPU a request's fusion already runs on hundreds of tokens per layer, so
-batching it gains little), but every cached chunk the group uses is read once: a chunk's layers are kept
-for the group from its first reader until its last user is fused, so a chunk shared by several requests
-is read from the RAM or disk tier once per group. Each fused prompt then joins the decode batch, whose KV
-is one buffer [rows, Hkv, capacity, d] per layer with each row at its own position; one forward per step
-generates the next token of every active row (a [B, 1] query per row, masked to that row's own slots, so
-padding and other rows never leak into an answer). A row that finishes leaves the batch at once and its
-slot is refilled by the next admitted request between two decode steps.
+behind it overtakes it. Each admitted group is fused together (:meth:`Engine.fuse_many`: per layer one
+projection and one MLP over every request's selected tokens, attention per request with its own exact
+mask; ``batched_fusion=False`` fuses one at a time), and every cached chunk the group uses is read once:
+a chunk's layers are kept for the group from its first reader until its last user is fused, so a chunk
+shared by several requests is read from the RAM or disk tier once per group. Each fused prompt then
+joins the decode batch, whose KV is one buffer [rows, Hkv, capacity, d] per layer with each row at its
+own position; one forward per step generates the next token of every active row (a [B, 1] query per
+row, masked to that row's own slots, so padding and other rows never leak into an answer). A row that
+finishes leaves the batch at once and its slot is refilled by the next admitted request between two
+decode steps.
 
 Per request, a :class:`RequestHandle` (:mod:`.handles`) streams :class:`TokenEvent` objects and
 resolves to the same :class:`GenerationResult` as :meth:`Engine.generate`; greedy answers equal the
@@ -38,7 +39,7 @@ from ..errors import AdmissionError, RequestCancelledError
 from ..settings import get_settings
 from ..store.keys import kv_bytes_per_token
 from .base import BatchRequest, FusionStats, GenerationResult, Method, TokenEvent, generation_budget
-from .batch_kv import DecodeCache, SharedChunk, share_chunks
+from .batch_kv import DecodeCache, SharedChunk, fusion_batches, share_chunks
 from .constraints import ConstraintState, masked, start_constraint
 from .handles import RequestHandle
 from .sampling import SamplingParams, make_generator, sample_next
@@ -61,6 +62,7 @@ class SchedulerStats:
     failed: int = 0
     cancelled: int = 0  # requests stopped by BatchScheduler.cancel before they finished
     groups: int = 0  # admission groups; each reads a shared chunk once
+    fusion_passes: int = 0  # fusions run: one per batch fused together, one per request otherwise
     decode_steps: int = 0
     decode_rows: int = 0  # rows summed over decode steps: decode_rows / decode_steps is the mean batch
     max_rows: int = 0  # most rows decoded in one step
@@ -114,9 +116,17 @@ class BatchScheduler:
     is thread-safe; use the scheduler as a context manager, or call :meth:`close`, to stop its worker.
     """
 
-    def __init__(self, engine: Engine, max_batch: int | None = None, kv_budget_bytes: int | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int | None = None,
+        kv_budget_bytes: int | None = None,
+        batched_fusion: bool = True,
+    ):
         settings = get_settings()
         self.engine = engine
+        # fuse an admission group's prompts together (Engine.fuse_many) rather than one at a time
+        self.batched_fusion = batched_fusion
         self.model = engine.model
         self.max_batch = max_batch if max_batch is not None else settings.batch_max_requests
         self.kv_budget_bytes = (
@@ -297,23 +307,42 @@ class BatchScheduler:
         return group
 
     def _start(self, group: list[_Pending]) -> None:
-        """Fuse each request of ``group`` (sharing its chunks' reads), emit its first token and give it a
-        row in the decode batch unless it has already finished."""
+        """Fuse the requests of ``group`` (together, or one at a time; sharing their chunks' reads either
+        way), emit each one's first token and give it a row in the decode batch unless it has already
+        finished."""
         capacities = [row.pending.capacity for row in self._rows] + [p.capacity for p in group]
         self._cache.reserve(len(capacities), max(capacities), keep=len(self._rows))
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
-        for pending, segments in zip(group, share_chunks([p.segments for p in group]), strict=True):
+        shared = share_chunks([p.segments for p in group])
+        try:
+            # cancelled since its group was admitted: not worth a fusion
+            live = [i for i, p in enumerate(group) if not p.handle.cancel_requested]
+            fusions: dict[int, FusionResult | Exception] = {}
+            sizes = [group[i].prompt_tokens * self.kv_bytes_per_token for i in live]
+            for batch in fusion_batches(live, sizes, self.kv_budget_bytes):
+                jobs = [(shared[i], group[i].resolved.method) for i in batch]
+                if self.batched_fusion:
+                    self.stats.fusion_passes += 1
+                    fusions.update(zip(batch, self.engine.fuse_many(jobs), strict=True))
+                    continue
+                for i, job in zip(batch, jobs, strict=True):
+                    self.stats.fusion_passes += 1
+                    try:
+                        fusions[i] = self.engine.fuse(*job)
+                    except Exception as exc:  # this request fails alone
+                        fusions[i] = exc
+        finally:
+            for segments in shared:
+                for segment in segments:
+                    if isinstance(segment.kv, SharedChunk):
+                        segment.kv.release()
+        for i, pending in enumerate(group):
+            fusion = fusions.get(i)
             try:
-                try:
-                    # cancelled since its group was admitted: not worth a fusion
-                    cancelled = pending.handle.cancel_requested
-                    fusion = None if cancelled else self.engine.fuse(segments, pending.resolved.method)
-                finally:
-                    for segment in segments:
-                        if isinstance(segment.kv, SharedChunk):
-                            segment.kv.release()
                 if fusion is None:
                     self._end_cancelled(pending)
+                elif isinstance(fusion, Exception):
+                    raise fusion
                 else:
                     self._begin_row(pending, fusion)
             except Exception as exc:

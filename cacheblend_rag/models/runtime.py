@@ -248,8 +248,15 @@ class LayerwiseModel:
     ) -> torch.Tensor:
         """Attention of ``q`` over the full ``keys``/``values`` [B, Hkv, T, d] under ``mask``, then o-proj,
         residual, post-attention norm, MLP and residual. Returns the layer output [B, S, D]."""
-        block = self.layers[layer]
-        b, s, _ = hidden.shape
+        return self.finish_layer(layer, hidden, self.attend(q, keys, values, mask))
+
+    @torch.inference_mode()
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """Attention of ``q`` [B, H, S, d] over ``keys``/``values`` [B, Hkv, T, d] under ``mask``, heads
+        concatenated: [B, S, H * d] (the o-proj's input)."""
+        b, _, s, _ = q.shape
         self.attention_token_layers += b * s
         if mask.is_causal:
             # SDPA's causal CPU kernel is about twice as fast on materialised heads as with enable_gqa
@@ -277,8 +284,15 @@ class LayerwiseModel:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask.tensor, scale=self.scaling, enable_gqa=True
             )
-        out = block.self_attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-        hidden = hidden + out
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+    @torch.inference_mode()
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer for tokens whose attention output is ``attended`` [B, S, H * d]: o-proj,
+        residual, post-attention norm, MLP and residual. Per token, so tokens of several sequences may
+        be stacked along S."""
+        block = self.layers[layer]
+        hidden = hidden + block.self_attn.o_proj(attended)
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
     @torch.inference_mode()

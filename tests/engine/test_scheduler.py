@@ -99,6 +99,7 @@ def test_batched_greedy_answers_equal_one_at_a_time(batched_run):
         )
     stats = batched_run.stats
     assert stats.groups == 1 and stats.max_rows == len(METHODS)
+    assert stats.fusion_passes == 1  # the group's prompts were fused together
     # one forward per step for all rows, not one per row
     assert stats.decode_steps < SAMPLING.max_new_tokens
     assert stats.decode_rows > 3 * stats.decode_steps

@@ -280,6 +280,32 @@ def render_throughput(page: Page, thr: dict[str, Any]) -> list[str]:
         "",
         checks_list(thr["checks"]),
     ]
+    fusion = thr.get("batched_fusion")
+    if fusion:
+        rows = [
+            [f"{tokens}", label.replace("_", " "), *_throughput_cells(r[label])]
+            for tokens, r in fusion.items()
+            for label in ("together", "one_at_a_time")
+        ]
+        claims = [
+            {
+                "claim": f"batched fusion of {thr['requests']} requests with {tokens}-token chunks: "
+                f"{r['speedup']:.2f}x one-at-a-time fusion in requests/s "
+                f"({'>= 1.3x' if int(tokens) < thr['chunk_tokens'] else 'never slower'})",
+                "passed": r["speedup"] >= (1.3 if int(tokens) < thr["chunk_tokens"] else 1.0),
+            }
+            for tokens, r in fusion.items()
+        ]
+        parts += [
+            "",
+            f"Fusing an admission group together (one projection and one MLP per layer over every "
+            f"request's selected tokens) vs one request at a time: `cacheblend`, {thr['requests']} "
+            "requests submitted at once through the scheduler, median of the interleaved runs.",
+            "",
+            table(["chunk tokens", "fusion", "requests/s", "tokens/s", "TTFT p50 (s)", "TTFT p95 (s)"], rows),
+            "",
+            checks_list(claims),
+        ]
     return parts
 
 
