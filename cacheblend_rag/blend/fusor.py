@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from ..errors import ContextLengthError, FusionInputError
 from ..models.rope import Rope
@@ -148,12 +149,14 @@ class Fusor:
             probes = {id(run): run.probe_pass() for run in runs if run.wants_probe}
             if probes:
                 passes = list(probes.values())
-                for layer in range(model.num_layers):
-                    run_layer(model, layer, passes, finish=layer < model.num_layers - 1)
+                with record_function("fusion::probe"):
+                    for layer in range(model.num_layers):
+                        run_layer(model, layer, passes, finish=layer < model.num_layers - 1)
             for run in runs:
                 run.begin(probes.get(id(run)))
-            for layer in range(model.num_layers):
-                run_layer(model, layer, runs)
+            with record_function("fusion::layers"):
+                for layer in range(model.num_layers):
+                    run_layer(model, layer, runs)
         finally:
             for run in runs:
                 run.provider.close()

@@ -13,7 +13,7 @@ causal mask (a token at position p sees the keys at positions 0..p).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +122,18 @@ class AttentionMask:
     # queries are the contiguous positions suffix_start..T-1 (a prefix-cache hit, a chunk prefilled behind
     # its context): on CPU attended as the keys before them, unmasked, merged with a causal square
     suffix_start: int | None = None
+    # ``tensor`` as an additive float mask per dtype, made on first use and kept for every layer (SDPA
+    # would otherwise convert the boolean mask again at each call)
+    _additive: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """``tensor`` as 0 where visible and -inf elsewhere, in ``dtype``."""
+        found = self._additive.get(dtype)
+        if found is None:
+            found = torch.zeros(self.tensor.shape, dtype=dtype, device=self.tensor.device)
+            found.masked_fill_(~self.tensor, float("-inf"))
+            self._additive[dtype] = found
+        return found
 
     @classmethod
     def for_positions(cls, positions: torch.Tensor, key_length: int) -> AttentionMask:
@@ -266,13 +278,14 @@ class LayerwiseModel:
         elif mask.suffix_start is not None:
             out = _suffix_attention(q, keys, values, mask.suffix_start, self.scaling)
         elif mask.blocks:
+            additive = mask.additive(q.dtype)
             out = torch.cat(
                 [
                     F.scaled_dot_product_attention(
                         q[:, :, start:end],
                         keys[:, :, :key_end],
                         values[:, :, :key_end],
-                        attn_mask=mask.tensor[:, :, start:end, :key_end],
+                        attn_mask=additive[:, :, start:end, :key_end],
                         scale=self.scaling,
                         enable_gqa=True,
                     )
