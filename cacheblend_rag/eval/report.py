@@ -16,7 +16,9 @@ def selection(config: dict[str, Any]) -> str:
 
 
 def eval_section_name(results: dict[str, Any]) -> str:
-    return f"eval-{results['config']['dataset']}"
+    config = results["config"]
+    tokens = config.get("chunk_tokens", 512)
+    return f"eval-{config['dataset']}" + (f"-{tokens}" if tokens != 512 else "")
 
 
 def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = None) -> str:

@@ -18,7 +18,8 @@ TTFT_LABELS = {
     "prefix_cache": "prefix_cache",
     "full_reuse": "full_reuse",
     "cacheblend_ram": "cacheblend, RAM tier",
-    "cacheblend_disk": "cacheblend, disk tier",
+    "cacheblend_disk": "cacheblend, disk tier (cold)",
+    "cacheblend_hkvd": "cacheblend with HKVD selection, RAM tier",
     "epic": "epic",
 }
 
