@@ -23,6 +23,7 @@ Design (docs/vllm.md has the long form):
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
@@ -62,7 +63,11 @@ INSTALL_HINT = (
 
 
 def import_vllm():
-    """The vllm module, or a CacheBlendError saying how to install it."""
+    """The vllm module, or a CacheBlendError saying how to install it. vLLM's own log goes to stderr
+    (unless VLLM_LOGGING_STREAM says otherwise): its default, stdout, would mix engine logs into a
+    program's output (``query --json``). Set before the first import, which configures vLLM's logging,
+    and inherited by its engine processes."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm
     except ImportError as exc:
