@@ -205,7 +205,8 @@ class VLLMEngine(PromptSegments):
         return self._rpc("cacheblend_weights")
 
     def worker_memory(self) -> dict[str, int]:
-        """The vLLM worker process's id and resident memory in bytes (``pid``, ``rss_bytes``)."""
+        """The vLLM worker process's id and resident memory in bytes (``pid``, ``rss_bytes``; on Linux also
+        ``rss_anon_bytes`` and ``rss_file_bytes``), read after handing freed heap back to the system."""
         return self._rpc("cacheblend_memory")
 
     def _shutdown_vllm(self) -> None:
