@@ -9,8 +9,14 @@ PyTorch engine computes (to the store's float16 resolution), and the greedy answ
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+
+from cacheblend_rag.engine.vllm.weights import UnknownLayoutError, layerwise_over_vllm, layout_problem
+from cacheblend_rag.engine.vllm.worker import COPY, fusion_model
+from cacheblend_rag.models.provision import resolve_model_path
 
 pytestmark = pytest.mark.vllm
 
@@ -42,3 +48,18 @@ def test_worker_chunk_kv_equals_the_pytorch_engines(vllm_engine, torch_engine, m
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
             worst = max(worst, float((got.float() - want.float()).abs().max()))
     print(f"max |KV difference| over {expected.num_layers} layers: {worst:.2e}")
+
+
+def test_an_unknown_layout_falls_back_to_a_copy_of_the_weights(model, caplog):
+    """A model laid out otherwise (here transformers' own modules, as a vLLM model on its transformers
+    backend would be) is refused with the reason, and the worker loads its own copy instead, saying why.
+    Needs no vLLM: runs in every environment."""
+    path = resolve_model_path(None)
+    problem = layout_problem(model.hf_model, model.hf_model.config)
+    assert problem is not None and "LlamaRMSNorm" in problem
+    with pytest.raises(UnknownLayoutError, match="LlamaRMSNorm"):
+        layerwise_over_vllm(model.hf_model, path, model.dtype)
+    with caplog.at_level(logging.WARNING, logger="cacheblend_rag.engine.vllm.worker"):
+        fused, weights = fusion_model({"model": str(path)}, model.hf_model, model.dtype)
+    assert weights == COPY and "own copy" in caplog.text and "LlamaRMSNorm" in caplog.text
+    assert fused.hf_model is not model.hf_model and fused.fingerprint == model.fingerprint
