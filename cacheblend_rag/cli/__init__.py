@@ -32,10 +32,12 @@ app.command("serve")(serve)
 
 @app.callback()
 def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INFO level.")) -> None:
+    from rich.console import Console
     from rich.logging import RichHandler
 
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
-        handlers=[RichHandler(show_path=False)],
+        # logs go to stderr: stdout holds what a command prints (query --json)
+        handlers=[RichHandler(console=Console(stderr=True), show_path=False)],
         format="%(message)s",
     )

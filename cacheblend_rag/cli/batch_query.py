@@ -1,4 +1,5 @@
-"""``cacheblend-rag query --batch FILE``: answer many questions together through the batch scheduler."""
+"""``cacheblend-rag query --batch FILE``: answer many questions together (the PyTorch engine's batch
+scheduler, or vLLM's own batching with ``--engine vllm``)."""
 
 from __future__ import annotations
 
@@ -55,11 +56,12 @@ def query_batch_command(
     chunk_ids: list[str] | None,
     as_json: bool,
     model: str | None,
+    engine: str | None = None,
 ) -> None:
     """What ``query --batch FILE`` does: answer every question of FILE and print the answers (or JSON)."""
     try:
         questions = read_questions(batch)
-        rag = CacheBlendRAG(corpus, model=model)
+        rag = CacheBlendRAG(corpus, model=model, engine_kind=engine)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
         started = time.perf_counter()
         results = rag.query_batch(questions, top_k, method, ratio, chunk_ids, sampling)

@@ -52,8 +52,8 @@ def query(
         Path | None,
         typer.Option(
             "--batch",
-            help='Answer every question in FILE (one per line, or JSON Lines with "question") together '
-            "through the batch scheduler.",
+            help='Answer every question in FILE (one per line, or JSON Lines with "question") together, '
+            "batched by the engine (the PyTorch batch scheduler, or vLLM itself).",
         ),
     ] = None,
     kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
@@ -77,7 +77,7 @@ def query(
         from .batch_query import query_batch_command
 
         query_batch_command(
-            batch, corpus, top_k, method, ratio, max_tokens, temperature, chunk_id, as_json, model
+            batch, corpus, top_k, method, ratio, max_tokens, temperature, chunk_id, as_json, model, engine
         )
         return
     try:

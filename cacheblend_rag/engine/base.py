@@ -14,7 +14,10 @@ connector's:
   (precompute for ingest);
 - **generation**: ``generate`` (one answer), ``stream`` (a :class:`StreamHandle`: iterate it for
   :class:`TokenEvent` objects, then ``.result()``), ``generate_batch`` (several requests served together);
-  every answer is a :class:`GenerationResult` built by :meth:`GenerationResult.build`;
+  every answer is a :class:`GenerationResult` built by :meth:`GenerationResult.build`. Concurrent callers:
+  the vLLM engine batches concurrent ``stream`` calls itself; the PyTorch engine's ``stream`` runs one
+  request, so a front end serving many callers puts it behind a
+  :class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (``frontend.PromptFrontend.scheduler``);
 - **lifecycle**: ``close``.
 """
 

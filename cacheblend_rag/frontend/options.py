@@ -4,7 +4,8 @@
 (with per-call overrides) to a :class:`~.text.TextRequest`, and maps an answer back to usage counts and a
 report; a framework class only adapts types (its methods are named apart from the frameworks' own
 ``stream``, ``generate``, ``batch``, since an integration class inherits from both). Every object over
-the same corpus and model shares one engine in the process (:func:`~.text.get_frontend`).
+the same corpus, model and engine kind shares one engine in the process (:func:`~.text.get_frontend`);
+``engine="vllm"`` serves it with vLLM.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pydantic import AliasChoices, BaseModel, Field, field_validator
 
 from ..blend.spec import MethodSpec
 from ..corpus.chunkdb import CorpusManifest
-from ..engine import GenerationResult, RequestHandle
+from ..engine import ENGINE_KINDS, GenerationResult, StreamHandle
 from ..settings import get_settings
 from .text import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
 
@@ -48,6 +49,11 @@ class GenerationOptions(BaseModel):
     model: str | None = Field(
         default=None, description="Model name or folder (default: the corpus's model, else the settings')."
     )
+    engine: str | None = Field(
+        default=None,
+        description="Engine: 'torch' (our PyTorch runtime) or 'vllm' (vLLM with the CacheBlend KV "
+        "connector, needs the [vllm] extra); default: the engine setting (CACHEBLEND_ENGINE).",
+    )
     method: str = Field(
         default_factory=lambda: get_settings().method,
         description="PIC method, with options if any (e.g. cacheblend, cacheblend@0.3, epic@k=32).",
@@ -74,6 +80,13 @@ class GenerationOptions(BaseModel):
         MethodSpec.parse(value)  # an unknown method or a bad option is refused here, naming the problem
         return value
 
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str | None) -> str | None:
+        if value is not None and value not in ENGINE_KINDS:
+            raise ValueError(f"unknown engine {value!r}; available: {', '.join(ENGINE_KINDS)}")
+        return value
+
     @property
     def store_dir(self) -> str | None:
         """The corpus directory (its former name)."""
@@ -81,8 +94,8 @@ class GenerationOptions(BaseModel):
 
     @property
     def frontend(self) -> PromptFrontend:
-        """The shared frontend for this corpus and model (the engine is loaded on first use)."""
-        return get_frontend(self.corpus_dir, self.model)
+        """The shared frontend for this corpus, model and engine kind (the engine is loaded on first use)."""
+        return get_frontend(self.corpus_dir, self.model, self.engine)
 
     def model_label(self) -> str:
         """The model's name without loading it (for tracing parameters)."""
@@ -96,6 +109,7 @@ class GenerationOptions(BaseModel):
         return {
             "corpus_dir": self.corpus_dir,
             "model": self.model,
+            "engine": self.engine or get_settings().engine,
             "method": self.method,
             "ratio": self.ratio,
             "max_tokens": self.max_tokens,
@@ -129,12 +143,12 @@ class GenerationOptions(BaseModel):
         """Stored chunks, by id, as documents to pass with a prompt."""
         return self.frontend.chunk_documents(chunk_ids)
 
-    def stream_answer(self, request: TextRequest) -> RequestHandle:
+    def stream_answer(self, request: TextRequest) -> StreamHandle[GenerationResult]:
         """The answer's handle: iterate it for tokens, then ``.result()``."""
         return self.frontend.stream(request, self.recognise_chunks, self.remember_documents)
 
     def answer_batch(self, requests: Sequence[TextRequest]) -> list[GenerationResult]:
-        """Answer every request in one submission to the batch scheduler; results in order."""
+        """Answer every request in one submission (batched by the engine); results in order."""
         return self.frontend.generate_batch(requests, self.recognise_chunks, self.remember_documents)
 
 

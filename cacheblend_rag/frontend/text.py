@@ -13,10 +13,15 @@ Matched spans become cached segments with the chunk's *stored* token ids and KV;
 (chat template, instructions, the question) is tokenized as fresh segments. Every method (full recompute
 included) sees the same token ids for one prompt, so their answers are comparable token for token.
 
-:func:`get_frontend` and :func:`get_corpus` share one engine per (corpus, model) and one corpus per corpus
-directory across the process, so every LLM, chat model and retriever object over a corpus uses the same
-model, and
-their requests meet in one :class:`~cacheblend_rag.engine.scheduler.BatchScheduler`.
+:func:`get_frontend` and :func:`get_corpus` share one engine per (corpus, model, engine kind) and one corpus
+per corpus directory across the process, so every LLM, chat model and retriever object over a corpus uses
+the same model.
+
+The frontend uses only the engine contract (:class:`~cacheblend_rag.engine.EngineProtocol`), so either
+engine serves it. Batching: requests of the PyTorch engine meet in one
+:class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (continuous batching across callers); the vLLM
+engine batches by itself (its driver steps vLLM for every concurrent ``stream``, ``generate_batch``
+submits a batch at once), so its requests go straight to its ``stream`` / ``generate_batch``.
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ from ..blend.segments import Segment
 from ..blend.spec import MethodSpec
 from ..corpus.corpus import Corpus
 from ..engine import (
+    ENGINE_KINDS,
     BatchRequest,
     BatchScheduler,
     ChunkRef,
     Engine,
+    EngineProtocol,
     GenerationResult,
     PromptPart,
-    RequestHandle,
     SamplingParams,
+    StreamHandle,
+    create_engine,
 )
 from ..errors import ChunkNotFoundError, InvalidChunkIdError
 from ..rag import CacheBlendRAG
@@ -96,26 +104,26 @@ class PromptFrontend:
     nothing is recognised and explicit documents are only KV-cached (in the engine's default KV store).
     ``model``: default the corpus's model (or the settings' model without a corpus); ``engine``: an
     already loaded engine over the corpus's model instead; ``engine_kind``: the kind of engine to load
-    over a corpus ("torch" or "vllm", default: the ``engine`` setting).
+    ("torch" or "vllm", default: the ``engine`` setting).
     """
 
     def __init__(
         self,
         corpus_dir: str | Path | None = None,
         model: str | Path | None = None,
-        engine: Engine | None = None,
+        engine: EngineProtocol | None = None,
         engine_kind: str | None = None,
     ) -> None:
         if corpus_dir is not None:
             self.rag: CacheBlendRAG | None = CacheBlendRAG(
                 corpus_dir, engine=engine, model=model, engine_kind=engine_kind
             )
-            self.engine: Engine = self.rag.engine
+            self.engine: EngineProtocol = self.rag.engine
             self.corpus: Corpus | None = self.rag.corpus
             self.index: ChunkTextIndex | None = ChunkTextIndex(self.rag.corpus)
         else:
             self.rag, self.corpus, self.index = None, None, None
-            self.engine = engine or Engine(model)
+            self.engine = engine or create_engine(engine_kind, model)
         self._chunker: Chunker | None = None
         self._scheduler: BatchScheduler | None = None
         self._scheduler_lock = threading.Lock()
@@ -126,7 +134,7 @@ class PromptFrontend:
 
     @property
     def context_window(self) -> int:
-        return self.engine.model.shape.max_context
+        return self.engine.context_window
 
     def render_chat(self, messages: Sequence[dict]) -> str:
         """The model's chat template applied to ``messages`` ({role, content}), generation prompt added."""
@@ -237,21 +245,29 @@ class PromptFrontend:
     # -- generation ----------------------------------------------------------------------------------
 
     @property
-    def scheduler(self) -> BatchScheduler:
-        """The batch scheduler every answer goes through (started on first use)."""
+    def scheduler(self) -> BatchScheduler | None:
+        """The batch scheduler the PyTorch engine's answers go through (started on first use); None for
+        an engine that batches its own requests (vLLM)."""
+        if not isinstance(self.engine, Engine):
+            return None
         with self._scheduler_lock:
             if self._scheduler is None:
                 self._scheduler = BatchScheduler(self.engine)
             return self._scheduler
 
-    def stream(self, request: TextRequest, recognise: bool = True, remember: bool = True) -> RequestHandle:
+    def stream(
+        self, request: TextRequest, recognise: bool = True, remember: bool = True
+    ) -> StreamHandle[GenerationResult]:
         """The answer's handle: iterate it for tokens, then ``.result()`` for its
         :class:`GenerationResult`.
 
-        Requests go through the engine's :class:`BatchScheduler`, so concurrent calls (a chat model's
-        ``batch``, concurrent async calls) are decoded together and share their chunks' reads."""
+        Concurrent calls (a chat model's ``batch``, concurrent async calls) are batched: by the PyTorch
+        engine's :class:`BatchScheduler` (which also shares their chunks' reads), or by vLLM itself."""
         segments = self.segments(request.text, request.documents, request.method, recognise, remember)
-        return self.scheduler.submit(segments, request.method, request.sampling)
+        scheduler = self.scheduler
+        if scheduler is None:
+            return self.engine.stream(segments, request.method, request.sampling)
+        return scheduler.submit(segments, request.method, request.sampling)
 
     def generate(
         self, request: TextRequest, recognise: bool = True, remember: bool = True
@@ -261,17 +277,18 @@ class PromptFrontend:
     def generate_batch(
         self, requests: Sequence[TextRequest], recognise: bool = True, remember: bool = True
     ) -> list[GenerationResult]:
-        """Answer every request in one submission to the batch scheduler; results in order."""
+        """Answer every request in one submission (to the batch scheduler, or to vLLM); results in order."""
         batch = [
             BatchRequest(
                 self.segments(r.text, r.documents, r.method, recognise, remember), r.method, r.sampling
             )
             for r in requests
         ]
-        return self.scheduler.generate_batch(batch)
+        scheduler = self.scheduler
+        return self.engine.generate_batch(batch) if scheduler is None else scheduler.generate_batch(batch)
 
 
-_frontends: dict[tuple[str | None, str | None], PromptFrontend] = {}
+_frontends: dict[tuple[str | None, str | None, str], PromptFrontend] = {}
 _corpora: dict[str, Corpus] = {}
 _shared_lock = threading.Lock()
 
@@ -280,12 +297,18 @@ def _dir_key(corpus_dir: str | Path) -> str:
     return str(Path(corpus_dir).expanduser().resolve())
 
 
-def get_frontend(corpus_dir: str | Path | None = None, model: str | Path | None = None) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model), loaded on first use."""
-    key = (_dir_key(corpus_dir) if corpus_dir is not None else None, str(model) if model else None)
+def get_frontend(
+    corpus_dir: str | Path | None = None, model: str | Path | None = None, engine: str | None = None
+) -> PromptFrontend:
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), loaded on first use.
+    ``engine``: "torch" or "vllm" (default: the ``engine`` setting)."""
+    kind = engine or get_settings().engine
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
+    key = (_dir_key(corpus_dir) if corpus_dir is not None else None, str(model) if model else None, kind)
     with _shared_lock:
         if key not in _frontends:
-            _frontends[key] = PromptFrontend(key[0], model)
+            _frontends[key] = PromptFrontend(key[0], model, engine_kind=kind)
         return _frontends[key]
 
 

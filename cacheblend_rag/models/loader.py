@@ -47,15 +47,9 @@ def configure_threads() -> None:
         torch.set_num_threads(threads)
 
 
-def load_model(
-    model: str | Path | None = None, device: str | None = None, dtype: str | None = None
-) -> LayerwiseModel:
-    """Load ``model`` (the default model's name, or a local HF folder) for layer-wise execution."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    settings = get_settings()
-    path = resolve_model_path(model)
-    config = AutoConfig.from_pretrained(path)
+def check_supported(config, path: Path) -> str:
+    """The model family of ``config`` (the model at ``path``), or UnsupportedModelError when our runtime
+    cannot run it exactly (family, rope type, partial rotary embeddings)."""
     family = getattr(config, "model_type", "")
     if family not in SUPPORTED_FAMILIES:
         raise UnsupportedModelError(
@@ -68,6 +62,50 @@ def load_model(
         raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (static types only)")
     if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial rotary embeddings are not supported (RoPE must span head_dim)")
+    return family
+
+
+def model_shape(config, family: str) -> ModelShape:
+    """The dimensions of the model of ``config``."""
+    max_context = int(getattr(config, "max_position_embeddings", 4096))
+    if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
+        max_context = min(max_context, int(config.sliding_window))  # beyond it full attention is not exact
+    return ModelShape(
+        family=family,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        max_context=max_context,
+    )
+
+
+def config_rope(config) -> Rope:
+    """The model's RoPE tables, computed from its config by the family's own ``transformers`` rotary
+    embedding (which holds no weights), so every runtime over these weights rotates alike."""
+    import importlib
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    family = config.model_type
+    causal_lm = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]  # e.g. Qwen2ForCausalLM
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    rotary = getattr(modeling, causal_lm.removesuffix("ForCausalLM") + "RotaryEmbedding")(config=config)
+    return Rope(rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0))
+
+
+def load_model(
+    model: str | Path | None = None, device: str | None = None, dtype: str | None = None
+) -> LayerwiseModel:
+    """Load ``model`` (the default model's name, or a local HF folder) for layer-wise execution."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    settings = get_settings()
+    path = resolve_model_path(model)
+    config = AutoConfig.from_pretrained(path)
+    family = check_supported(config, path)
     configure_threads()
     dev = pick_device(device or settings.device)
     compute_dtype = pick_dtype(dtype or settings.compute_dtype, dev)
@@ -83,24 +121,10 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot load model from {path}: {exc}") from exc
     hf_model.to(dev).eval()
-    rotary = hf_model.model.rotary_emb
-    max_context = int(getattr(config, "max_position_embeddings", 4096))
-    if getattr(config, "use_sliding_window", True) and getattr(config, "sliding_window", None):
-        max_context = min(max_context, int(config.sliding_window))  # beyond it full attention is not exact
-    shape = ModelShape(
-        family=family,
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=config.num_key_value_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
-        vocab_size=config.vocab_size,
-        max_context=max_context,
-    )
     return LayerwiseModel(
         hf_model,
-        shape,
-        Rope(rotary.inv_freq, getattr(rotary, "attention_scaling", 1.0)),
+        model_shape(config, family),
+        config_rope(config),
         compute_dtype,
         dev,
         tokenizer=tokenizer,

@@ -183,7 +183,9 @@ def _suffix_attention(
 
 
 class LayerwiseModel:
-    """Layer-wise forward over the weights of a loaded Hugging Face causal LM."""
+    """Layer-wise forward over the weights of a loaded Hugging Face causal LM, or over any modules laid
+    out as one (``hf_model.model.embed_tokens / layers / norm``, ``hf_model.lm_head``); an attention module
+    may project q, k and v in one call (``fused_qkv(x) -> (q, k, v)``) instead of q/k/v_proj."""
 
     def __init__(
         self,
@@ -238,9 +240,12 @@ class LayerwiseModel:
         attn = block.self_attn
         x = block.input_layernorm(hidden)
         b, s, _ = x.shape
-        q = attn.q_proj(x).view(b, s, -1, self.shape.head_dim)
-        k = attn.k_proj(x).view(b, s, -1, self.shape.head_dim)
-        v = attn.v_proj(x).view(b, s, -1, self.shape.head_dim)
+        # a fused projection (vLLM's qkv_proj, see engine/vllm/weights.py) gives q, k, v in one GEMM
+        fused = getattr(attn, "fused_qkv", None)
+        q, k, v = fused(x) if fused is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        q = q.view(b, s, -1, self.shape.head_dim)
+        k = k.view(b, s, -1, self.shape.head_dim)
+        v = v.view(b, s, -1, self.shape.head_dim)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3 normalises q and k per head before RoPE
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -41,6 +41,16 @@ def _load(path_str: str) -> ModelTokenizer:
     return ModelTokenizer(path.name, path, model_fingerprint(path, family), tokenizer)
 
 
+def generation_config(path: Path) -> Any:
+    """The model's ``transformers.GenerationConfig`` (its end-of-sequence ids), or None without one."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        return None
+
+
 # The system message of the neutral chunk context: generic, so the context suits any RAG prompt template.
 NEUTRAL_SYSTEM_MESSAGE = "You are a helpful assistant."
 _STAND_IN = "\x00"

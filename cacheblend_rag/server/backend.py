@@ -2,8 +2,8 @@
 
 A request's prompt goes through the same :class:`~cacheblend_rag.frontend.PromptFrontend` the LangChain
 and LlamaIndex integrations use: stored chunks pasted into the prompt are recognised (and ``chunk_ids`` /
-``documents`` located) and become cached segments. Every engine answers through a stream handle
-(:class:`~cacheblend_rag.engine.StreamHandle`): the PyTorch engine's requests go to the frontend's
+``documents`` located) and become cached segments. Every engine answers through the frontend's stream
+handle (:class:`~cacheblend_rag.engine.StreamHandle`): the PyTorch engine's requests go to the frontend's
 :class:`~cacheblend_rag.engine.BatchScheduler`, so concurrent requests are decoded together, and a request
 whose client goes away is cancelled there, freeing its slot; the vLLM engine's go to its ``stream``, which
 vLLM batches, and a cancelled one is aborted at its next token. Core exceptions a client caused become
@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..engine import BatchScheduler, Engine, GenerationResult, JsonConstraint, RequestHandle, TokenStream
+from ..engine import BatchScheduler, GenerationResult, JsonConstraint, RequestHandle, TokenStream
 from ..errors import (
     AdmissionError,
     ChunkNotFoundError,
@@ -141,9 +141,7 @@ class EngineBackend:
         self.frontend = PromptFrontend(corpus_dir, model, engine_kind=engine_kind)
         self.engine = self.frontend.engine
         # the batch scheduler serves the PyTorch engine; vLLM schedules and batches its own requests
-        self.scheduler: BatchScheduler | None = (
-            self.frontend.scheduler if isinstance(self.engine, Engine) else None
-        )
+        self.scheduler: BatchScheduler | None = self.frontend.scheduler
         self.kind = "torch" if self.scheduler is not None else "vllm"
         self.model_id = served_name or self.frontend.model_name
         self.fingerprint = self.engine.model.fingerprint
@@ -160,13 +158,12 @@ class EngineBackend:
         param = "messages" if spec.messages is not None else "prompt"
         request = self._text_request(spec, param)
         with _client_errors(param):
-            if self.scheduler is not None:
-                handle = self.frontend.stream(request)
-                scheduler = self.scheduler
+            handle = self.frontend.stream(request)
+            scheduler = self.scheduler
+            if scheduler is not None and isinstance(handle, RequestHandle):
                 return RunningRequest(handle, self.kind, received, param, lambda: _cancel(scheduler, handle))
-            segments = self.frontend.segments(request.text, request.documents, request.method)
-            stream = self.engine.stream(segments, request.method, request.sampling)
-            return RunningRequest(stream, self.kind, received, param).prefetch()
+            assert isinstance(handle, TokenStream)  # vLLM's: closing it aborts the request
+            return RunningRequest(handle, self.kind, received, param).prefetch()
 
     def _text_request(self, spec: GenerationSpec, param: str) -> TextRequest:
         documents = [DocumentRef(text, chunk_id) for text, chunk_id in spec.documents]

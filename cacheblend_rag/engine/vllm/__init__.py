@@ -5,6 +5,7 @@ Importing this package does not import vLLM; constructing a :class:`VLLMEngine` 
 """
 
 from ..base import BatchRequest
-from .engine import VLLMEngine, VLLMGenerationResult, import_vllm
+from .engine import VLLMEngine, import_vllm
+from .requests import VLLMGenerationResult
 
 __all__ = ["BatchRequest", "VLLMEngine", "VLLMGenerationResult", "import_vllm"]

@@ -8,7 +8,8 @@ before the question. The connector
   the last prompt token), notes the blocks vLLM allocated for it (``update_state_after_alloc``) and passes
   the request's token ids, segmentation and block ids to the worker (``build_connector_meta``);
 * on the worker side, before the forward that prefills the rest (``start_load_kv``), fuses the whole prompt
-  with our own layer-wise model and writes the fused K/V of the claimed positions into vLLM's paged cache.
+  with our layer-wise runtime over vLLM's own modules (:mod:`.weights`) and writes the fused K/V of the
+  claimed positions into vLLM's paged cache.
   vLLM then computes the question tokens against that KV and decodes as usual.
 
 K/V are written through the attention backend's own ``do_kv_cache_update`` (the call vLLM makes for every
@@ -17,7 +18,7 @@ token it computes), so the paged layout never has to be known here. On this CPU 
 [head_dim, block_size] then V [block_size, head_dim]; CUDA backends differ, and the same call covers both.
 Keys are cached after RoPE in vLLM as in our runtime, so fused keys go in as they are.
 
-All layers are written in ``start_load_kv``: fusion is one sequential pass over our model's layers, and
+All layers are written in ``start_load_kv``: fusion is one sequential pass over the model's layers, and
 computing the question suffix needs every layer's prefix KV, so a per-layer hand-off would only overlap
 work on a device with spare compute. A blend that fails (store I/O, unknown method) reports its blocks as
 failed; with ``kv_load_failure_policy="recompute"`` vLLM then prefills them itself, so the answer is still
@@ -40,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .protocol import BlendRequest
-from .worker import WorkerBlender, start_blender
+from .worker import WorkerBlender, current_blender, record_failure
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -93,7 +94,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
         # worker side
         self._model_dtype = vllm_config.model_config.dtype
         self._layers: list[tuple[str, int]] = []
-        self._blender: WorkerBlender | None = None
+        self._blender: WorkerBlender | None = None  # this process's, once started (see blender)
         self._failed_blocks: set[int] = set()
 
     # -- scheduler side ------------------------------------------------------------------------------
@@ -159,14 +160,20 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 )
             layers.append((name, int(match.group(1))))
         self._layers = sorted(layers, key=lambda item: item[1])
-        device = next(iter(kv_caches.values())).device
-        # Loaded now, at engine start, so an unsupported model fails there and no request pays for it.
-        self._blender = start_blender(self._extra, device, self._model_dtype)
-        num_layers = self._blender.shape.num_layers
-        if [index for _, index in self._layers] != list(range(num_layers)):
-            raise NotImplementedError(
-                f"vLLM caches KV for layers {[i for _, i in self._layers]}, our model has {num_layers} layers"
-            )
+
+    @property
+    def blender(self) -> WorkerBlender:
+        """This worker's blender, started by VLLMEngine's ``cacheblend_start`` RPC right after vLLM loaded
+        its model (so an unsupported model fails at engine start, and no request pays for it)."""
+        if self._blender is None:
+            blender = current_blender()
+            num_layers = blender.shape.num_layers
+            if [index for _, index in self._layers] != list(range(num_layers)):
+                raise NotImplementedError(
+                    f"vLLM caches KV for layers {[i for _, i in self._layers]}, the model has {num_layers}"
+                )
+            self._blender = blender
+        return self._blender
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -178,13 +185,12 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 log.exception("CacheBlend load of request %s failed; vLLM will prefill it", load.request_id)
                 failed_blocks = {load.block_ids[p // self._block_size] for p in range(load.start, load.end)}
                 self._failed_blocks.update(failed_blocks)
-                assert self._blender is not None
-                self._blender.record(load.request.request_key, {"error": f"{type(exc).__name__}: {exc}"})
+                record_failure(load.request.request_key, exc)
 
     def _load(self, load: BlendLoad, forward_context: ForwardContext) -> None:
-        assert self._blender is not None
+        blender = self.blender
         started = time.perf_counter()
-        fusion = self._blender.blend(load.request, load.token_ids)
+        fusion = blender.blend(load.request, load.token_ids)
         fused_s = time.perf_counter() - started
         positions = torch.arange(load.start, load.end)
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
@@ -204,7 +210,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
             values = cache.values[index][0, :, load.start : load.end].transpose(0, 1)
             values = values.to(kv_cache.device, self._model_dtype)
             layer.impl.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), kv_cache, slots)
-        self._blender.record(
+        blender.record(
             load.request.request_key,
             {
                 "claimed_tokens": load.end - load.start,

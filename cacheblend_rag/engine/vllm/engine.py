@@ -8,13 +8,8 @@ Design (docs/vllm.md has the long form):
 * For a fusing method (cacheblend, full_reuse, epic, ...) the request carries a small JSON description of
   its segments in ``kv_transfer_params``. The CacheBlend KV connector (:mod:`.connector`) claims the blended
   span (everything before the question) as externally computed; in the worker it fuses the prompt with
-  our own layer-wise copy of the model, on the same device and in the same dtype as vLLM, and writes the
-  fused K/V into vLLM's paged cache. vLLM computes only the question and decodes.
-* Our own copy of the weights, not vLLM's modules: vLLM's model classes fuse projections (qkv_proj,
-  gate_up_proj), apply RoPE inside their attention and change between releases; driving them layer by
-  layer would tie fusion to vLLM internals per model family. Our runtime already runs every supported
-  family layer-wise, and its fused KV is by construction the PyTorch engine's. The cost is a second copy of
-  the weights in the worker (0.5 GB for the default model in fp32).
+  our layer-wise runtime driving vLLM's own loaded modules (:mod:`.weights`: no second copy of the
+  weights), and writes the fused K/V into vLLM's paged cache. vLLM computes only the question and decodes.
 * A method that reuses nothing (``full_recompute``) is vLLM's own prefill (no claim); one that reuses the
   prompt's prefix (``prefix_cache``) is vLLM's own prefix cache (exact KV reuse of shared prefixes, when
   ``enable_prefix_caching``). Blended requests get a ``cache_salt``
@@ -28,41 +23,30 @@ Design (docs/vllm.md has the long form):
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-import uuid
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ...blend.controller import LoadingController
 from ...blend.methods import Reuse
 from ...blend.segments import ChunkContext, ChunkKVSource, Segment
-from ...blend.spec import ResolvedMethod, resolve_method, reuse_of
-from ...errors import CacheBlendError, StoreError, StructuredOutputError, UnsupportedModelError
-from ...models.loader import SUPPORTED_FAMILIES, pick_device, pick_dtype
+from ...blend.spec import reuse_of
+from ...errors import CacheBlendError, StoreError
+from ...models.loader import check_supported, pick_device, pick_dtype
 from ...models.provision import resolve_model_path
 from ...models.runtime import ModelShape
-from ...models.tokenizer import chunk_context_ids, load_model_tokenizer
+from ...models.tokenizer import chunk_context_ids, generation_config, load_model_tokenizer
 from ...settings import get_settings
 from ...store.keys import dtype_name
 from ...store.kvstore import KVStore
-from ..base import (
-    BatchRequest,
-    FusionStats,
-    GenerationResult,
-    Method,
-    PromptSegments,
-    TokenEvent,
-    TokenStream,
-    eos_token_ids,
-    generation_budget,
-)
+from ..base import BatchRequest, Method, PromptSegments, TokenEvent, TokenStream, eos_token_ids
 from ..prompt import ChunkRef, PromptBuilder, PromptPart, layout_segments
 from ..sampling import SamplingParams
 from .driver import EngineDriver, Submission
-from .protocol import BlendRequest
+from .requests import PreparedRequest, VLLMGenerationResult, blend_keys, build_result, prepare_request
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +63,11 @@ INSTALL_HINT = (
 
 
 def import_vllm():
-    """The vllm module, or a CacheBlendError saying how to install it."""
+    """The vllm module, or a CacheBlendError saying how to install it. vLLM's own log goes to stderr
+    (unless VLLM_LOGGING_STREAM says otherwise): its default, stdout, would mix engine logs into a
+    program's output (``query --json``). Set before the first import, which configures vLLM's logging,
+    and inherited by its engine processes."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         import vllm
     except ImportError as exc:
@@ -87,29 +75,6 @@ def import_vllm():
             f"engine='vllm' needs vLLM, which is not importable ({exc}); {INSTALL_HINT}"
         ) from exc
     return vllm
-
-
-@dataclass
-class VLLMGenerationResult(GenerationResult):
-    """A :class:`GenerationResult` plus what vLLM itself reported."""
-
-    claimed_tokens: int = 0  # prompt tokens the connector provided as externally computed KV
-    vllm_cached_tokens: int = 0  # vLLM's own count: prefix-cache hits plus external tokens
-    fusion_s: float = 0.0  # the worker's fusion (store reads included), part of ttft_s
-    kv_write_s: float = 0.0  # writing the fused K/V into vLLM's paged cache, part of ttft_s
-
-
-@dataclass
-class _Prepared:
-    key: str
-    prompt: dict[str, Any]
-    params: Any  # vllm.SamplingParams
-    resolved: ResolvedMethod
-    segments: list[Segment]
-    blend: BlendRequest | None
-    started: float = 0.0
-    first_token_at: float | None = None
-    output: Any = None  # the last vllm RequestOutput
 
 
 class VLLMEngine(PromptSegments):
@@ -134,6 +99,7 @@ class VLLMEngine(PromptSegments):
         enforce_eager: bool | None = None,
         llm_options: dict[str, Any] | None = None,
         chunk_context: ChunkContext | None = None,
+        share_weights: bool = True,
     ) -> None:
         vllm = import_vllm()
         from transformers import AutoConfig
@@ -141,12 +107,8 @@ class VLLMEngine(PromptSegments):
 
         settings = get_settings()
         path = resolve_model_path(model)
-        family = getattr(AutoConfig.from_pretrained(path), "model_type", "")
-        if family not in SUPPORTED_FAMILIES:
-            raise UnsupportedModelError(
-                f"model type {family!r} at {path} is not supported by the vLLM engine, whose fusion runs our "
-                f"layer-wise runtime; supported: {', '.join(sorted(SUPPORTED_FAMILIES))}"
-            )
+        # fusion runs our layer-wise runtime: a family or RoPE it cannot run exactly fails before vLLM starts
+        check_supported(AutoConfig.from_pretrained(path), path)
         # the model's identity without its weights (name, folder, fingerprint, tokenizer)
         self.model = load_model_tokenizer(path)
         # what chunks are prefilled behind; the worker's engine precomputes with the same context
@@ -178,6 +140,7 @@ class VLLMEngine(PromptSegments):
                     "store": str(root),
                     "kv_dtype": kv_dtype,
                     "chunk_context": list(self.chunk_context.token_ids),
+                    "share_weights": share_weights,
                 },
             ),
             "worker_extension_cls": WORKER_EXTENSION,
@@ -194,10 +157,23 @@ class VLLMEngine(PromptSegments):
         except RuntimeError as exc:  # vLLM reports a failed engine process; its traceback is in the log
             raise CacheBlendError(
                 f"vLLM could not start for {path}: {exc}. The engine and worker log above holds the cause "
-                "(e.g. UnsupportedModelError from loading our copy of the model in the worker)"
+                "(e.g. a model vLLM cannot load)"
             ) from exc
         self._driver = EngineDriver(self.llm.llm_engine, self._lock)
-        self.shape = ModelShape(**self._rpc("cacheblend_model_shape"))
+        try:  # the worker's fusor over vLLM's loaded model; an unsupported model fails here, not later
+            started = self._rpc("cacheblend_start")
+        except Exception:
+            self._shutdown_vllm()
+            raise
+        self.shape = ModelShape(**started["shape"])
+        # "vllm": fusion drives vLLM's own modules; "copy": the worker loaded a copy of the weights
+        self.fusion_weights: str = started["weights"]
+        log.info(
+            "vLLM worker %d started (fusion weights: %s, resident memory %.0f MiB)",
+            started["pid"],
+            self.fusion_weights,
+            started["rss_bytes"] / 2**20,
+        )
         self.store = (
             store
             if isinstance(store, KVStore)
@@ -205,7 +181,9 @@ class VLLMEngine(PromptSegments):
         )
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
-        self.eos_ids = eos_token_ids(self.model.tokenizer, _configured_eos(path))
+        self.eos_ids = eos_token_ids(
+            self.model.tokenizer, getattr(generation_config(path), "eos_token_id", None)
+        )
         self.controller = LoadingController.for_fingerprint(self.model.fingerprint, device)
 
     @property
@@ -220,10 +198,25 @@ class VLLMEngine(PromptSegments):
         with self._lock:
             return self.llm.collective_rpc(method, args=args)[0]
 
-    def close(self) -> None:
-        """Stop vLLM's engine processes and close the store."""
+    def weight_sharing(self) -> dict[str, Any]:
+        """Where the worker's fusor gets its weights (``weights``: "vllm" or "copy") and how many of its
+        tensors share storage with vLLM's loaded model (``shared_tensors``) or are its own
+        (``own_tensors``, ``own_bytes``)."""
+        return self._rpc("cacheblend_weights")
+
+    def worker_memory(self) -> dict[str, int]:
+        """The vLLM worker process's id and resident memory in bytes (``pid``, ``rss_bytes``; on Linux also
+        ``rss_anon_bytes`` and ``rss_file_bytes``), read after handing freed heap back to the system."""
+        return self._rpc("cacheblend_memory")
+
+    def _shutdown_vllm(self) -> None:
+        """Stop the driver thread and vLLM's engine processes."""
         self._driver.close()
         self.llm.llm_engine.engine_core.shutdown()
+
+    def close(self) -> None:
+        """Stop vLLM's engine processes and close the store."""
+        self._shutdown_vllm()
         self.store.close()
 
     def __enter__(self) -> VLLMEngine:
@@ -286,52 +279,19 @@ class VLLMEngine(PromptSegments):
         segments: list[Segment],
         method: Method,
         sampling: SamplingParams | None,
-        method_options: dict[str, Any],
-    ) -> _Prepared:
-        from vllm import SamplingParams as VSamplingParams
-
-        sampling = sampling or SamplingParams()
-        if sampling.constraint is not None:  # never drop a constraint silently
-            raise StructuredOutputError(
-                "structured output (SamplingParams.constraint) is not wired to vLLM's guided decoding yet; "
-                "use engine='torch'"
-            )
-        resolved = resolve_method(method, segments, self.controller, method_options)
-        recompute = resolved.method
-        ids = [t for s in segments for t in s.token_ids]
-        max_new = generation_budget(
-            len(ids), sampling.max_new_tokens, self.max_model_len, "vLLM's max_model_len"
+        options: dict[str, Any],
+    ) -> PreparedRequest:
+        return prepare_request(
+            segments,
+            method,
+            sampling,
+            options,
+            controller=self.controller,
+            eos_ids=self.eos_ids,
+            max_model_len=self.max_model_len,
         )
-        key = uuid.uuid4().hex
-        blend = None
-        if recompute.reuses is Reuse.CHUNKS and any(s.is_cached for s in segments):
-            blend = BlendRequest(
-                key,
-                tuple(len(s) for s in segments),
-                tuple(s.is_cached for s in segments),
-                recompute.name,
-                recompute.options(),
-            )
-            if blend.claim_end == 0:
-                blend = None  # no cached chunk before the question: nothing to blend
-        prompt: dict[str, Any] = {"prompt_token_ids": ids}
-        extra_args = None
-        if blend is not None:
-            prompt["cache_salt"] = blend.cache_salt(ids)
-            extra_args = {"kv_transfer_params": blend.to_params()}
-        params = VSamplingParams(
-            max_tokens=max_new,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-            stop=list(sampling.stop) or None,
-            stop_token_ids=sorted(self.eos_ids),
-            skip_special_tokens=True,
-            extra_args=extra_args,
-        )
-        return _Prepared(key, prompt, params, resolved, list(segments), blend)
 
-    def _drive(self, requests: list[_Prepared]) -> Iterator[_Prepared]:
+    def _drive(self, requests: list[PreparedRequest]) -> Iterator[PreparedRequest]:
         """Submit ``requests`` to the driver and yield a request each time it has new output, until all
         finish. Requests still running when the caller stops iterating are aborted."""
         by_key = {r.key: r for r in requests}
@@ -356,55 +316,10 @@ class VLLMEngine(PromptSegments):
             if unfinished:
                 self._driver.abort(unfinished)
 
-    def _result(self, request: _Prepared, stats: dict[str, Any] | None) -> VLLMGenerationResult:
-        output = request.output
-        completion = output.outputs[0]
-        if completion.finish_reason not in ("stop", "length"):
-            raise CacheBlendError(
-                f"vLLM ended request {request.key} with finish reason {completion.finish_reason!r}"
-            )
-        token_ids = list(completion.token_ids)
-        if completion.finish_reason == "stop" and token_ids and token_ids[-1] in self.eos_ids:
-            token_ids.pop()  # like the PyTorch engine, report the answer without its end-of-sequence token
-        cached = int(output.num_cached_tokens or 0)
-        prompt_tokens = sum(len(s) for s in request.segments)
-        stats = stats or {}
-        if "error" in stats:
-            # the worker could not blend it and vLLM prefilled it instead: the answer is exact
-            log.warning("request %s was prefilled in full: %s", request.key, stats["error"])
-            fusion, claimed = FusionStats(0, prompt_tokens, 1.0), 0
-        elif stats:
-            fusion = FusionStats(
-                int(stats["reused_tokens"]),
-                int(stats["computed_tokens"]),
-                float(stats["recompute_ratio"]),
-                float(stats.get("load_wait_s", 0.0)),
-            )
-            claimed = int(stats["claimed_tokens"])
-        else:
-            # nothing was claimed: whatever vLLM's prefix cache served (exact KV, or for a repeated blend
-            # request the blocks it blended before) is reused, the rest prefilled
-            fusion, claimed = FusionStats(cached, prompt_tokens - cached, 1.0), 0
-        finished = time.perf_counter()
-        return VLLMGenerationResult.build(
-            text=completion.text,
-            token_ids=token_ids,
-            finish_reason=completion.finish_reason,
-            resolved=request.resolved,
-            segments=request.segments,
-            fusion=fusion,
-            ttft_s=(request.first_token_at or finished) - request.started,
-            total_s=finished - request.started,
-            claimed_tokens=claimed,
-            vllm_cached_tokens=cached,
-            fusion_s=float(stats.get("fusion_s", 0.0)),
-            kv_write_s=float(stats.get("write_s", 0.0)),
-        )
-
-    def _collect(self, requests: Sequence[_Prepared]) -> list[VLLMGenerationResult]:
-        keys = [r.key for r in requests if r.blend is not None]
+    def _collect(self, requests: Sequence[PreparedRequest]) -> list[VLLMGenerationResult]:
+        keys = blend_keys(requests)
         stats = self._rpc("cacheblend_take_stats", keys) if keys else {}
-        return [self._result(r, stats.get(r.key)) for r in requests]
+        return [build_result(r, stats.get(r.key), self.eos_ids) for r in requests]
 
     def stream(
         self,
@@ -418,7 +333,7 @@ class VLLMEngine(PromptSegments):
         request = self._prepare(segments, method, sampling, method_options)
         return TokenStream(self._stream(request))
 
-    def _stream(self, request: _Prepared) -> Generator[TokenEvent, None, VLLMGenerationResult]:
+    def _stream(self, request: PreparedRequest) -> Generator[TokenEvent, None, VLLMGenerationResult]:
         emitted = ""
         for _ in self._drive([request]):
             completion = request.output.outputs[0]
@@ -445,13 +360,3 @@ class VLLMEngine(PromptSegments):
         for _ in self._drive(prepared):
             pass
         return self._collect(prepared)
-
-
-def _configured_eos(path: Path) -> int | list[int] | None:
-    """The end-of-sequence id(s) of the model's generation config, if it has one."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:  # no generation_config.json
-        return None

@@ -1,14 +1,21 @@
-"""What runs inside a vLLM worker process: our own copy of the model, the chunk KV store and the fusor.
+"""What runs inside a vLLM worker process: the fusor over vLLM's own model, the chunk KV store.
 
-One :class:`WorkerBlender` per worker process, created when the connector registers vLLM's KV caches (so
-it knows their device), shared by the connector (which fuses and writes KV) and by
-:class:`CacheBlendWorkerExtension`, the RPC surface :class:`VLLMEngine` calls through
-``LLM.collective_rpc`` (model shape, chunk precompute, per-request accounting).
+One :class:`WorkerBlender` per worker process, started by the first ``cacheblend_start`` RPC (which
+:class:`VLLMEngine` sends as soon as vLLM is up) from vLLM's loaded model, and shared by the connector
+(which fuses and writes KV) and by :class:`CacheBlendWorkerExtension`, the RPC surface :class:`VLLMEngine`
+calls through ``LLM.collective_rpc`` (start, chunk precompute, per-request accounting, memory).
+
+The fusor runs on vLLM's own modules (:mod:`.weights`): no second copy of the weights. Only when their
+layout is not one :mod:`.weights` knows (or ``share_weights`` is off, for measurement) does the worker load
+its own copy of the model, and it logs why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -17,47 +24,96 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ...blend.fusor import FusionResult
 from ...blend.methods import get_method
 from ...blend.segments import ChunkContext, Segment
 from ...errors import CacheBlendError
 from ...models.loader import load_model
+from ...models.runtime import LayerwiseModel
 from ...store.kvstore import KVStore
 from ..engine import Engine
 from .protocol import BlendRequest
+from .weights import UnknownLayoutError, layerwise_over_vllm, sharing_report
 
 log = logging.getLogger(__name__)
 
 # Accounting of finished blends waiting for the engine to collect it; old entries are dropped so that
 # requests nobody asks about (aborted ones) cannot grow it without bound.
 MAX_KEPT_STATS = 4096
+SHARED, COPY = "vllm", "copy"  # where the fusor's weights come from: vLLM's modules, or our own load
 
 _blender: WorkerBlender | None = None
 _blender_lock = threading.Lock()
 
 
+def fusion_model(
+    config: dict[str, Any], vllm_model: nn.Module, dtype: torch.dtype
+) -> tuple[LayerwiseModel, str]:
+    """The model the fusor runs on and where its weights come from (:data:`SHARED` or :data:`COPY`):
+    vLLM's own modules when their layout is known, else our own copy of the model."""
+    path = Path(config["model"])
+    if config.get("share_weights", True):
+        try:
+            return layerwise_over_vllm(vllm_model, path, dtype), SHARED
+        except UnknownLayoutError as exc:
+            log.warning(
+                "CacheBlend fusion loads its own copy of %s (a second copy of the weights): vLLM's %s is "
+                "not laid out as expected: %s",
+                path.name,
+                type(vllm_model).__name__,
+                exc,
+            )
+    else:
+        log.info("CacheBlend fusion loads its own copy of %s: share_weights is off", path.name)
+    device = next(vllm_model.parameters()).device
+    # vLLM sized this process's thread pool for serving; loading our model must not change it.
+    threads = torch.get_num_threads()
+    try:
+        layerwise = load_model(path, device=str(device), dtype=str(dtype).removeprefix("torch."))
+    finally:
+        torch.set_num_threads(threads)
+    return layerwise, COPY
+
+
+def resident_memory() -> dict[str, int]:
+    """This process's resident memory in bytes: ``rss_bytes``, and on Linux its anonymous and file-backed
+    parts (``rss_anon_bytes``, ``rss_file_bytes``: a checkpoint memory-mapped by transformers counts as
+    file-backed). Heap memory freed but kept by the C allocator is handed back first (``malloc_trim``),
+    so the reading counts memory in use, not the high-water mark of earlier activations."""
+    import psutil  # a dependency of vLLM
+
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    memory = {"rss_bytes": int(psutil.Process().memory_info().rss)}
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+    except OSError:  # not Linux
+        return memory
+    fields = {"RssAnon:": "rss_anon_bytes", "RssFile:": "rss_file_bytes"}
+    for line in status:
+        name, *value = line.split()
+        if name in fields and value:
+            memory[fields[name]] = int(value[0]) * 1024  # reported in kB
+    return memory
+
+
 class WorkerBlender:
-    """Fuses blend requests with our layer-wise model over the engine's chunk KV store."""
+    """Fuses blend requests with a layer-wise model over the engine's chunk KV store."""
 
     def __init__(
         self,
-        model: str,
+        model: LayerwiseModel,
+        weights: str,
         store: str,
         kv_dtype: str,
-        device: torch.device,
-        dtype: torch.dtype,
         chunk_context: Sequence[int] = (),
     ) -> None:
-        # vLLM sized this process's thread pool for serving; loading our model must not change it.
-        threads = torch.get_num_threads()
-        try:
-            layerwise = load_model(model, device=str(device), dtype=str(dtype).removeprefix("torch."))
-        finally:
-            torch.set_num_threads(threads)
+        self.weights = weights
         self.engine = Engine(
-            layerwise,
-            store=KVStore(Path(store), layerwise.fingerprint, layerwise.shape, kv_dtype),
+            model,
+            store=KVStore(Path(store), model.fingerprint, model.shape, kv_dtype),
             chunk_context=ChunkContext(tuple(chunk_context)),  # the driver's: both key chunks alike
         )
         self._stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -92,18 +148,15 @@ class WorkerBlender:
             return {key: self._stats.pop(key) for key in request_keys if key in self._stats}
 
 
-def start_blender(config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> WorkerBlender:
-    """Create this process's blender (once) from the connector's ``kv_connector_extra_config``."""
+def start_blender(config: dict[str, Any], vllm_model: nn.Module, dtype: torch.dtype) -> WorkerBlender:
+    """Create this process's blender (once) from the connector's ``kv_connector_extra_config`` and vLLM's
+    loaded model."""
     global _blender
     with _blender_lock:
         if _blender is None:
+            model, weights = fusion_model(config, vllm_model, dtype)
             _blender = WorkerBlender(
-                config["model"],
-                config["store"],
-                config["kv_dtype"],
-                device,
-                dtype,
-                config.get("chunk_context", ()),
+                model, weights, config["store"], config["kv_dtype"], config.get("chunk_context", ())
             )
         return _blender
 
@@ -111,18 +164,38 @@ def start_blender(config: dict[str, Any], device: torch.device, dtype: torch.dty
 def current_blender() -> WorkerBlender:
     if _blender is None:
         raise CacheBlendError(
-            "this vLLM worker has no CacheBlend state: the engine was not started with the CacheBlend "
-            "KV connector (use VLLMEngine)"
+            "this vLLM worker has no CacheBlend state: the engine was not started by VLLMEngine (the "
+            "CacheBlend KV connector with its worker extension, whose cacheblend_start RPC creates it)"
         )
     return _blender
 
 
+def record_failure(request_key: str, error: BaseException) -> None:
+    """Report a blend that failed, for the engine to collect (nothing to report to without a blender)."""
+    if _blender is not None:
+        _blender.record(request_key, {"error": f"{type(error).__name__}: {error}"})
+
+
 class CacheBlendWorkerExtension:
     """Methods added to vLLM's worker class (``worker_extension_cls``), called by name through
-    ``LLM.collective_rpc``. Arguments and results are plain lists and dicts."""
+    ``LLM.collective_rpc``. Arguments and results are plain lists and dicts. vLLM refuses an extension
+    that defines a name its worker has, so ``vllm_config`` and ``get_model`` are the worker's own."""
 
-    def cacheblend_model_shape(self) -> dict[str, Any]:
-        return asdict(current_blender().shape)
+    def cacheblend_start(self) -> dict[str, Any]:
+        """Start the blender over this worker's loaded model: its shape, where its weights come from, and
+        this process's id and resident memory."""
+        extra = dict(self.vllm_config.kv_transfer_config.kv_connector_extra_config)  # type: ignore[attr-defined]
+        blender = start_blender(extra, self.get_model(), self.vllm_config.model_config.dtype)  # type: ignore[attr-defined]
+        return {"shape": asdict(blender.shape), "weights": blender.weights, **self.cacheblend_memory()}
+
+    def cacheblend_weights(self) -> dict[str, Any]:
+        """Where the fusor's weights come from, and how many of its tensors share storage with vLLM's."""
+        blender = current_blender()
+        report = sharing_report(blender.engine.model, self.get_model())  # type: ignore[attr-defined]
+        return {"weights": blender.weights, **report}
+
+    def cacheblend_memory(self) -> dict[str, int]:
+        return {"pid": os.getpid(), **resident_memory()}
 
     def cacheblend_ensure_chunks(self, chunks: list[list[int]]) -> int:
         return current_blender().ensure_chunks(chunks)

@@ -1,11 +1,18 @@
 """Section ``vllm`` (run with ``--only vllm``, in an environment with the [vllm] extra): time to first
-token of vLLM's own full prefill against vLLM + CacheBlend, side by side.
+token of vLLM's own full prefill against vLLM + CacheBlend, side by side, and the vLLM worker's resident
+memory with the fusor on vLLM's own weights against a worker that loads its own copy of them.
 
 One real RAG prompt (a MuSiQue case: its question and ``num_chunks`` of its paragraphs cut to
 ``chunk_tokens`` tokens) is served repeatedly by one :class:`VLLMEngine`, the two methods interleaved, and
 the median of ``repeats`` is reported. Chunk KV is precomputed before timing (as ingest would do); each
 CacheBlend timing includes reading it from the store, fusing and writing the fused KV into vLLM's cache.
 vLLM's prefix cache is off, so every full prefill really prefills.
+
+Memory: the worker process's RSS right after the engine started and after precomputing the chunks and
+serving one CacheBlend request, first for an engine whose fusor loads its own copy of the model
+(``share_weights=False``, what the worker did before it drove vLLM's modules), then for the timed engine
+(the default: vLLM's own weights) before its timings. At start a copy's weights are memory-mapped from
+the checkpoint and mostly not resident yet; the request touches them all.
 """
 
 from __future__ import annotations
@@ -14,7 +21,6 @@ import statistics
 import time
 from typing import Any
 
-from ...blend.methods import Reuse
 from ...blend.spec import parse_method
 from ...engine import ChunkRef, SamplingParams
 from ...errors import EvalDataError
@@ -40,26 +46,57 @@ def rag_prompt(config: BenchConfig, tokenizer) -> tuple[str, list[ChunkRef]]:
     )
 
 
+def _engine(config: BenchConfig, ctx: BenchContext, store: str, share_weights: bool):
+    from ...engine.vllm import VLLMEngine
+
+    return VLLMEngine(
+        config.model,
+        store=ctx.work_dir / store,
+        enable_prefix_caching=False,
+        max_model_len=config.num_chunks * config.chunk_tokens + 512,
+        share_weights=share_weights,
+    )
+
+
+def worker_memory(
+    engine, question: str, chunks: list[ChunkRef], ratio: float
+) -> tuple[dict[str, Any], float]:
+    """The worker's RSS now (engine just started) and after precomputing the prompt's chunks into the
+    engine's empty store and serving one CacheBlend request, with where the fusor's weights come from;
+    and the seconds the precompute took."""
+    at_start = engine.worker_memory()
+    spec = parse_method("cacheblend").with_ratio(ratio)
+    started = time.perf_counter()
+    segments = engine.rag_segments(question, chunks, spec)  # the worker precomputes and stores chunk KV
+    precompute_s = time.perf_counter() - started
+    engine.generate(segments, spec, SamplingParams(max_new_tokens=1))
+    memory = {
+        "weights": engine.fusion_weights,
+        "at_start": at_start,
+        "after_request": engine.worker_memory(),
+        **engine.weight_sharing(),
+    }
+    return memory, precompute_s
+
+
 def section_vllm(ctx: BenchContext) -> dict[str, Any]:
     import vllm
 
-    from ...engine.vllm import VLLMEngine
-
     config = ctx.config
+    # the same work for both engines up to the memory reading: start, precompute into an empty store, one
+    # CacheBlend request; the first engine's fusor loads its own copy of the weights (the former design)
+    copy = _engine(config, ctx, "vllm-kv-copy", share_weights=False)
+    try:
+        memory = {"copy": worker_memory(copy, *rag_prompt(config, copy.model.tokenizer), config.ratio)[0]}
+    finally:
+        copy.close()
     started = time.perf_counter()
-    engine = VLLMEngine(
-        config.model,
-        store=ctx.work_dir / "vllm-kv",
-        enable_prefix_caching=False,
-        max_model_len=config.num_chunks * config.chunk_tokens + 512,
-    )
+    engine = _engine(config, ctx, "vllm-kv", share_weights=True)
     startup_s = time.perf_counter() - started
     first_token = SamplingParams(max_new_tokens=1)
     try:
         question, chunks = rag_prompt(config, engine.model.tokenizer)
-        precompute_started = time.perf_counter()
-        engine.rag_segments(question, chunks, Reuse.CHUNKS)  # the worker precomputes and stores chunk KV
-        precompute_s = time.perf_counter() - precompute_started
+        memory["shared"], precompute_s = worker_memory(engine, question, chunks, config.ratio)
         samples: dict[str, list[float]] = {FULL: [], BLEND: []}
         blends, first_tokens = [], {}
         for repeat in range(config.repeats + 1):  # the first round warms both paths up and is not counted
@@ -100,4 +137,6 @@ def section_vllm(ctx: BenchContext) -> dict[str, Any]:
         "same_first_token": first_tokens[FULL] == first_tokens[BLEND],
         "engine_startup_s": startup_s,
         "chunk_precompute_s": precompute_s,
+        # worker RSS: "copy" = fusor on its own copy of the weights (before), "shared" = on vLLM's (after)
+        "worker_memory": memory,
     }

@@ -1,0 +1,156 @@
+"""One request's way through vLLM: our segments and sampling options as a vLLM request (token ids,
+``SamplingParams``, the blend message in ``kv_transfer_params``), and vLLM's output as a result."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...blend.controller import LoadingController
+from ...blend.methods import Reuse
+from ...blend.segments import Segment
+from ...blend.spec import ResolvedMethod, resolve_method
+from ...errors import CacheBlendError, StructuredOutputError
+from ..base import FusionStats, GenerationResult, Method, generation_budget
+from ..sampling import SamplingParams
+from .protocol import BlendRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VLLMGenerationResult(GenerationResult):
+    """A :class:`GenerationResult` plus what vLLM itself reported."""
+
+    claimed_tokens: int = 0  # prompt tokens the connector provided as externally computed KV
+    vllm_cached_tokens: int = 0  # vLLM's own count: prefix-cache hits plus external tokens
+    fusion_s: float = 0.0  # the worker's fusion (store reads included), part of ttft_s
+    kv_write_s: float = 0.0  # writing the fused K/V into vLLM's paged cache, part of ttft_s
+
+
+@dataclass
+class PreparedRequest:
+    """A request ready for vLLM's engine, and what its result needs."""
+
+    key: str
+    prompt: dict[str, Any]
+    params: Any  # vllm.SamplingParams
+    resolved: ResolvedMethod
+    segments: list[Segment]
+    blend: BlendRequest | None
+    started: float = 0.0
+    first_token_at: float | None = None
+    output: Any = None  # the last vllm RequestOutput
+
+
+def prepare_request(
+    segments: list[Segment],
+    method: Method,
+    sampling: SamplingParams | None,
+    method_options: dict[str, Any],
+    *,
+    controller: LoadingController,
+    eos_ids: set[int],
+    max_model_len: int,
+) -> PreparedRequest:
+    """``segments`` answered with ``method`` as a vLLM request: prompt token ids, sampling parameters, and
+    for a method that blends cached chunks the blend message (and a prefix-cache salt). Bad input raises."""
+    from vllm import SamplingParams as VSamplingParams
+
+    sampling = sampling or SamplingParams()
+    if sampling.constraint is not None:  # never drop a constraint silently
+        raise StructuredOutputError(
+            "structured output (SamplingParams.constraint) is not wired to vLLM's guided decoding yet; "
+            "use engine='torch'"
+        )
+    resolved = resolve_method(method, segments, controller, method_options)
+    recompute = resolved.method
+    ids = [t for s in segments for t in s.token_ids]
+    max_new = generation_budget(len(ids), sampling.max_new_tokens, max_model_len, "vLLM's max_model_len")
+    key = uuid.uuid4().hex
+    blend = None
+    if recompute.reuses is Reuse.CHUNKS and any(s.is_cached for s in segments):
+        blend = BlendRequest(
+            key,
+            tuple(len(s) for s in segments),
+            tuple(s.is_cached for s in segments),
+            recompute.name,
+            recompute.options(),
+        )
+        if blend.claim_end == 0:
+            blend = None  # no cached chunk before the question: nothing to blend
+    prompt: dict[str, Any] = {"prompt_token_ids": ids}
+    extra_args = None
+    if blend is not None:
+        prompt["cache_salt"] = blend.cache_salt(ids)
+        extra_args = {"kv_transfer_params": blend.to_params()}
+    params = VSamplingParams(
+        max_tokens=max_new,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=sorted(eos_ids),
+        skip_special_tokens=True,
+        extra_args=extra_args,
+    )
+    return PreparedRequest(key, prompt, params, resolved, list(segments), blend)
+
+
+def build_result(
+    request: PreparedRequest, stats: dict[str, Any] | None, eos_ids: set[int]
+) -> VLLMGenerationResult:
+    """The result of a finished request, from vLLM's last output and the worker's fusion accounting
+    (``stats``; None when nothing was blended)."""
+    output = request.output
+    completion = output.outputs[0]
+    if completion.finish_reason not in ("stop", "length"):
+        raise CacheBlendError(
+            f"vLLM ended request {request.key} with finish reason {completion.finish_reason!r}"
+        )
+    token_ids = list(completion.token_ids)
+    if completion.finish_reason == "stop" and token_ids and token_ids[-1] in eos_ids:
+        token_ids.pop()  # like the PyTorch engine, report the answer without its end-of-sequence token
+    cached = int(output.num_cached_tokens or 0)
+    prompt_tokens = sum(len(s) for s in request.segments)
+    stats = stats or {}
+    if "error" in stats:
+        # the worker could not blend it and vLLM prefilled it instead: the answer is exact
+        log.warning("request %s was prefilled in full: %s", request.key, stats["error"])
+        fusion, claimed = FusionStats(0, prompt_tokens, 1.0), 0
+    elif stats:
+        fusion = FusionStats(
+            int(stats["reused_tokens"]),
+            int(stats["computed_tokens"]),
+            float(stats["recompute_ratio"]),
+            float(stats.get("load_wait_s", 0.0)),
+        )
+        claimed = int(stats["claimed_tokens"])
+    else:
+        # nothing was claimed: whatever vLLM's prefix cache served (exact KV, or for a repeated blend
+        # request the blocks it blended before) is reused, the rest prefilled
+        fusion, claimed = FusionStats(cached, prompt_tokens - cached, 1.0), 0
+    finished = time.perf_counter()
+    return VLLMGenerationResult.build(
+        text=completion.text,
+        token_ids=token_ids,
+        finish_reason=completion.finish_reason,
+        resolved=request.resolved,
+        segments=request.segments,
+        fusion=fusion,
+        ttft_s=(request.first_token_at or finished) - request.started,
+        total_s=finished - request.started,
+        claimed_tokens=claimed,
+        vllm_cached_tokens=cached,
+        fusion_s=float(stats.get("fusion_s", 0.0)),
+        kv_write_s=float(stats.get("write_s", 0.0)),
+    )
+
+
+def blend_keys(requests: Sequence[PreparedRequest]) -> list[str]:
+    """Keys of the requests the worker blended (whose accounting it holds)."""
+    return [r.key for r in requests if r.blend is not None]
