@@ -5,7 +5,7 @@ from .chunkdb import CorpusManifest, StoredDocument
 from .corpus import Corpus, CorpusStats, RetrievedChunk
 from .documents import DocumentHit, DocumentSet
 from .embedder import Embedder, EmbedderLike, ExternalEmbedder, get_embedder
-from .filters import AllOf, AnyOf, Condition, Filter, Not, parse_filter
+from .filters import AllOf, AnyOf, Condition, Filter, KeyIn, Not, parse_filter
 
 __all__ = [
     "AllOf",
@@ -20,6 +20,7 @@ __all__ = [
     "EmbedderLike",
     "ExternalEmbedder",
     "Filter",
+    "KeyIn",
     "Not",
     "RetrievedChunk",
     "StoredDocument",

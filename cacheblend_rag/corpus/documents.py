@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -148,7 +148,7 @@ class DocumentSet:
         found = self.corpus.db.documents_by_keys(wanted)
         return [found[k] for k in wanted if k in found]
 
-    def keys(self, where: Mapping[str, Any] | Filter | None = None) -> list[str]:
+    def keys_where(self, where: Mapping[str, Any] | Filter | None = None) -> list[str]:
         """Keys of the documents whose metadata matches ``where`` (see :mod:`.filters`), oldest first."""
         return self.corpus.db.document_keys(parse_filter(where))
 
@@ -157,15 +157,36 @@ class DocumentSet:
         query: str | Sequence[float] | np.ndarray,
         k: int = 4,
         where: Mapping[str, Any] | Filter | None = None,
+        whole_documents: bool = False,
     ) -> list[DocumentHit]:
         """The ``k`` chunks nearest to ``query`` (a text, embedded with the corpus's embedder, or a vector
-        from it) among the documents whose metadata matches ``where``, best first. A chunk held by
-        several matching documents is a hit for each of them."""
+        from it) among the documents whose metadata matches ``where``, best first; a chunk held by several
+        matching documents is a hit for each of them. ``whole_documents``: the ``k`` nearest documents
+        instead, each once with its whole text, scored by its nearest chunk."""
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_TOP_K:
             raise InvalidQueryError(f"k must be an integer between 1 and {MAX_TOP_K}, got {k!r}")
         condition = parse_filter(where)
         vector = self._query_vector(query)
         rows = self.corpus.db.rows_matching(condition) if condition is not None else None
+        eligible = len(rows) if rows is not None else self.corpus.db.counts()["chunks"]
+        wanted = k
+        while True:
+            hits = self._chunk_hits(vector, wanted, rows, condition)
+            if not whole_documents:
+                return hits[:k]
+            best: dict[str, DocumentHit] = {}
+            for hit in hits:
+                best.setdefault(hit.key, hit)
+            if len(best) >= k or wanted >= eligible:
+                break
+            wanted = min(wanted * 4, eligible)  # a few documents own most nearby chunks: look further
+        chosen = list(best.values())[:k]
+        texts = {doc.key: doc.text for doc in self.get([hit.key for hit in chosen])}
+        return [replace(hit, text=texts[hit.key]) for hit in chosen if hit.key in texts]
+
+    def _chunk_hits(
+        self, vector: np.ndarray, k: int, rows: np.ndarray | None, condition: Filter | None
+    ) -> list[DocumentHit]:
         if rows is not None and len(rows) == 0:
             return []
         nearest = self.corpus.vectors.nearest(vector, k, rows)
@@ -176,7 +197,7 @@ class DocumentSet:
         found.sort(key=lambda o: rank[o.row])  # stable: document order among a chunk's documents
         return [
             DocumentHit(o.key, chunks[o.row].text, o.metadata, scores[o.row], chunks[o.row].chunk_id)
-            for o in found[:k]
+            for o in found
         ]
 
     def _query_vector(self, query: str | Sequence[float] | np.ndarray) -> np.ndarray:

@@ -49,6 +49,13 @@ class Condition:
 
 
 @dataclass(frozen=True)
+class KeyIn:
+    """The document's key (its id) is one of ``keys``."""
+
+    keys: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class AllOf:
     parts: tuple[Filter, ...]
 
@@ -63,7 +70,7 @@ class Not:
     part: Filter
 
 
-Filter = Condition | AllOf | AnyOf | Not
+Filter = Condition | KeyIn | AllOf | AnyOf | Not
 
 
 def _check_scalar(key: str, op: str, value: object) -> None:
@@ -76,7 +83,7 @@ def _check_scalar(key: str, op: str, value: object) -> None:
 
 def parse_filter(spec: Mapping[str, Any] | Filter | None) -> Filter | None:
     """A filter from LangChain's dictionary form (see the module doc); a filter object passes through."""
-    if spec is None or isinstance(spec, Condition | AllOf | AnyOf | Not):
+    if spec is None or isinstance(spec, Condition | KeyIn | AllOf | AnyOf | Not):
         return spec
     if not isinstance(spec, Mapping):
         raise ValueError(f"a metadata filter is a dict such as {{'key': value}}, got {type(spec).__name__}")
@@ -105,16 +112,23 @@ def parse_filter(spec: Mapping[str, Any] | Filter | None) -> Filter | None:
     return parts[0] if len(parts) == 1 else AllOf(tuple(parts))
 
 
-def to_sql(where: Filter, column: str) -> tuple[str, list[Any]]:
-    """An SQL boolean expression over the JSON text in ``column`` (a trusted column name) and its
-    parameters. Unknown keys are false (never NULL), so ``NOT`` stays exact."""
+def to_sql(where: Filter, column: str, key_column: str = "d.key") -> tuple[str, list[Any]]:
+    """An SQL boolean expression over the JSON text in ``column`` and the document key in ``key_column``
+    (trusted column names), and its parameters. Unknown keys are false (never NULL), so ``NOT`` stays
+    exact."""
     if isinstance(where, AllOf | AnyOf):
-        pieces = [to_sql(part, column) for part in where.parts]
+        if not where.parts:
+            return ("(1)" if isinstance(where, AllOf) else "(0)"), []
+        pieces = [to_sql(part, column, key_column) for part in where.parts]
         joiner = " AND " if isinstance(where, AllOf) else " OR "
         return "(" + joiner.join(p[0] for p in pieces) + ")", [x for p in pieces for x in p[1]]
     if isinstance(where, Not):
-        sql, params = to_sql(where.part, column)
+        sql, params = to_sql(where.part, column, key_column)
         return f"(NOT {sql})", params
+    if isinstance(where, KeyIn):
+        if not where.keys:
+            return "(0)", []
+        return f"({key_column} IN ({','.join('?' * len(where.keys))}))", list(where.keys)
     path = f'$."{where.key}"'
     if where.op in ("ne", "nin"):
         sql, params = to_sql(Condition(where.key, "eq" if where.op == "ne" else "in", where.value), column)

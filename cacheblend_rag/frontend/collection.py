@@ -19,7 +19,7 @@ from typing import Any
 from ..corpus.chunkdb import FileChanges, StoredDocument
 from ..corpus.corpus import Corpus
 from ..corpus.documents import DocumentHit
-from ..corpus.embedder import EmbedderLike, get_embedder
+from ..corpus.embedder import EmbedderLike, get_embedder, is_external
 from ..corpus.filters import Filter
 from ..corpus.manifest import CorpusManifest, check_compatible
 from ..errors import StoreError
@@ -62,7 +62,7 @@ class DocumentCollection:
         elif self.model is not None or chunk_tokens is not None:
             check_compatible(self.corpus_dir, manifest, load_model_tokenizer(self.model), None, chunk_tokens)
         self.corpus: Corpus = get_corpus(self.corpus_dir, embedder)
-        if not self.corpus.can_embed:
+        if embedder is None and is_external(self.corpus.manifest.embedder):
             raise StoreError(
                 f"corpus {self.corpus_dir} was built with the embedder {self.corpus.manifest.embedder} "
                 f"({self.corpus.manifest.embedding_dim}-dim vectors): give the same embedding model again"
@@ -121,13 +121,15 @@ class DocumentCollection:
 
     def ids(self, where: Mapping[str, Any] | Filter | None = None) -> list[str]:
         """Ids of the documents whose metadata matches ``where`` (all without it)."""
-        return self.corpus.documents.keys(where)
+        return self.corpus.documents.keys_where(where)
 
     def search(
         self,
         query: str | Sequence[float],
         k: int = 4,
         where: Mapping[str, Any] | Filter | None = None,
+        whole_documents: bool = False,
     ) -> list[DocumentHit]:
-        """The ``k`` chunks nearest to ``query`` (text or vector) among documents matching ``where``."""
-        return self.corpus.documents.search(query, k, where)
+        """The ``k`` chunks (or ``whole_documents``) nearest to ``query`` (text or vector) among the
+        documents matching ``where``."""
+        return self.corpus.documents.search(query, k, where, whole_documents)
