@@ -3,7 +3,7 @@ stored chunks in them (:mod:`.recognition`), answer them through one shared engi
 (:mod:`.text`), with the generation options every integration shares (:mod:`.options`); and the documents
 behind the integrations' vector stores (:mod:`.collection`)."""
 
-from .collection import DocumentCollection
+from .collection import CollectionOptions, DocumentCollection
 from .options import PROVIDER, GenerationOptions, TokenUsage, answer_report
 from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex, chunk_forms
 from .text import (
@@ -22,6 +22,7 @@ __all__ = [
     "PROVIDER",
     "ChunkSpan",
     "ChunkTextIndex",
+    "CollectionOptions",
     "DocumentCollection",
     "DocumentRef",
     "GenerationOptions",

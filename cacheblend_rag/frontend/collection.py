@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from ..corpus.chunkdb import FileChanges, StoredDocument
 from ..corpus.corpus import Corpus
@@ -27,6 +27,16 @@ from ..ingest.kv import precompute_pending
 from ..models.tokenizer import load_model_tokenizer
 from ..store.kvstore import KVStore
 from .text import PromptFrontend, acquire_frontend, get_corpus, release_frontend
+
+
+class CollectionOptions(TypedDict, total=False):
+    """The options of a :class:`DocumentCollection` besides its folder and embedder, which the framework
+    vector stores take as they are."""
+
+    model: str | os.PathLike[str] | None
+    chunk_tokens: int | None
+    index_type: str | None
+    precompute_kv: bool
 
 
 class DocumentCollection:

@@ -7,14 +7,14 @@ import os
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
 from cacheblend_rag.corpus import DocumentHit, ExternalEmbedder
-from cacheblend_rag.frontend import DocumentCollection
+from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
 
 # what LangChain's indexing API passes along with the documents; a corpus writes in one transaction
 _IGNORED_OPTIONS = frozenset({"batch_size"})
@@ -54,24 +54,16 @@ class CacheBlendVectorStore(VectorStore):
         embedding: Embeddings | None = None,
         *,
         embedding_name: str | None = None,
-        model: str | os.PathLike[str] | None = None,
-        chunk_tokens: int | None = None,
-        index_type: str | None = None,
-        precompute_kv: bool = True,
+        **options: Unpack[CollectionOptions],
     ) -> None:
+        """``options``: ``model``, ``chunk_tokens``, ``index_type``, ``precompute_kv`` (see
+        :class:`~cacheblend_rag.frontend.DocumentCollection`)."""
         self._embedding = embedding
         embedder = None
         if embedding is not None:
             name = embedding_name or embeddings_name(embedding)
             embedder = ExternalEmbedder(name, embedding.embed_documents, embedding.embed_query)
-        self._documents = DocumentCollection(
-            corpus_dir,
-            embedder,
-            model=model,
-            chunk_tokens=chunk_tokens,
-            index_type=index_type,
-            precompute_kv=precompute_kv,
-        )
+        self._documents = DocumentCollection(corpus_dir, embedder, **options)
 
     @property
     def embeddings(self) -> Embeddings | None:

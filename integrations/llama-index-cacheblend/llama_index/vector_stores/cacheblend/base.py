@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from llama_index.core import Settings
 from llama_index.core.base.embeddings.base import BaseEmbedding
@@ -24,7 +24,7 @@ from llama_index.core.vector_stores.types import (
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
 from cacheblend_rag.corpus import AllOf, AnyOf, Condition, ExternalEmbedder, Filter, KeyIn, Not
-from cacheblend_rag.frontend import DocumentCollection
+from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
 
 _OPERATORS = {
     FilterOperator.EQ: "eq",
@@ -69,25 +69,17 @@ class CacheBlendVectorStore(BasePydanticVectorStore):
         embed_model: BaseEmbedding | None = None,
         *,
         embedding_name: str | None = None,
-        model: str | os.PathLike[str] | None = None,
-        chunk_tokens: int | None = None,
-        index_type: str | None = None,
-        precompute_kv: bool = True,
+        **options: Unpack[CollectionOptions],
     ) -> None:
-        super().__init__(corpus_dir=os.fspath(corpus_dir), precompute_kv=precompute_kv)
+        """``options``: ``model``, ``chunk_tokens``, ``index_type``, ``precompute_kv`` (see
+        :class:`~cacheblend_rag.frontend.DocumentCollection`)."""
+        super().__init__(corpus_dir=os.fspath(corpus_dir), precompute_kv=options.get("precompute_kv", True))
         self._embed_model = embed_model or Settings.embed_model
         name = embedding_name or f"{self._embed_model.class_name()}:{self._embed_model.model_name}"
         embedder = ExternalEmbedder(
             name, self._embed_model.get_text_embedding_batch, self._embed_model.get_query_embedding
         )
-        self._documents = DocumentCollection(
-            corpus_dir,
-            embedder,
-            model=model,
-            chunk_tokens=chunk_tokens,
-            index_type=index_type,
-            precompute_kv=precompute_kv,
-        )
+        self._documents = DocumentCollection(corpus_dir, embedder, **options)
 
     @classmethod
     def class_name(cls) -> str:
