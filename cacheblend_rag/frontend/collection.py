@@ -97,7 +97,10 @@ class DocumentCollection:
         return frontend.engine.store if frontend is not None and not frontend.closed else None
 
     def close(self) -> None:
-        """Give back the hold on the shared engine (the last holder frees the model)."""
+        """Write the vector index if it changed (reopening then skips a rebuild) and give back the hold
+        on the shared engine (the last holder frees the model)."""
+        if not self.corpus.db.readonly:
+            self.corpus.save_index()
         with self._lock:
             frontend, self._frontend = self._frontend, None
         if frontend is not None:

@@ -4,6 +4,7 @@ splits that reuses chunk KV — all on the real model, real FAISS and real LangC
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,9 @@ from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_tests.integration_tests import VectorStoreIntegrationTests
 from langchain_text_splitters import RecursiveCharacterTextSplitter
+from typer.testing import CliRunner
 
+from cacheblend_rag.cli import app
 from cacheblend_rag.errors import StoreError
 from cacheblend_rag.models.shared import acquire_model, release_model
 
@@ -101,6 +104,10 @@ def test_delete_removes_rows_vectors_and_kv_of_unshared_chunks(tmp_path):
     gone = (set(before.values()) - set(after.values())).pop()
     assert not store.collection.frontend.engine.store.contains(gone)
     assert_consistent(store)
+    verified = CliRunner().invoke(app, ["store", "verify", "--corpus", str(store.corpus_dir), "--json"])
+    assert (
+        verified.exit_code == 0 and json.loads(verified.output)["clean"] and '"checked": 1' in verified.output
+    )
     store.delete()  # no ids: everything
     assert store.similarity_search("alpha", k=2) == [] and kv_keys(store) == {}
     assert_consistent(store)
@@ -162,13 +169,20 @@ def test_indexing_api_incremental_and_full_cleanup(tmp_path):
         Document(page_content="Teapots keep the tea warm.", metadata={"source": "a.txt"}),
         Document(page_content="Bicycles have two wheels.", metadata={"source": "b.txt"}),
     ]
-    first = index(docs, manager, store, cleanup="incremental", source_id_key="source")
+    first = index(docs, manager, store, cleanup="incremental", source_id_key="source", key_encoder="sha256")
     assert (first["num_added"], first["num_deleted"]) == (3, 0)
-    assert index(docs, manager, store, cleanup="incremental", source_id_key="source")["num_skipped"] == 3
+    assert (
+        index(docs, manager, store, cleanup="incremental", source_id_key="source", key_encoder="sha256")[
+            "num_skipped"
+        ]
+        == 3
+    )
     old_keys = kv_keys(store)
 
     changed = [Document(page_content="Kettles boil water quickly.", metadata={"source": "a.txt"})]
-    second = index(changed, manager, store, cleanup="incremental", source_id_key="source")
+    second = index(
+        changed, manager, store, cleanup="incremental", source_id_key="source", key_encoder="sha256"
+    )
     assert (second["num_added"], second["num_deleted"]) == (1, 2)
     texts = sorted(d.page_content for d in store.similarity_search("tea", k=10))
     assert texts == ["Bicycles have two wheels.", "Kettles boil water quickly."]
@@ -176,7 +190,7 @@ def test_indexing_api_incremental_and_full_cleanup(tmp_path):
     assert len(removed) == 2 and not any(store.collection.frontend.engine.store.contains(k) for k in removed)
     assert_consistent(store)
 
-    third = index(docs[2:], manager, store, cleanup="full")
+    third = index(docs[2:], manager, store, cleanup="full", key_encoder="sha256")
     assert third["num_deleted"] == 1
     assert [d.page_content for d in store.similarity_search("tea", k=10)] == ["Bicycles have two wheels."]
     assert_consistent(store)
