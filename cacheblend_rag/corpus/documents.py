@@ -64,10 +64,12 @@ class DocumentSet:
         keys: Sequence[str],
         metadatas: Sequence[Mapping[str, Any] | None] | None = None,
         vectors: Sequence[Sequence[float] | None] | None = None,
+        kv_store: KVStore | None = None,
     ) -> FileChanges:
         """Add documents under ``keys``, replacing any stored under the same key, in one transaction.
         ``vectors``: a vector per document from the corpus's embedder, already computed (None entries,
-        or no list, are embedded here chunk by chunk). When a key repeats, its last document wins."""
+        or no list, are embedded here chunk by chunk). When a key repeats, its last document wins. The KV
+        of chunks a replaced document held and no document holds now is deleted (see :meth:`delete`)."""
         if isinstance(texts, str) or isinstance(keys, str):
             raise TypeError("put takes sequences of texts and keys, not single strings")
         count = len(texts)
@@ -95,7 +97,9 @@ class DocumentSet:
                 given.pop(key, None)
         if not documents:
             return FileChanges()
-        return self.corpus.add_documents(list(documents.values()), vectors=given)
+        changes = self.corpus.add_documents(list(documents.values()), vectors=given)
+        self.drop_kv(changes.removed_kv_keys, kv_store)
+        return changes
 
     def delete(self, keys: Sequence[str], kv_store: KVStore | None = None) -> FileChanges:
         """Remove the documents with these keys (absent keys are ignored), and the chunks no other

@@ -26,7 +26,7 @@ from ..errors import StoreError
 from ..ingest.kv import precompute_pending
 from ..models.tokenizer import load_model_tokenizer
 from ..store.kvstore import KVStore
-from .text import PromptFrontend, acquire_frontend, get_corpus, release_frontend
+from .text import PromptFrontend, acquire_frontend, find_frontend, get_corpus, release_frontend
 
 
 class CollectionOptions(TypedDict, total=False):
@@ -91,9 +91,9 @@ class DocumentCollection:
             return self._frontend
 
     def _kv_store(self) -> KVStore | None:
-        """The engine's KV store if this collection holds one (deleting through it clears its RAM tier
-        too); None: the corpus opens its own, without loading a model."""
-        frontend = self._frontend
+        """The KV store of the engine the process runs over this corpus, if any (deleting through it
+        clears its RAM tier too); None: the corpus opens its own, without loading a model."""
+        frontend = self._frontend or find_frontend(self.corpus_dir, self.model)
         return frontend.engine.store if frontend is not None and not frontend.closed else None
 
     def close(self) -> None:
@@ -117,8 +117,7 @@ class DocumentCollection:
     ) -> FileChanges:
         """Add (or replace, by id) documents; then precompute the KV of their new chunks, unless the
         collection computes KV lazily. The KV of chunks a replacement left unused is deleted."""
-        changes = self.corpus.documents.put(texts, ids, metadatas, vectors)
-        self.corpus.documents.drop_kv(changes.removed_kv_keys, self._kv_store())
+        changes = self.corpus.documents.put(texts, ids, metadatas, vectors, self._kv_store())
         if self.precompute_kv and changes.new_chunks:
             precompute_pending(self.corpus, self.frontend.engine, only=changes.new_chunks)
         return changes

@@ -346,6 +346,12 @@ def acquire_frontend(corpus_dir: str | Path | None = None, model: str | Path | N
         return _frontends[key]
 
 
+def find_frontend(corpus_dir: str | Path, model: str | Path | None = None) -> PromptFrontend | None:
+    """The frontend over (corpus, model) if the process holds one now (no hold is taken)."""
+    with _shared_lock:
+        return _frontends.get((_dir_key(corpus_dir), str(model) if model else None))
+
+
 def release_frontend(frontend: PromptFrontend) -> None:
     """Give back one hold on ``frontend``; the last one closes it (and gives its model back)."""
     with _shared_lock:
