@@ -79,3 +79,7 @@ class MethodOptionError(CacheBlendError, ValueError):
 
 class AdmissionError(CacheBlendError, ValueError):
     """A request can never be admitted by the batch scheduler (alone it exceeds the batch KV budget)."""
+
+
+class RequestCancelledError(CacheBlendError):
+    """A request was cancelled (e.g. its client went away) before it finished; its slot was freed."""

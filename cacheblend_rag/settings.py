@@ -7,9 +7,10 @@ accepts.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import platformdirs
 from pydantic import Field, ValidationError
@@ -107,3 +108,25 @@ def describe_settings_error(exc: ValidationError) -> str:
         field = str(error["loc"][0]) if error["loc"] else "?"
         problems.append(f"{ENV_PREFIX}{field.upper()}={error.get('input')!r}: {error['msg']}")
     return "invalid setting" + ("s" if len(problems) > 1 else "") + ": " + "; ".join(problems)
+
+
+def override_settings(**values: Any) -> Settings:
+    """Set settings for this process and every process it starts (what a command-line flag such as
+    ``--kv-remote`` does): each value is checked by :class:`Settings`, then written to its
+    ``CACHEBLEND_<FIELD>`` environment variable, and the cached settings are dropped. The environment is
+    the one channel every child inherits: vLLM's engine and worker processes open their own KV store from
+    their own settings. Returns the new settings; a bad name or value raises ``ValueError`` and changes
+    nothing (a bad value raises :class:`SettingsError`)."""
+    unknown = sorted(set(values) - set(Settings.model_fields))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
+    if any(value is None for value in values.values()):
+        raise ValueError("a setting cannot be overridden with None")
+    try:
+        Settings(**values)
+    except ValidationError as exc:
+        raise SettingsError(describe_settings_error(exc)) from None
+    for name, value in values.items():
+        os.environ[f"{ENV_PREFIX}{name.upper()}"] = str(value)
+    get_settings.cache_clear()
+    return get_settings()

@@ -9,6 +9,7 @@ A test area loads this file by path (tests run with --import-mode=importlib) and
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -20,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from cacheblend_rag.store.fileformat import metadata_crc
+
 START_TIMEOUT_S = 20.0
+OTHER_FINGERPRINT = "b" * 64  # no real model hashes to this
 
 
 def find_redis_server() -> str | None:
@@ -121,6 +125,36 @@ class RedisServer:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+# -- forged remote values: each rewrites the hash ``name`` of a stored chunk (``meta``: its metadata) -----
+
+
+def forge_layer_bytes(client, name: str, meta: dict) -> None:
+    data = bytearray(client.hget(name, "3"))
+    data[len(data) // 2] ^= 0xFF
+    client.hset(name, "3", bytes(data))
+
+
+def forge_meta_bytes(client, name: str, meta: dict) -> None:
+    raw = client.hget(name, "meta").replace(b'"num_tokens": "', b'"num_tokens": "1')
+    client.hset(name, "meta", raw)
+
+
+def forge_foreign_fingerprint(client, name: str, meta: dict) -> None:
+    """Another model's value put under this key, its metadata checksum made consistent."""
+    forged = {k: v for k, v in meta.items() if k != "meta_crc32"}
+    forged["model_fingerprint"] = OTHER_FINGERPRINT
+    forged["meta_crc32"] = metadata_crc(forged)
+    client.hset(name, "meta", json.dumps(forged).encode())
+
+
+def forge_swapped_value(client, name: str, meta: dict) -> None:
+    """Another chunk's complete, self-consistent value copied under this key."""
+    other = name[:-64] + "f" * 64
+    fields = client.hgetall(other)
+    client.delete(name)
+    client.hset(name, mapping=fields)
 
 
 @pytest.fixture

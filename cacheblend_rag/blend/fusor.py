@@ -1,31 +1,36 @@
 """The fusor: turn independently precomputed chunk KV plus fresh text into one KV cache for the prompt.
 
-The algorithm, per the CacheBlend paper:
-
-1. lay the segments out; each cached chunk's keys are re-rotated (float32) from its own positions 0..n-1
-   to where it lands in the prompt;
-2. layer 0 runs for the positions the method picks (every token, for CacheBlend);
-3. at each later layer, the positions computed at the previous layer are projected to fresh Q/K/V; at a
-   check layer the method compares fresh and cached K/V and keeps the tokens with the highest deviation
-   (HKVD), narrowing gradually to the final ratio; only those tokens attend and run the MLP, with an exact
-   causal mask over the layer's full-length K/V;
+1. lay the segments out; each cached chunk's keys are re-rotated (float64 tables, once per fusion) from
+   its own positions 0..n-1 to where it lands in the prompt;
+2. a method that selects by the question's attention gets a probe pass first (:mod:`.probe`), which also
+   places every cached layer;
+3. layer 0 runs for the positions the method picks (fresh text plus its selection, or every token for
+   HKVD); at a check layer the method compares fresh and cached K/V and narrows the set; only selected
+   tokens attend and run the MLP, with an exact causal mask over the layer's full-length K/V;
 4. every other position keeps its cached K/V, so the resulting cache is the cached KV with the
    recomputed tokens' K/V written over it; generation continues from it like from a full prefill.
+
+Several requests can be fused together (:meth:`Fusor.fuse_many`): per layer their tokens share one
+projection and one MLP, each attends over its own cache (:mod:`.layers`).
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from ..errors import ContextLengthError, FusionInputError
+from ..models.rope import Rope
 from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
+from .layers import run_layer
 from .methods import RecomputeMethod
 from .plan import FusionPlan, LayerState
-from .probe import run_probe
+from .probe import ProbePass
 from .segments import DirectLayerKV, LayerKVProvider, Segment
 
 # Called at every layer with (layer, query positions, q [1, H, S, d], keys [1, Hkv, T, d], mask): lets
@@ -64,11 +69,12 @@ class FusionResult:
 
     @property
     def recompute_ratio(self) -> float:
-        """Share of cached (reusable) tokens recomputed at the last layer."""
-        cached = int(self.plan.cached_mask.sum())
-        if cached == 0:
+        """Share of the cached tokens that are worth recomputing (not exact) recomputed at the last layer."""
+        blended = self.plan.cached_mask & ~self.plan.exact_mask
+        total = int(blended.sum())
+        if total == 0:
             return 1.0
-        return 1.0 - self.reused_tokens / cached
+        return float(blended[self.selected].sum()) / total
 
     @property
     def compute_fraction(self) -> float:
@@ -79,8 +85,20 @@ class FusionResult:
         )
 
 
+@dataclass
+class FusionRequest:
+    """One prompt to fuse: its segments, the method, where its cached layers come from (default: direct
+    reads), decode room to leave in its cache and an optional attention observer."""
+
+    segments: list[Segment]
+    method: RecomputeMethod
+    kv_provider: LayerKVProvider | None = None
+    extra_capacity: int = 0
+    observer: AttentionObserver | None = None
+
+
 class Fusor:
-    """Applies a :class:`RecomputeMethod` layer by layer on a :class:`LayerwiseModel`."""
+    """Applies :class:`RecomputeMethod` s layer by layer on a :class:`LayerwiseModel`."""
 
     def __init__(self, model: LayerwiseModel) -> None:
         self.model = model
@@ -107,7 +125,6 @@ class Fusor:
                 f"prompt of {total} tokens exceeds the model's context of {shape.max_context}"
             )
 
-    @torch.inference_mode()
     def fuse(
         self,
         segments: list[Segment],
@@ -118,82 +135,42 @@ class Fusor:
     ) -> FusionResult:
         """Fuse ``segments`` with ``method``; ``kv_provider`` serves cached layers (default: direct reads).
         The returned cache has room for ``extra_capacity`` more tokens (the decode budget)."""
-        started = time.perf_counter()
-        self.validate(segments)
-        plan = FusionPlan.from_segments(segments)
-        model = self.model
-        device, dtype = model.device, model.dtype
-        provider = kv_provider or DirectLayerKV([s.kv for s in segments if s.kv is not None])
-        cached_spans = plan.cached_spans()
-        n = plan.num_tokens
-        cache = model.new_cache(n + extra_capacity)
-        positions = torch.arange(n, device=device)
-        check_layers = set(method.check_layers(plan))
-        num_cached_total = int(plan.cached_mask.sum())
+        return self.fuse_many([FusionRequest(segments, method, kv_provider, extra_capacity, observer)])[0]
 
-        qkv_counts, attended_counts, load_wait, probe = [], [], 0.0, None
+    @torch.inference_mode()
+    def fuse_many(self, requests: Sequence[FusionRequest]) -> list[FusionResult]:
+        """Fuse several prompts together: at every layer, one q/k/v projection and one MLP over the tokens
+        all of them compute, attention per prompt. Each result equals fusing its prompt alone."""
+        for request in requests:
+            self.validate(request.segments)
+        runs = [_Run(self, request) for request in requests]
+        model = self.model
         try:
-            if cached_spans and method.uses_query_attention(plan):
-                probe = run_probe(
-                    model, plan, cache, provider, lambda c, i, kv: self._place_cached(c, i, kv, cached_spans)
-                )
-                plan.query_attention, load_wait = probe.attention, probe.load_wait_s
-            selected = method.layer0_positions(plan).to(device)
-            self._check_selection(plan, selected, None)
-            hidden = model.embed(plan.token_ids[selected.cpu()][None]).to(dtype)
-            cos_sin = model.rope.cos_sin(positions[selected], dtype)
-            mask = AttentionMask.for_positions(selected, n)
-            for layer in range(model.num_layers):
-                qkv = model.project_qkv(layer, hidden, positions[selected], cos_sin)
-                qkv_counts.append(selected.numel())
-                if cached_spans and probe is None:  # the probe placed every cached layer already
-                    waited = time.perf_counter()
-                    layer_kv = provider.layer(layer)  # providers serve layers in order; always ask
-                    load_wait += time.perf_counter() - waited
-                    # Placing is skipped where every cached position is recomputed anyway.
-                    needs_cached = int(plan.cached_mask[selected.cpu()].sum()) < num_cached_total
-                    if needs_cached or layer in check_layers:
-                        self._place_cached(cache, layer, layer_kv, cached_spans)
-                if layer in check_layers:
-                    state = LayerState(
-                        layer,
-                        plan,
-                        selected.cpu(),
-                        qkv.k[0],
-                        qkv.v[0],
-                        cache.keys[layer][0][:, selected],
-                        cache.values[layer][0][:, selected],
-                    )
-                    narrowed = method.select(state).to(device)
-                    self._check_selection(plan, narrowed, selected)
-                    # Every candidate's fresh K/V is better than its cached one and already paid for.
-                    cache.write(layer, selected, qkv.k, qkv.v)
-                    keep = torch.searchsorted(selected, narrowed)
-                    hidden, qkv.q, selected = hidden[:, keep], qkv.q[:, :, keep], narrowed
-                    cos_sin = model.rope.cos_sin(positions[selected], dtype)
-                    mask = AttentionMask.for_positions(selected, n)
-                else:
-                    cache.write(layer, selected, qkv.k, qkv.v)
-                keys, values = cache.keys[layer][:, :, :n], cache.values[layer][:, :, :n]
-                if observer is not None:
-                    observer(layer, selected, qkv.q, keys, mask)
-                hidden = model.attend_and_mlp(layer, hidden, qkv.q, keys, values, mask)
-                attended_counts.append(selected.numel())
+            probes = {id(run): run.probe_pass() for run in runs if run.wants_probe}
+            if probes:
+                passes = list(probes.values())
+                with record_function("fusion::probe"):
+                    for layer in range(model.num_layers):
+                        run_layer(model, layer, passes, finish=layer < model.num_layers - 1)
+            for run in runs:
+                run.begin(probes.get(id(run)))
+            with record_function("fusion::layers"):
+                for layer in range(model.num_layers):
+                    run_layer(model, layer, runs)
         finally:
-            provider.close()
-        cache.length = n
-        logits = model.logits(hidden[:, -1])[0]  # the last prompt token is always selected
-        return FusionResult(
-            cache=cache,
-            logits=logits,
-            plan=plan,
-            selected=selected.cpu(),
-            qkv_tokens_per_layer=qkv_counts,
-            attended_tokens_per_layer=attended_counts,
-            seconds=time.perf_counter() - started,
-            load_wait_s=load_wait,
-            probe_token_layers=probe.token_layers if probe is not None else 0,
-        )
+            for run in runs:
+                run.provider.close()
+        return [run.result() for run in runs]
+
+    def _rerotations(self, spans: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per cached span, the float64 tables that turn its keys from 0..n-1 to its prompt positions;
+        the same at every layer, so computed once per fusion."""
+        device = self.model.device
+        tables = []
+        for start, end in spans:
+            local = torch.arange(end - start, device=device)
+            tables.append(self.model.rope.rerotation(local, local + start))
+        return tables
 
     def _place_cached(
         self,
@@ -201,13 +178,13 @@ class Fusor:
         layer: int,
         layer_kv: list[tuple[torch.Tensor, torch.Tensor]],
         spans: list[tuple[int, int]],
+        rotations: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         """Write each cached chunk's K/V at its prompt positions, keys re-rotated from 0..n-1."""
-        rope, device, dtype = self.model.rope, self.model.device, self.model.dtype
-        for (k, v), (start, end) in zip(layer_kv, spans, strict=True):
-            k = k.to(device)
-            local = torch.arange(end - start, device=device)
-            cache.keys[layer][0, :, start:end] = rope.rerotate(k.float(), local, local + start).to(dtype)
+        device, dtype = self.model.device, self.model.dtype
+        for (k, v), (start, end), tables in zip(layer_kv, spans, rotations, strict=True):
+            keys = Rope.apply_rerotation(k.to(device, torch.float32), tables)
+            cache.keys[layer][0, :, start:end] = keys.to(dtype)
             cache.values[layer][0, :, start:end] = v.to(device, dtype)
 
     @staticmethod
@@ -220,3 +197,103 @@ class Fusor:
             raise FusionInputError("a method dropped fresh-text positions, which must always be computed")
         if previous is not None and not bool(torch.isin(chosen_cpu, previous.cpu()).all()):
             raise FusionInputError("a method selected positions not computed at the previous layer")
+
+
+class _Run:
+    """One prompt's fusion as a :class:`~.layers.LayerPass`: its plan, cache and selected positions."""
+
+    def __init__(self, fusor: Fusor, request: FusionRequest) -> None:
+        self.started = time.perf_counter()
+        self.fusor, self.model = fusor, fusor.model
+        self.method, self.observer = request.method, request.observer
+        segments = request.segments
+        self.plan = plan = FusionPlan.from_segments(segments)
+        self.provider = request.kv_provider or DirectLayerKV([s.kv for s in segments if s.kv is not None])
+        self.spans = plan.cached_spans()
+        # every slot 0..n-1 is written before attention reads it (placed or recomputed), decode slots too
+        self.cache = self.model.new_cache(plan.num_tokens + request.extra_capacity, zeroed=False)
+        self.rotations = fusor._rerotations(self.spans)
+        self.check_layers = set(request.method.check_layers(plan))
+        self.num_cached_total = int(plan.cached_mask.sum())
+        self.wants_probe = plan.num_cached > 0 and request.method.uses_query_attention(plan)
+        self.probed = False
+        self.qkv_counts: list[int] = []
+        self.attended_counts: list[int] = []
+        self.load_wait = 0.0
+        self.probe_token_layers = 0
+
+    def probe_pass(self) -> ProbePass:
+        place = functools.partial(self.fusor._place_cached, spans=self.spans, rotations=self.rotations)
+        return ProbePass(self.model, self.plan, self.cache, self.provider, place)
+
+    def begin(self, probe: ProbePass | None) -> None:
+        """Take the probe's findings (when one ran) and the method's layer-0 positions."""
+        plan, model = self.plan, self.model
+        if probe is not None:
+            result = probe.result()
+            plan.query_attention, plan.query_contribution = result.attention, result.contribution
+            self.load_wait, self.probe_token_layers, self.probed = (
+                result.load_wait_s,
+                result.token_layers,
+                True,
+            )
+        selected = self.method.layer0_positions(plan).to(model.device)
+        self.fusor._check_selection(plan, selected, None)
+        self.hidden = model.embed(plan.token_ids[selected.cpu()][None]).to(model.dtype)
+        self._select(selected)
+
+    def _select(self, selected: torch.Tensor) -> None:
+        self.positions = selected
+        self.cos_sin = self.model.rope.cos_sin(selected, self.model.dtype)
+        self.mask = AttentionMask.for_positions(selected, self.plan.num_tokens)
+
+    def attention_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        plan, cache, selected = self.plan, self.cache, self.positions
+        n = plan.num_tokens
+        self.qkv_counts.append(selected.numel())
+        if self.spans and not self.probed:  # the probe placed every cached layer already
+            waited = time.perf_counter()
+            layer_kv = self.provider.layer(layer)  # providers serve layers in order; always ask
+            self.load_wait += time.perf_counter() - waited
+            # placing is skipped where every cached position is recomputed anyway
+            needs_cached = int(plan.cached_mask[selected.cpu()].sum()) < self.num_cached_total
+            if needs_cached or layer in self.check_layers:
+                self.fusor._place_cached(cache, layer, layer_kv, self.spans, self.rotations)
+        narrowed = None
+        if layer in self.check_layers:
+            state = LayerState(  # (indexing copies the cached K/V before the write below)
+                layer,
+                plan,
+                selected.cpu(),
+                k[0],
+                v[0],
+                cache.keys[layer][0][:, selected],
+                cache.values[layer][0][:, selected],
+            )
+            narrowed = self.method.select(state).to(self.model.device)
+            self.fusor._check_selection(plan, narrowed, selected)
+        cache.write(layer, selected, k, v)  # every candidate's fresh K/V is better than its cached one
+        if narrowed is not None:
+            keep = torch.searchsorted(selected, narrowed)
+            self.hidden, q = self.hidden[:, keep], q[:, :, keep]
+            self._select(narrowed)
+        keys, values = cache.keys[layer][:, :, :n], cache.values[layer][:, :, :n]
+        if self.observer is not None:
+            self.observer(layer, self.positions, q, keys, self.mask)
+        self.attended_counts.append(self.positions.numel())
+        return q, keys, values, self.mask
+
+    def result(self) -> FusionResult:
+        logits = self.model.logits(self.hidden[:, -1])[0]  # the last prompt token is always selected
+        self.cache.length = self.plan.num_tokens
+        return FusionResult(
+            cache=self.cache,
+            logits=logits,
+            plan=self.plan,
+            selected=self.positions.cpu(),
+            qkv_tokens_per_layer=self.qkv_counts,
+            attended_tokens_per_layer=self.attended_counts,
+            seconds=time.perf_counter() - self.started,
+            load_wait_s=self.load_wait,
+            probe_token_layers=self.probe_token_layers,
+        )

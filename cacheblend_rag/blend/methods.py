@@ -130,7 +130,7 @@ class Epic(RecomputeMethod):
 
     def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
         keep = plan.must_compute.clone()
-        for start, end in plan.cached_spans():
+        for start, end in plan.chunk_spans():
             keep[start : min(end, start + self.k)] = True
         return keep.nonzero().squeeze(1)
 
@@ -161,6 +161,11 @@ class CacheBlend(RecomputeMethod):
     selection: Literal["query", "hkvd"] = Field(
         "query", description="which cached tokens to recompute: 'query' (question attention) or 'hkvd'"
     )
+    score: Literal["attention", "contribution"] = Field(
+        "contribution",
+        description="query only: rank by the attention the question pays a token, or by that attention "
+        "times the token's value norm (its contribution to the attention output)",
+    )
     signal: Literal["k", "v", "kv"] = Field(
         "k", description="hkvd only: deviation of K, V or both (each normalised)"
     )
@@ -183,12 +188,13 @@ class CacheBlend(RecomputeMethod):
 
     def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
         if self.selection == "hkvd":
-            return _all_positions(plan)
+            return (~plan.exact_mask).nonzero().squeeze(1)
         keep = plan.must_compute.clone()
-        cached = (~plan.must_compute).nonzero().squeeze(1)
+        cached = plan.candidate_mask.nonzero().squeeze(1)
         budget = min(_budget(self.ratio, plan), cached.numel())
-        if budget and plan.query_attention is not None:
-            keep[cached[torch.topk(plan.query_attention[cached], budget).indices]] = True
+        score = plan.query_attention if self.score == "attention" else plan.query_contribution
+        if budget and score is not None:
+            keep[cached[torch.topk(score[cached], budget).indices]] = True
         elif budget:  # no probe ran (nothing cached to look at): every candidate is recomputed
             keep[cached] = True
         return keep.nonzero().squeeze(1)

@@ -19,9 +19,12 @@ class FusionPlan:
     cached_mask: torch.Tensor  # [T] bool: position belongs to a cached segment
     must_compute: torch.Tensor  # [T] bool: fresh text plus the last prompt token
     spans: list[tuple[int, int]]  # [start, end) of every segment
+    exact_mask: torch.Tensor  # [T] bool: cached with the prompt's own KV (never worth recomputing)
     # Attention the question paid each position in the query probe ([T]); set by the fusor before
     # layer0_positions for methods that ask for it (see blend/probe.py), None otherwise.
     query_attention: torch.Tensor | None = None
+    # the same weighted by each position's value norm at each layer (ProbeResult.contribution)
+    query_contribution: torch.Tensor | None = None
 
     @classmethod
     def from_segments(cls, segments: list[Segment]) -> FusionPlan:
@@ -32,12 +35,15 @@ class FusionPlan:
             spans.append((start, start + len(segment)))
             start += len(segment)
         cached = torch.zeros(start, dtype=torch.bool)
+        exact = torch.zeros(start, dtype=torch.bool)
         for segment, (s, e) in zip(segments, spans, strict=True):
             cached[s:e] = segment.is_cached
+            exact[s:e] = segment.is_cached and segment.exact
         must = ~cached
         must[-1] = True  # next-token logits need the last token's hidden state at every layer
+        exact[-1] = False
         ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long)
-        return cls(segments, ids, cached, must, spans)
+        return cls(segments, ids, cached, must, spans, exact)
 
     @property
     def num_tokens(self) -> int:
@@ -45,10 +51,26 @@ class FusionPlan:
 
     @property
     def num_cached(self) -> int:
-        return int((self.cached_mask & ~self.must_compute).sum())
+        """Cached positions a method may choose to recompute (exact ones and must-compute ones aside):
+        what a recompute ratio is a share of."""
+        return int(self.candidate_mask.sum())
+
+    @property
+    def candidate_mask(self) -> torch.Tensor:
+        """[T] bool: cached positions whose KV is reusable but not exact, i.e. worth recomputing."""
+        return self.cached_mask & ~self.must_compute & ~self.exact_mask
 
     def cached_spans(self) -> list[tuple[int, int]]:
+        """[start, end) of every cached segment, exact ones included (every span whose KV is placed)."""
         return [span for seg, span in zip(self.segments, self.spans, strict=True) if seg.is_cached]
+
+    def chunk_spans(self) -> list[tuple[int, int]]:
+        """[start, end) of the cached segments whose KV is not exact: the chunks a method blends."""
+        return [
+            span
+            for seg, span in zip(self.segments, self.spans, strict=True)
+            if seg.is_cached and not seg.exact
+        ]
 
 
 @dataclass

@@ -88,19 +88,25 @@ class ChunkKV:
 @dataclass(frozen=True)
 class Segment:
     """A run of prompt tokens. With ``kv`` it is a cached chunk whose KV may be reused; without, fresh
-    text (chat template, separators, the question) that is computed at every layer."""
+    text (chat template, separators, the question) that is computed at every layer.
+
+    ``exact``: the KV is this prompt's own KV at these positions (the prompt's head, prefilled from
+    position 0, as a prefix cache holds it), so no method needs to recompute any of it."""
 
     token_ids: tuple[int, ...]
     kv: ChunkKVSource | None = field(default=None, compare=False)
     chunk_id: str | None = None
+    exact: bool = False
 
     @classmethod
     def fresh(cls, token_ids: Sequence[int]) -> Segment:
         return cls(tuple(token_ids))
 
     @classmethod
-    def cached(cls, token_ids: Sequence[int], kv: ChunkKVSource, chunk_id: str | None = None) -> Segment:
-        return cls(tuple(token_ids), kv, chunk_id)
+    def cached(
+        cls, token_ids: Sequence[int], kv: ChunkKVSource, chunk_id: str | None = None, exact: bool = False
+    ) -> Segment:
+        return cls(tuple(token_ids), kv, chunk_id, exact)
 
     @property
     def is_cached(self) -> bool:

@@ -13,6 +13,7 @@ from .ingest import ingest
 from .models import models_app
 from .profile import profile
 from .query import query
+from .serve import serve
 from .store import store_app
 from .tune import tune_command
 
@@ -27,6 +28,7 @@ app.command("query")(query)
 app.command("eval")(eval_command)
 app.command("bench")(bench_command)
 app.command("tune")(tune_command)
+app.command("serve")(serve)
 
 
 @app.callback()

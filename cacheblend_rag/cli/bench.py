@@ -1,4 +1,5 @@
-"""``cacheblend-rag bench``: TTFT, prefill, store, deviation, ingest and throughput, side by side."""
+"""``cacheblend-rag bench``: TTFT, prefill, store, deviation, ingest, throughput and serving, side by
+side."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def bench_command(
         str | None,
         typer.Option(
             "--only",
-            help="Comma-separated sections (ttft, prefill, store, deviation, ingest, throughput; vllm, which "
-            "needs the [vllm] extra, runs only when named); the others are kept from OUT's results.",
+            help="Comma-separated sections (ttft, prefill, store, deviation, ingest, throughput, serve; "
+            "vllm, which needs the [vllm] extra, runs only when named); the others are kept from OUT's "
+            "results.",
         ),
     ] = None,
     repeats: Annotated[

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from ..errors import CacheBlendError
+from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 console = Console()
 err_console = Console(stderr=True)
@@ -40,14 +41,17 @@ def ingest(
     no_kv: Annotated[
         bool, typer.Option("--no-kv", help="Skip KV precompute (done on first use instead).")
     ] = False,
+    kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
 ) -> None:
-    """Read, chunk, embed and index documents and precompute their chunks' KV. Unchanged files are skipped."""
+    """Read, chunk, embed and index documents and precompute their chunks' KV. Unchanged files are skipped.
+    With a remote KV tier every chunk is pinned there (computed only if no tier holds it)."""
     from transformers.utils import logging as hf_logging
 
     from ..ingest.pipeline import ingest as run_ingest
 
     hf_logging.disable_progress_bar()  # our own bars only
     try:
+        use_kv_remote(kv_remote)
         with Progress(
             TextColumn("{task.description:<24}"),
             BarColumn(),
@@ -90,6 +94,8 @@ def ingest(
     table.add_row("chunks", f"{summary.chunks} ({summary.new_chunks} new, {summary.removed_chunks} removed)")
     table.add_row("tokens", f"{summary.tokens:,}")
     table.add_row("KV", f"{summary.kv_chunks} chunks, {summary.kv_bytes / 2**20:,.1f} MiB")
+    if summary.kv_remote_pinned is not None:
+        table.add_row("remote KV tier", f"{summary.kv_remote_pinned} chunks pinned")
     table.add_row("time", f"{summary.seconds:.1f} s")
     for stage, seconds in summary.stage_seconds.items():
         table.add_row(f"  {stage}", f"{seconds:.1f} s")

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import CacheBlendError
+from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 console = Console()
 err_console = Console(stderr=True)
@@ -55,11 +56,17 @@ def query(
             "through the batch scheduler.",
         ),
     ] = None,
+    kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
 ) -> None:
     """Retrieve the top chunks, blend their cached KV and answer."""
     from ..engine import SamplingParams
     from ..rag import CacheBlendRAG
 
+    try:
+        use_kv_remote(kv_remote)
+    except CacheBlendError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
     if (question is None) == (batch is None):
         err_console.print("[red]error:[/red] give either a QUESTION or --batch FILE")
         raise typer.Exit(2)

@@ -1,15 +1,18 @@
-"""``cacheblend-rag store``: inspect and maintain the chunk KV store of a corpus directory (DIR/kv)."""
+"""``cacheblend-rag store``: inspect and maintain the chunk KV store of a corpus directory (DIR/kv), and
+the shared remote KV tier with ``--kv-remote`` (or ``CACHEBLEND_KV_REMOTE``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from ..errors import CacheBlendError, StoreError
+from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the chunk KV store (DIR/kv).")
 console = Console()
@@ -37,8 +40,9 @@ def open_kv_store(corpus_dir: Path):
     return KVStore.open_existing(kv_root, fingerprint)
 
 
-def _run(corpus_dir: Path, action):
+def _run(corpus_dir: Path, action, kv_remote: str | None = None):
     try:
+        use_kv_remote(kv_remote)
         store = open_kv_store(corpus_dir)
         try:
             return action(store)
@@ -53,10 +57,21 @@ def _print_json(data) -> None:
     console.print_json(json.dumps(data, default=str))
 
 
+def _stats(store) -> dict:
+    data = store.stats()
+    if store.remote is not None:
+        data["remote"] = store.remote.stats()  # a scan of the server, beyond this process's counters
+    return data
+
+
 @store_app.command("stats")
-def stats(corpus: Path = CORPUS_OPTION, as_json: bool = JSON_OPTION) -> None:
-    """Entries and bytes per tier, budgets, model and dtype."""
-    data = _run(corpus, lambda s: s.stats())
+def stats(
+    corpus: Path = CORPUS_OPTION,
+    as_json: bool = JSON_OPTION,
+    kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
+) -> None:
+    """Entries and bytes per tier (the remote tier's too), budgets, model and dtype."""
+    data = _run(corpus, _stats, kv_remote)
     if as_json:
         _print_json(data)
         return
@@ -68,7 +83,16 @@ def stats(corpus: Path = CORPUS_OPTION, as_json: bool = JSON_OPTION) -> None:
     for tier in ("ram", "disk"):
         row = data[tier]
         table.add_row(tier, str(row["entries"]), f"{row['bytes']:,}", f"{row['budget_bytes']:,}")
+    remote = data["remote"]
+    if remote is not None and remote["available"]:
+        maxmemory = remote["server"]["maxmemory"]
+        entries = f"{remote['entries']} ({remote['pinned']} pinned)"
+        budget = f"{maxmemory:,} (server)" if maxmemory else "unlimited"
+        table.add_row("remote", entries, f"{remote['bytes']:,}", budget)
     console.print(table)
+    if remote is not None:
+        state = "" if remote["available"] else f"  [red]unreachable[/red]: {remote.get('error', '')}"
+        console.print(f"remote tier {remote['url']} prefix {remote['prefix']}{state}", highlight=False)
     read_only = "  [yellow](read-only)[/yellow]" if data["read_only"] else ""
     console.print(
         f"model {data['model_fingerprint'][:16]}…  kv dtype {data['kv_dtype']}  "
@@ -76,16 +100,31 @@ def stats(corpus: Path = CORPUS_OPTION, as_json: bool = JSON_OPTION) -> None:
     )
 
 
+def _verify(store, repair: bool):
+    """The local report and, with a remote tier, the remote one (raises StoreError if unreachable)."""
+    local = store.verify(repair=repair)
+    return local, (store.remote.verify(repair=repair) if store.remote is not None else None)
+
+
 @store_app.command("verify")
 def verify(
     corpus: Path = CORPUS_OPTION,
-    repair: bool = typer.Option(False, "--repair", help="Remove corrupt files and fix the index."),
+    repair: bool = typer.Option(
+        False, "--repair", help="Remove corrupt files (and remote values) and fix the index."
+    ),
     as_json: bool = JSON_OPTION,
+    kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
 ) -> None:
-    """Read every stored file and check it (metadata, every layer's checksum) and the index."""
-    report = _run(corpus, lambda s: s.verify(repair=repair))
+    """Read every stored file and check it (metadata, every layer's checksum) and the index; with a
+    remote tier, every value on the server too."""
+    report, remote = _run(corpus, lambda s: _verify(s, repair), kv_remote)
+    clean = report.clean and (remote is None or remote.clean)
     if as_json:
-        _print_json(report.as_dict())
+        data = report.as_dict()
+        if remote is not None:
+            data["remote"] = remote.as_dict()
+            data["clean"] = clean
+        _print_json(data)
     else:
         console.print(f"checked {report.checked} files: {report.ok} ok, {len(report.corrupt)} corrupt")
         for bad in report.corrupt:
@@ -97,16 +136,35 @@ def verify(
         ):
             if keys:
                 console.print(f"  {len(keys)} {label}")
-        if not report.clean:
+        if remote is not None:
+            console.print(
+                f"remote tier: checked {remote.checked} chunks: {remote.ok} ok ({remote.pinned} pinned), "
+                f"{len(remote.corrupt)} corrupt, {len(remote.stray_keys)} stray keys"
+            )
+            for bad in remote.corrupt:
+                console.print(f"  [red]corrupt[/red] remote {bad['key'][:16]}…: {bad['reason']}")
+        if not clean:
             console.print("repaired" if repair else "run again with --repair to fix")
-    if not report.clean and not repair:
+    if not clean and not repair:
         raise typer.Exit(1)
 
 
+def _gc(store) -> dict:
+    report = store.gc()
+    if store.remote is not None:
+        report.update({f"remote_{name}": count for name, count in store.remote.gc().items()})
+    return report
+
+
 @store_app.command("gc")
-def gc(corpus: Path = CORPUS_OPTION, as_json: bool = JSON_OPTION) -> None:
-    """Enforce the disk budget (LRU) and reconcile the index with the files."""
-    report = _run(corpus, lambda s: s.gc())
+def gc(
+    corpus: Path = CORPUS_OPTION,
+    as_json: bool = JSON_OPTION,
+    kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
+) -> None:
+    """Enforce the disk budget (LRU) and reconcile the index with the files; with a remote tier, delete
+    what it can never serve."""
+    report = _run(corpus, _gc, kv_remote)
     if as_json:
         _print_json(report)
     else:

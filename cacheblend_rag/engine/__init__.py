@@ -19,9 +19,10 @@ from .base import (
 )
 from .constraints import JsonConstraint
 from .engine import Engine
+from .handles import RequestHandle
 from .prompt import ChunkRef, PromptBuilder, PromptPart
 from .sampling import SamplingParams
-from .scheduler import BatchScheduler, RequestHandle, SchedulerStats
+from .scheduler import BatchScheduler, SchedulerStats
 
 ENGINE_KINDS = ("torch", "vllm")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -57,9 +58,24 @@ def share_chunks(requests: Sequence[Sequence[Segment]]) -> list[list[Segment]]:
             if chunk is None:
                 chunk = shared[id(segment.kv)] = SharedChunk(segment.kv)
             chunk.users += 1
-            segments.append(Segment(segment.token_ids, chunk, segment.chunk_id))
+            segments.append(replace(segment, kv=chunk))
         out.append(segments)
     return out
+
+
+def fusion_batches(items: Sequence[int], sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """``items`` split, in order, into runs whose ``sizes`` (bytes of each request's fusion cache) sum to
+    at most ``budget`` (a single item larger than the budget runs alone): what may be fused together."""
+    batches: list[list[int]] = []
+    used = 0
+    for item, size in zip(items, sizes, strict=True):
+        if batches and used + size <= budget:
+            batches[-1].append(item)
+            used += size
+        else:
+            batches.append([item])
+            used = size
+    return batches
 
 
 class DecodeCache:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,8 +13,8 @@ from typing import Any
 import torch
 
 from ..blend.controller import LoadingController
-from ..blend.fusor import FusionResult, Fusor
-from ..blend.methods import Reuse
+from ..blend.fusor import FusionRequest, FusionResult, Fusor
+from ..blend.methods import RecomputeMethod, Reuse
 from ..blend.segments import (
     NO_CONTEXT,
     ChunkContext,
@@ -49,6 +51,9 @@ from .textstream import TextStream
 
 log = logging.getLogger(__name__)
 
+# Template openings whose exact KV an engine keeps in memory (a few KB per token each).
+MAX_EXACT_HEADS = 16
+
 
 class Engine(PromptSegments):
     """Owns the model, the fusor and the chunk KV store; implements
@@ -72,6 +77,9 @@ class Engine(PromptSegments):
             chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, settings.chunk_context))
         self.chunk_context = chunk_context
         self._context_cache: KVCache | None = None
+        # template openings seen lately, by token ids: their exact KV (see _exact_head)
+        self._heads: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
+        self._heads_lock = threading.Lock()
         if not isinstance(store, KVStore):
             root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
             store = KVStore(root, self.model.fingerprint, self.model.shape)
@@ -164,7 +172,29 @@ class Engine(PromptSegments):
         """Segments of a prompt laid out as fresh token runs and chunks, with the KV ``method`` reuses
         (from the store, computed and stored on a miss)."""
         reuses = reuse_of(method)
-        return layout_segments(parts, reuses, self.prefix_kv if reuses is Reuse.PREFIX else self.chunk_kv)
+        if reuses is Reuse.PREFIX:
+            return layout_segments(parts, reuses, self.prefix_kv)
+        segments = layout_segments(parts, reuses, self.chunk_kv)
+        return self._exact_head(segments) if reuses is Reuse.CHUNKS else segments
+
+    def _exact_head(self, segments: list[Segment]) -> list[Segment]:
+        """The fresh text before the first chunk (a template's opening: system prompt, "Passages:") is the
+        same in every prompt of the template, and its KV does not depend on what follows. Computed once
+        from position 0 and kept in memory in the compute dtype, it is exactly what a full prefill
+        computes there, so it is reused as an exact segment (as vLLM's prefix caching would)."""
+        if len(segments) < 2 or segments[0].is_cached or not any(s.is_cached for s in segments[1:]):
+            return segments
+        ids = segments[0].token_ids
+        with self._heads_lock:
+            kv = self._heads.pop(ids, None)
+        if kv is None:
+            with self.forward_lock:
+                kv = prefill_chunk_kv(self.model, ids)
+        with self._heads_lock:
+            self._heads[ids] = kv
+            while len(self._heads) > MAX_EXACT_HEADS:
+                self._heads.popitem(last=False)
+        return [Segment.cached(ids, kv, exact=True), *segments[1:]]
 
     # -- fusion and generation -----------------------------------------------------------------------
 
@@ -183,10 +213,46 @@ class Engine(PromptSegments):
                 log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
                 kv_for = self.prefix_kv if method.reuses is Reuse.PREFIX else self.chunk_kv
                 segments = [
-                    Segment.cached(s.token_ids, kv_for(s.token_ids), s.chunk_id) if s.kv is not None else s
+                    Segment.cached(s.token_ids, kv_for(s.token_ids), s.chunk_id)
+                    if s.kv is not None and not s.exact  # an exact head lives in memory, never corrupt
+                    else s
                     for s in segments
                 ]
         raise AssertionError("unreachable")
+
+    def fuse_many(
+        self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
+    ) -> list[FusionResult | Exception]:
+        """Fuse several prompts together (one projection and one MLP per layer over all their tokens;
+        :meth:`Fusor.fuse_many`), each equal to fusing it alone. If that fails (bad input, corrupt KV),
+        they are fused one at a time instead, so one request's problem stays its own: the caller gets
+        each request's result or exception in order."""
+        loaders = [
+            FusionRequest(
+                segments,
+                method,
+                PipelinedLayerLoader(
+                    [s.kv for s in segments if s.kv is not None],
+                    dtype=self.model.dtype,
+                    device=self.model.device,
+                ),
+            )
+            for segments, method in requests
+        ]
+        try:
+            with self.forward_lock:
+                return self.fusor.fuse_many(loaders)
+        except Exception as exc:  # each request is retried alone below and fails on its own
+            if len(requests) == 1:
+                raise
+            log.info("fusing %d requests together failed (%s); fusing them one at a time", len(requests), exc)
+        out: list = []
+        for segments, method in requests:
+            try:
+                out.append(self.fuse(segments, method))
+            except Exception as exc:  # handed to the caller in its request's place
+                out.append(exc)
+        return out
 
     def stream(
         self,

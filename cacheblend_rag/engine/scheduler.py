@@ -2,29 +2,31 @@
 
 Requests wait in one FIFO queue. A worker thread admits them in groups, as many as the decode batch has
 room for (``max_batch`` rows and a budget of KV bytes); a request that does not fit waits, and nothing
-behind it overtakes it. Each admitted group is fused request by request (the fusion methods select
-tokens per request, and on CPU a request's fusion already runs on hundreds of tokens per layer, so
-batching it gains little), but every cached chunk the group uses is read once: a chunk's layers are kept
-for the group from its first reader until its last user is fused, so a chunk shared by several requests
-is read from the RAM or disk tier once per group. Each fused prompt then joins the decode batch, whose KV
-is one buffer [rows, Hkv, capacity, d] per layer with each row at its own position; one forward per step
-generates the next token of every active row (a [B, 1] query per row, masked to that row's own slots, so
-padding and other rows never leak into an answer). A row that finishes leaves the batch at once and its
-slot is refilled by the next admitted request between two decode steps.
+behind it overtakes it. Each admitted group is fused together (:meth:`Engine.fuse_many`: per layer one
+projection and one MLP over every request's selected tokens, attention per request with its own exact
+mask; ``batched_fusion=False`` fuses one at a time), and every cached chunk the group uses is read once:
+a chunk's layers are kept for the group from its first reader until its last user is fused, so a chunk
+shared by several requests is read from the RAM or disk tier once per group. Each fused prompt then
+joins the decode batch, whose KV is one buffer [rows, Hkv, capacity, d] per layer with each row at its
+own position; one forward per step generates the next token of every active row (a [B, 1] query per
+row, masked to that row's own slots, so padding and other rows never leak into an answer). A row that
+finishes leaves the batch at once and its slot is refilled by the next admitted request between two
+decode steps.
 
-Per request, a :class:`RequestHandle` streams :class:`TokenEvent` objects and resolves to the same
-:class:`GenerationResult` as :meth:`Engine.generate`; greedy answers equal the one-at-a-time ones.
+Per request, a :class:`RequestHandle` (:mod:`.handles`) streams :class:`TokenEvent` objects and
+resolves to the same :class:`GenerationResult` as :meth:`Engine.generate`; greedy answers equal the
+one-at-a-time ones. A request can be cancelled (:meth:`BatchScheduler.cancel`, e.g. when its client went
+away): a waiting one leaves the queue, an active one leaves the decode batch before the next step,
+freeing its slot.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,12 +35,13 @@ import torch
 from ..blend.fusor import FusionResult
 from ..blend.segments import Segment
 from ..blend.spec import ResolvedMethod, resolve_method
-from ..errors import AdmissionError
+from ..errors import AdmissionError, RequestCancelledError
 from ..settings import get_settings
 from ..store.keys import kv_bytes_per_token
 from .base import BatchRequest, FusionStats, GenerationResult, Method, TokenEvent, generation_budget
-from .batch_kv import DecodeCache, SharedChunk, share_chunks
+from .batch_kv import DecodeCache, SharedChunk, fusion_batches, share_chunks
 from .constraints import ConstraintState, masked, start_constraint
+from .handles import RequestHandle
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
@@ -47,46 +50,7 @@ if TYPE_CHECKING:  # the engine runs its batches through a scheduler: it imports
 
 log = logging.getLogger(__name__)
 
-_END = object()  # closes a handle's event queue
-
-
-class RequestHandle:
-    """A submitted request. Iterate it for its tokens as they are generated (one consumer); :meth:`result`
-    waits for the final :class:`GenerationResult` (and raises what the request failed with)."""
-
-    def __init__(self, request_id: int) -> None:
-        self.request_id = request_id
-        self.future: Future[GenerationResult] = Future()
-        self.group: int | None = None  # admission group the request was fused in
-        self.submitted_at = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        while True:
-            event = self._events.get()
-            if event is _END:
-                break
-            yield event
-        self.future.result()  # re-raise the request's failure, if any
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        return self.future.result(timeout)
-
-    def done(self) -> bool:
-        return self.future.done()
-
-    def _emit(self, event: TokenEvent) -> None:
-        self._events.put(event)
-
-    def _finish(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
-        self.finished_at = time.perf_counter()
-        if error is not None:
-            self.future.set_exception(error)
-        else:
-            self.future.set_result(result)
-        self._events.put(_END)
+__all__ = ["BatchRequest", "BatchScheduler", "RequestHandle", "SchedulerStats"]
 
 
 @dataclass
@@ -96,7 +60,9 @@ class SchedulerStats:
     submitted: int = 0
     completed: int = 0
     failed: int = 0
+    cancelled: int = 0  # requests stopped by BatchScheduler.cancel before they finished
     groups: int = 0  # admission groups; each reads a shared chunk once
+    fusion_passes: int = 0  # fusions run: one per batch fused together, one per request otherwise
     decode_steps: int = 0
     decode_rows: int = 0  # rows summed over decode steps: decode_rows / decode_steps is the mean batch
     max_rows: int = 0  # most rows decoded in one step
@@ -150,9 +116,17 @@ class BatchScheduler:
     is thread-safe; use the scheduler as a context manager, or call :meth:`close`, to stop its worker.
     """
 
-    def __init__(self, engine: Engine, max_batch: int | None = None, kv_budget_bytes: int | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        max_batch: int | None = None,
+        kv_budget_bytes: int | None = None,
+        batched_fusion: bool = True,
+    ):
         settings = get_settings()
         self.engine = engine
+        # fuse an admission group's prompts together (Engine.fuse_many) rather than one at a time
+        self.batched_fusion = batched_fusion
         self.model = engine.model
         self.max_batch = max_batch if max_batch is not None else settings.batch_max_requests
         self.kv_budget_bytes = (
@@ -229,6 +203,50 @@ class BatchScheduler:
             )
         return segments, resolved, sampling, prompt_tokens, max_new
 
+    # -- cancelling (a client that went away frees its slot) ------------------------------------------
+
+    def cancel(self, handle: RequestHandle) -> bool:
+        """Stop a request that has not finished: a waiting request leaves the queue at once; an active one
+        leaves the decode batch before the next step, freeing its slot. The handle then ends: iteration
+        stops and :meth:`RequestHandle.result` raises :class:`RequestCancelledError`. Returns False when
+        the request had already finished (one finishing in the step the cancel arrives in may still
+        complete normally)."""
+        with self._cond:
+            if handle.done():
+                return False
+            waiting = next((p for p in self._waiting if p.handle is handle), None)
+            if waiting is not None:
+                self._waiting.remove(waiting)
+                self._end_cancelled(waiting)
+            else:
+                handle.cancel_requested = True  # the worker owns the rows: it drops this one
+                self._cond.notify_all()
+        return True
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not yet admitted."""
+        return len(self._waiting)
+
+    @property
+    def active(self) -> int:
+        """Requests in the decode batch (each holds one of its ``max_batch`` slots)."""
+        return len(self._rows)
+
+    def _drop_cancelled(self) -> None:
+        """Worker: end every active row whose request was cancelled, freeing its slot."""
+        slots = [slot for slot, row in enumerate(self._rows) if row.pending.handle.cancel_requested]
+        for slot in slots:
+            self._end_cancelled(self._rows[slot].pending)
+        self._free_slots(slots)
+
+    def _end_cancelled(self, pending: _Pending) -> None:
+        if pending.handle.done():
+            return
+        self.stats.cancelled += 1
+        message = f"request {pending.handle.request_id} was cancelled"
+        pending.handle._finish(error=RequestCancelledError(message))
+
     # -- lifecycle -----------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -258,6 +276,7 @@ class BatchScheduler:
             try:
                 if group:
                     self._start(group)
+                self._drop_cancelled()
                 if self._rows:
                     self._decode_step()
                 elif not self._waiting:
@@ -288,20 +307,44 @@ class BatchScheduler:
         return group
 
     def _start(self, group: list[_Pending]) -> None:
-        """Fuse each request of ``group`` (sharing its chunks' reads), emit its first token and give it a
-        row in the decode batch unless it has already finished."""
+        """Fuse the requests of ``group`` (together, or one at a time; sharing their chunks' reads either
+        way), emit each one's first token and give it a row in the decode batch unless it has already
+        finished."""
         capacities = [row.pending.capacity for row in self._rows] + [p.capacity for p in group]
         self._cache.reserve(len(capacities), max(capacities), keep=len(self._rows))
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
-        for pending, segments in zip(group, share_chunks([p.segments for p in group]), strict=True):
+        shared = share_chunks([p.segments for p in group])
+        try:
+            # cancelled since its group was admitted: not worth a fusion
+            live = [i for i, p in enumerate(group) if not p.handle.cancel_requested]
+            fusions: dict[int, FusionResult | Exception] = {}
+            sizes = [group[i].prompt_tokens * self.kv_bytes_per_token for i in live]
+            for batch in fusion_batches(live, sizes, self.kv_budget_bytes):
+                jobs = [(shared[i], group[i].resolved.method) for i in batch]
+                if self.batched_fusion:
+                    self.stats.fusion_passes += 1
+                    fusions.update(zip(batch, self.engine.fuse_many(jobs), strict=True))
+                    continue
+                for i, job in zip(batch, jobs, strict=True):
+                    self.stats.fusion_passes += 1
+                    try:
+                        fusions[i] = self.engine.fuse(*job)
+                    except Exception as exc:  # this request fails alone
+                        fusions[i] = exc
+        finally:
+            for segments in shared:
+                for segment in segments:
+                    if isinstance(segment.kv, SharedChunk):
+                        segment.kv.release()
+        for i, pending in enumerate(group):
+            fusion = fusions.get(i)
             try:
-                try:
-                    fusion = self.engine.fuse(segments, pending.resolved.method)
-                finally:
-                    for segment in segments:
-                        if isinstance(segment.kv, SharedChunk):
-                            segment.kv.release()
-                self._begin_row(pending, fusion)
+                if fusion is None:
+                    self._end_cancelled(pending)
+                elif isinstance(fusion, Exception):
+                    raise fusion
+                else:
+                    self._begin_row(pending, fusion)
             except Exception as exc:
                 log.warning("request %d failed: %s", pending.handle.request_id, exc)
                 self._fail(pending, exc)
@@ -366,7 +409,11 @@ class BatchScheduler:
             token = sample_next(masked(logits[slot], row.constraint), row.pending.sampling, row.generator)
             if self._accept(row, token):
                 finished.append(slot)
-        for slot in reversed(finished):  # swap the last active row into each freed slot
+        self._free_slots(finished)
+
+    def _free_slots(self, slots: Sequence[int]) -> None:
+        """Remove the rows in ``slots`` (ascending) from the decode batch."""
+        for slot in reversed(slots):  # swap the last active row into each freed slot
             last = len(self._rows) - 1
             if slot != last:
                 self._cache.move(last, slot)

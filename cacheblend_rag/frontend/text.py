@@ -98,7 +98,8 @@ class PromptFrontend:
     ``corpus_dir``: an ingested corpus (chunks are recognised in it and documents added to it); without one,
     nothing is recognised and explicit documents are only KV-cached (in the engine's default KV store).
     ``model``: default the corpus's model (or the settings' model without a corpus); ``engine``: an
-    already loaded engine over the corpus's model instead.
+    already loaded engine over the corpus's model instead; ``engine_kind``: the kind of engine to load
+    over a corpus ("torch" or "vllm", default: the ``engine`` setting).
     """
 
     def __init__(
@@ -106,10 +107,13 @@ class PromptFrontend:
         corpus_dir: str | Path | None = None,
         model: str | Path | None = None,
         engine: Engine | None = None,
+        engine_kind: str | None = None,
     ) -> None:
         self._owned_engine: Engine | None = None
         if corpus_dir is not None:
-            self.rag: CacheBlendRAG | None = CacheBlendRAG(get_corpus(corpus_dir), engine=engine, model=model)
+            self.rag: CacheBlendRAG | None = CacheBlendRAG(
+                get_corpus(corpus_dir), engine=engine, model=model, engine_kind=engine_kind
+            )
             self.engine: Engine = self.rag.engine
             self.corpus: Corpus | None = self.rag.corpus
             self.index: ChunkTextIndex | None = ChunkTextIndex(self.rag.corpus)

@@ -11,7 +11,10 @@ Incremental and crash-safe:
 - ``faiss.index`` is written atomically after the commits; a crash before that is detected by the
   recorded index version and the index is rebuilt from the stored embeddings on the next open;
 - each chunk's KV is marked ready only after the KV store holds it, so an interrupted KV stage resumes
-  where it stopped on the next run, even if no file changed.
+  where it stopped on the next run, even if no file changed;
+- with a shared remote KV tier (setting ``kv_remote``), every chunk of the corpus ends up pinned there as
+  corpus KV: a chunk the tier already holds is not computed again, and one only the local store holds is
+  pushed, so rerunning ingest with a new tier publishes an existing corpus.
 
 Every input is read and chunked before anything is written: a bad file stops the run with an
 ``IngestError`` and the corpus is left as it was.
@@ -23,7 +26,8 @@ import hashlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +43,7 @@ from ..engine import create_engine
 from ..errors import StoreError
 from ..models.tokenizer import load_model_tokenizer
 from ..settings import get_settings
+from ..store.kvstore import KVStore
 from ..text import Chunk, Chunker, Document
 from .kv import ChunkKVWriter, precompute_pending
 from .readers import discover, read_bytes, read_file
@@ -49,6 +54,7 @@ STAGES = ("read", "embed", "index", "kv")
 ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total)
 _LOCK_NAME = ".ingest.lock"
 _LOCK_TIMEOUT_S = 30.0
+_PIN_BATCH = 1000  # chunk rows read at a time when pinning the corpus in the remote tier
 
 
 @dataclass
@@ -67,6 +73,7 @@ class IngestSummary:
     tokens: int = 0  # tokens of the chunk occurrences above
     kv_chunks: int = 0  # chunks whose KV was precomputed in this run
     kv_bytes: int = 0
+    kv_remote_pinned: int | None = None  # chunks pinned in the remote KV tier (None: no remote tier)
     seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -333,7 +340,40 @@ def _kv_stage(
             summary.kv_bytes += written
         # the KV of chunks the corpus no longer holds (their keys hash token ids no chunk has now)
         corpus.documents.drop_kv(removed_kv, engine.store if engine is not None else None)
+        if engine is not None or get_settings().kv_remote:
+            with _kv_store(corpus, engine) as store:
+                _pin_remote(corpus, store, summary)
     finally:
         if owned is not None:
             owned.close()
     summary.stage_seconds["kv"] = time.perf_counter() - t0
+
+
+@contextmanager
+def _kv_store(corpus: Corpus, engine: ChunkKVWriter | None) -> Iterator[KVStore | None]:
+    """The engine's KV store, else the corpus's own (opened here, closed after), or None when the corpus
+    holds no KV of its model yet."""
+    if engine is not None:
+        yield engine.store
+        return
+    store = None
+    if corpus.kv_dir.is_dir():
+        with suppress(StoreError):  # no KV of this model stored yet
+            store = KVStore.open_existing(corpus.kv_dir, corpus.manifest.model_fingerprint)
+    try:
+        yield store
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _pin_remote(corpus: Corpus, store: KVStore | None, summary: IngestSummary) -> None:
+    """With a remote KV tier: pin every chunk whose KV is ready there as corpus KV (pushed from the local
+    store where the tier lacks it), so that chunks ingested before the tier existed are shared too."""
+    if store is None or store.remote is None:
+        return
+    ids = list(corpus.db.iter_chunk_ids())
+    summary.kv_remote_pinned = 0
+    for first in range(0, len(ids), _PIN_BATCH):
+        rows = corpus.db.chunks_by_ids(ids[first : first + _PIN_BATCH]).values()
+        summary.kv_remote_pinned += sum(store.pin(row.kv_key) for row in rows if row.kv_ready)

@@ -47,9 +47,22 @@ class Rope:
         rotated to q directly by the float32 rounding of angles of thousands of radians (~1e-3 on real keys).
         Computed in float64.
         """
+        return self.apply_rerotation(keys, self.rerotation(from_positions, to_positions))
+
+    def rerotation(
+        self, from_positions: torch.Tensor, to_positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float64 cos/sin tables of :meth:`rerotate` (they depend on the positions only, so a caller
+        moving the keys of every layer by the same positions computes them once)."""
         delta = self.angles(to_positions).double() - self.angles(from_positions).double()
         emb = torch.cat((delta, delta), dim=-1)
-        return apply_rotary(keys.double(), emb.cos(), emb.sin()).to(keys.dtype)
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def apply_rerotation(keys: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate ``keys`` by tables from :meth:`rerotation`, in float64; returns ``keys``' dtype."""
+        cos, sin = tables
+        return apply_rotary(keys.double(), cos, sin).to(keys.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -56,11 +56,21 @@ class KVCache:
 
     @classmethod
     def empty(
-        cls, shape: ModelShape, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu"
+        cls,
+        shape: ModelShape,
+        capacity: int,
+        batch: int = 1,
+        dtype=torch.float32,
+        device="cpu",
+        zeroed: bool = True,
     ) -> KVCache:
+        """Buffers for ``capacity`` positions. ``zeroed=False`` skips clearing them: only for a caller that
+        writes every slot before attention reads it (a fusion fills 0..T-1; decoding writes each slot
+        before attending it), since a padded batch row would read whatever is there."""
         dims = (batch, shape.num_kv_heads, capacity, shape.head_dim)
-        keys = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
-        values = [torch.zeros(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        alloc = torch.zeros if zeroed else torch.empty
+        keys = [alloc(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
+        values = [alloc(dims, dtype=dtype, device=device) for _ in range(shape.num_layers)]
         return cls(keys, values)
 
     @property
@@ -93,8 +103,9 @@ class KVCache:
 
 
 # Ascending query positions (a CacheBlend selection) are attended in this many row blocks, each over
-# the keys up to its last position only, which skips most of the masked-out upper triangle.
-ATTENTION_ROW_BLOCKS = 4
+# the keys up to its last position only, which skips most of the masked-out upper triangle (16 blocks
+# attended a 15 % selection of 3,000 positions ~10 % faster than 4 on this CPU).
+ATTENTION_ROW_BLOCKS = 16
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,21 @@ class AttentionMask:
     tensor: torch.Tensor | None
     is_causal: bool
     blocks: tuple[tuple[int, int, int], ...] = ()
+    # queries are the contiguous positions suffix_start..T-1 (a prefix-cache hit, a chunk prefilled behind
+    # its context): on CPU attended as the keys before them, unmasked, merged with a causal square
+    suffix_start: int | None = None
+    # ``tensor`` as an additive float mask per dtype, made on first use and kept for every layer (SDPA
+    # would otherwise convert the boolean mask again at each call)
+    _additive: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        """``tensor`` as 0 where visible and -inf elsewhere, in ``dtype``."""
+        found = self._additive.get(dtype)
+        if found is None:
+            found = torch.zeros(self.tensor.shape, dtype=dtype, device=self.tensor.device)
+            found.masked_fill_(~self.tensor, float("-inf"))
+            self._additive[dtype] = found
+        return found
 
     @classmethod
     def for_positions(cls, positions: torch.Tensor, key_length: int) -> AttentionMask:
@@ -120,6 +146,13 @@ class AttentionMask:
                 return cls(None, True)
             if bool((positions == key_length - 1).all()):
                 return cls(None, False)
+            start = key_length - positions.numel()
+            if (
+                positions.device.type == "cpu"
+                and positions.numel() > 1
+                and bool((positions == torch.arange(start, key_length, device=positions.device)).all())
+            ):
+                return cls(None, False, suffix_start=start)
             if positions.numel() > 1 and bool((positions[1:] > positions[:-1]).all()):
                 bounds = torch.linspace(0, positions.numel(), ATTENTION_ROW_BLOCKS + 1).long().tolist()
                 blocks = tuple(
@@ -131,6 +164,23 @@ class AttentionMask:
         key_positions = torch.arange(key_length, device=positions.device)
         # [B, 1, S, T]: the query at position p sees the keys at positions 0..p
         return cls(key_positions[None, None, None, :] <= positions[:, None, :, None], False, blocks)
+
+
+def _suffix_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scaling: float
+) -> torch.Tensor:
+    """Exact causal attention of queries at positions start..T-1 over keys 0..T-1, as two fast CPU
+    kernels: every query sees keys 0..start-1 (no mask), and keys start..T-1 form a causal square; the two
+    softmaxes are merged through their log-sum-exps. A boolean mask over the whole rectangle runs the
+    masked kernel, about 1.5x slower here."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    seen, seen_lse = flash(q, keys[:, :, :start], values[:, :, :start], scale=scaling)[:2]
+    own, own_lse = flash(q, keys[:, :, start:], values[:, :, start:], is_causal=True, scale=scaling)[:2]
+    top = torch.maximum(seen_lse, own_lse)
+    seen_w, own_w = torch.exp(seen_lse - top).unsqueeze(-1), torch.exp(own_lse - top).unsqueeze(-1)
+    return ((seen * seen_w + own * own_w) / (seen_w + own_w)).to(q.dtype)
 
 
 class LayerwiseModel:
@@ -213,22 +263,32 @@ class LayerwiseModel:
     ) -> torch.Tensor:
         """Attention of ``q`` over the full ``keys``/``values`` [B, Hkv, T, d] under ``mask``, then o-proj,
         residual, post-attention norm, MLP and residual. Returns the layer output [B, S, D]."""
-        block = self.layers[layer]
-        b, s, _ = hidden.shape
+        return self.finish_layer(layer, hidden, self.attend(q, keys, values, mask))
+
+    @torch.inference_mode()
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """Attention of ``q`` [B, H, S, d] over ``keys``/``values`` [B, Hkv, T, d] under ``mask``, heads
+        concatenated: [B, S, H * d] (the o-proj's input)."""
+        b, _, s, _ = q.shape
         self.attention_token_layers += b * s
         if mask.is_causal:
             # SDPA's causal CPU kernel is about twice as fast on materialised heads as with enable_gqa
             groups = q.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling)
+        elif mask.suffix_start is not None:
+            out = _suffix_attention(q, keys, values, mask.suffix_start, self.scaling)
         elif mask.blocks:
+            additive = mask.additive(q.dtype)
             out = torch.cat(
                 [
                     F.scaled_dot_product_attention(
                         q[:, :, start:end],
                         keys[:, :, :key_end],
                         values[:, :, :key_end],
-                        attn_mask=mask.tensor[:, :, start:end, :key_end],
+                        attn_mask=additive[:, :, start:end, :key_end],
                         scale=self.scaling,
                         enable_gqa=True,
                     )
@@ -240,8 +300,15 @@ class LayerwiseModel:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask.tensor, scale=self.scaling, enable_gqa=True
             )
-        out = block.self_attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-        hidden = hidden + out
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+    @torch.inference_mode()
+    def finish_layer(self, layer: int, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of a layer for tokens whose attention output is ``attended`` [B, S, H * d]: o-proj,
+        residual, post-attention norm, MLP and residual. Per token, so tokens of several sequences may
+        be stacked along S."""
+        block = self.layers[layer]
+        hidden = hidden + block.self_attn.o_proj(attended)
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
     @torch.inference_mode()
@@ -277,8 +344,10 @@ class LayerwiseModel:
         cache.length = max(cache.length, end)
         return self.logits(hidden if all_logits else hidden[:, -1])
 
-    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
-        return KVCache.empty(self.shape, capacity, batch=batch, dtype=self.dtype, device=self.device)
+    def new_cache(self, capacity: int, batch: int = 1, zeroed: bool = True) -> KVCache:
+        return KVCache.empty(
+            self.shape, capacity, batch=batch, dtype=self.dtype, device=self.device, zeroed=zeroed
+        )
 
     @torch.inference_mode()
     def prefill(self, ids: list[int] | torch.Tensor, extra_capacity: int = 0, all_logits: bool = False):

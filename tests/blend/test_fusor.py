@@ -200,3 +200,27 @@ def test_a_method_may_not_drop_fresh_text(model, prompt):
     segments, _ = prompt
     with pytest.raises(FusionInputError, match="fresh-text"):
         Fusor(model).fuse(segments, DropsQuestion())
+
+
+def test_fusing_several_prompts_together_equals_fusing_each_alone(model, cases):
+    """fuse_many stacks every prompt's tokens for the projections and the MLP; attention stays per prompt."""
+    from cacheblend_rag.blend.fusor import FusionRequest
+
+    fusor = Fusor(model)
+    jobs = [
+        (case_segments(model, cases[1], 3, torch.float16), CacheBlend(ratio=0.15)),
+        (case_segments(model, cases[2], 2, torch.float16), CacheBlend(ratio=0.15, selection="hkvd")),
+        (case_segments(model, cases[3], 3, torch.float16), FullReuse()),
+        (case_segments(model, cases[4], 2, torch.float16), Epic()),
+    ]
+    together = fusor.fuse_many([FusionRequest(segments, method) for segments, method in jobs])
+    for (segments, method), fused in zip(jobs, together, strict=True):
+        alone = fusor.fuse(segments, method)
+        assert torch.equal(fused.selected, alone.selected)
+        assert (fused.logits - alone.logits).abs().max().item() <= 1e-4
+        n = alone.num_tokens
+        for layer in (0, 14, model.num_layers - 1):
+            assert torch.allclose(
+                fused.cache.keys[layer][:, :, :n], alone.cache.keys[layer][:, :, :n], atol=1e-4
+            )
+        assert fused.qkv_tokens_per_layer == alone.qkv_tokens_per_layer

@@ -52,7 +52,7 @@ def prompts(model, cases):
 def test_query_selection_recomputes_the_most_attended_tokens_at_every_layer(model, prompts):
     segments, _ = prompts[0]
     qkv_before = model.qkv_token_layers
-    fused = Fusor(model).fuse(segments, CacheBlend(ratio=0.15))
+    fused = Fusor(model).fuse(segments, CacheBlend(ratio=0.15, score="attention"))
     plan = fused.plan
     n, cached = plan.num_tokens, plan.num_cached
     fresh = n - cached
@@ -77,6 +77,19 @@ def test_query_selection_recomputes_the_most_attended_tokens_at_every_layer(mode
     heads = model.shape.num_heads
     assert float(attention.sum()) == pytest.approx(heads * rows.numel() * layers, rel=1e-4)
     assert fused.compute_fraction < 0.3
+
+
+def test_contribution_score_ranks_by_attention_times_value_norm(model, prompts):
+    segments, _ = prompts[0]
+    fused = Fusor(model).fuse(segments, CacheBlend(ratio=0.15))  # the default score
+    plan = fused.plan
+    budget = math.ceil(0.15 * plan.num_cached - 1e-9)
+    candidates = plan.candidate_mask.nonzero().squeeze(1)
+    expected = set(candidates[torch.topk(plan.query_contribution[candidates], budget).indices].tolist())
+    chosen = set(fused.selected.tolist()) - set(plan.must_compute.nonzero().squeeze(1).tolist())
+    assert chosen == expected
+    by_attention = set(candidates[torch.topk(plan.query_attention[candidates], budget).indices].tolist())
+    assert chosen != by_attention  # the value norms change the ranking
 
 
 def test_query_selection_tracks_full_prefill_better_than_reuse_and_hkvd(model, prompts):

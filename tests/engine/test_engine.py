@@ -89,7 +89,10 @@ def test_cacheblend_at_full_ratio_answers_like_full_prefill(engine, rag_chunks):
         engine.rag_segments(question, chunks, "cacheblend"), "cacheblend", params, ratio=1.0
     )
     assert blended.token_ids == full.token_ids
-    assert full.reused_tokens == 0 and blended.reused_tokens == 0
+    # every chunk token recomputed; only the template's opening, whose KV is exact, is reused
+    head = len(engine.prompts.rag_frame(question)[0])
+    assert blended.recompute_ratio == 1.0
+    assert full.reused_tokens == 0 and blended.reused_tokens == head
 
 
 def test_cacheblend_reuses_stored_chunks(engine, rag_chunks):
@@ -97,7 +100,8 @@ def test_cacheblend_reuses_stored_chunks(engine, rag_chunks):
     segments = engine.rag_segments(question, chunks, "cacheblend")
     result = engine.generate(segments, "cacheblend", SamplingParams(8), ratio=0.15)
     cached = sum(len(c.token_ids) for c in chunks)
-    assert result.reused_tokens == cached - math.ceil(0.15 * cached - 1e-9)
+    head = len(engine.prompts.rag_frame(question)[0])  # the template's opening: exact KV, reused too
+    assert result.reused_tokens == head + cached - math.ceil(0.15 * cached - 1e-9)
     assert result.chunk_ids == ["c0", "c1", "c2"]
     assert all(engine.store.contains(engine.chunk_key(c.token_ids)) for c in chunks)
     assert result.controller is None  # the ratio was given

@@ -99,6 +99,7 @@ def test_batched_greedy_answers_equal_one_at_a_time(batched_run):
         )
     stats = batched_run.stats
     assert stats.groups == 1 and stats.max_rows == len(METHODS)
+    assert stats.fusion_passes == 1  # the group's prompts were fused together
     # one forward per step for all rows, not one per row
     assert stats.decode_steps < SAMPLING.max_new_tokens
     assert stats.decode_rows > 3 * stats.decode_steps
@@ -106,8 +107,17 @@ def test_batched_greedy_answers_equal_one_at_a_time(batched_run):
 
 
 def test_each_shared_chunk_is_read_from_disk_once_per_batch(batched_run, disk_engine, model):
+    def key(segment, method):  # prefix_cache reuses the prompt's own head: KV prefilled alone, no context
+        if method == "prefix_cache":
+            return disk_engine.store.key_for(segment.token_ids)
+        return disk_engine.chunk_key(segment.token_ids)
+
+    # exact template heads live in the engine's memory, never on disk
     users = Counter(
-        disk_engine.chunk_key(s.token_ids) for segs in batched_run.segments for s in segs if s.is_cached
+        key(s, method)
+        for segs, method in zip(batched_run.segments, METHODS, strict=True)
+        for s in segs
+        if s.is_cached and not s.exact
     )
     assert max(users.values()) >= 2  # the requests do share chunks
     layers = model.num_layers

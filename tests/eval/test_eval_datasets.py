@@ -69,3 +69,12 @@ def test_bad_data_files_are_refused_with_the_problem_named(tmp_path, content, me
 def test_unknown_data_set_name():
     with pytest.raises(EvalDataError, match="musique"):
         load_dataset("no-such-data")
+
+
+def test_heldout_set_is_what_skip_60_selects_and_never_overlaps_the_dev_split():
+    dev, held = load_dataset("musique"), load_dataset("musique-heldout")
+    dev_ids, held_ids = {c.case_id for c in dev.cases}, {c.case_id for c in held.cases}
+    assert len(dev_ids) == 60 and len(held_ids) == 90 and not dev_ids & held_ids
+    union = tuple(sorted(dev.cases + held.cases, key=lambda c: c.case_id))
+    assert {c.case_id for c in select_cases(union, None, 0, skip=60)} == held_ids
+    assert {c.case_id for c in select_cases(union, 60, 0)} == dev_ids

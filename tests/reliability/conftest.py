@@ -33,6 +33,16 @@ _ROWS = pytest.StashKey[list]()
 _PASSED = pytest.StashKey[bool]()
 
 
+# a real Redis server per test, for the remote KV tier's faults (tests/redis_support.py)
+_redis_spec = importlib.util.spec_from_file_location(
+    "redis_support", Path(__file__).parents[1] / "redis_support.py"
+)
+redis_support = importlib.util.module_from_spec(_redis_spec)
+sys.modules["redis_support"] = redis_support
+_redis_spec.loader.exec_module(redis_support)
+redis_server = redis_support.redis_server
+
+
 @pytest.fixture(scope="session")
 def rel_questions() -> list[str]:
     """Three demo questions, one per document of the reliability store."""

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_support import FINGERPRINT, OTHER_FINGERPRINT
+from redis_support import (
+    forge_foreign_fingerprint,
+    forge_layer_bytes,
+    forge_meta_bytes,
+    forge_swapped_value,
+)
+from store_support import FINGERPRINT
 
 from cacheblend_rag.blend.spec import choose_ratio
 from cacheblend_rag.engine import ChunkRef, Engine, SamplingParams
@@ -121,7 +127,7 @@ def test_second_node_reads_through_without_recomputing(tmp_path, redis_server, m
     # every layer was read: the chunks are now in B's RAM and, once written, on its local disk
     node_b.store.flush()
     for ref in refs:
-        key = node_b.store.key_for(ref.token_ids)
+        key = node_b.chunk_key(ref.token_ids)
         assert tier_of(node_b.store.get(key)) == "ram" and node_b.store.path_for(key).is_file()
     assert node_b.store.verify().clean and node_a.store.verify().clean
     node_b.store.evict_ram()
@@ -139,7 +145,7 @@ def test_ingest_pins_what_is_stored_anywhere_and_recomputes_nothing(tmp_path, re
     local_only.store.close()
 
     node_a = node(model, tmp_path / "a", redis_server.url)  # the same local directory, now with the tier
-    key_0, key_1 = (node_a.store.key_for(ref.token_ids) for ref in refs)
+    key_0, key_1 = (node_a.chunk_key(ref.token_ids) for ref in refs)
     assert not node_a.store.remote.contains(key_0)
     assert node_a.ensure_chunk_kv(refs[0].token_ids) == 0  # present locally: not recomputed...
     assert client.ttl(node_a.store.remote.name_for(key_0)) == -1  # ...but pushed, pinned
@@ -190,33 +196,6 @@ def test_setting_kv_remote_wires_every_store(tmp_path, redis_server, model, real
 # -- integrity -----------------------------------------------------------------------------------------
 
 
-def forge_layer_bytes(client, name: str, meta: dict) -> None:
-    data = bytearray(client.hget(name, "3"))
-    data[len(data) // 2] ^= 0xFF
-    client.hset(name, "3", bytes(data))
-
-
-def forge_meta_bytes(client, name: str, meta: dict) -> None:
-    raw = client.hget(name, "meta").replace(b'"num_tokens": "', b'"num_tokens": "1')
-    client.hset(name, "meta", raw)
-
-
-def forge_foreign_fingerprint(client, name: str, meta: dict) -> None:
-    """Another model's value put under this key, its metadata checksum made consistent."""
-    forged = {k: v for k, v in meta.items() if k != "meta_crc32"}
-    forged["model_fingerprint"] = OTHER_FINGERPRINT
-    forged["meta_crc32"] = metadata_crc(forged)
-    client.hset(name, "meta", json.dumps(forged).encode())
-
-
-def forge_swapped_value(client, name: str, meta: dict) -> None:
-    """Another chunk's complete, self-consistent value copied under this key."""
-    other = name[:-64] + "f" * 64
-    fields = client.hgetall(other)
-    client.delete(name)
-    client.hset(name, mapping=fields)
-
-
 @pytest.mark.parametrize(
     ("forge", "message"),
     [
@@ -235,7 +214,7 @@ def test_forged_value_is_a_miss_and_is_recomputed(
     for ref in refs:
         node_a.ensure_chunk_kv(ref.token_ids)
     reference = answer(node_a, question, refs)
-    key = node_a.store.key_for(refs[0].token_ids)
+    key = node_a.chunk_key(refs[0].token_ids)
     tier = node_a.store.remote
     client = redis_server.client()
     if forge is forge_swapped_value:  # the other chunk: a valid value of this model under another key
@@ -264,7 +243,7 @@ def test_killed_server_costs_a_recompute_and_one_warning(tmp_path, redis_server,
         node_a.ensure_chunk_kv(ref.token_ids)
     reference = answer(node_a, question, refs)
     node_b = node(model, tmp_path / "b", redis_server.url)
-    half_read = node_b.store.get(node_b.store.key_for(refs[0].token_ids))
+    half_read = node_b.store.get(node_b.chunk_key(refs[0].token_ids))
     half_read.layer(0)
 
     redis_server.kill()
@@ -273,7 +252,7 @@ def test_killed_server_costs_a_recompute_and_one_warning(tmp_path, redis_server,
             half_read.layer(1)
         del half_read
         for _ in range(3):
-            assert node_b.store.get(node_b.store.key_for(refs[1].token_ids)) is None
+            assert node_b.store.get(node_b.chunk_key(refs[1].token_ids)) is None
         assert answer(node_b, question, refs) == reference  # recomputed
         assert answer(node_b, question, refs) == reference  # now from B's RAM
         assert node_a.store.put(node_a.store.key_for([1, 2, 3]), node_a.precompute([1, 2, 3])) > 0

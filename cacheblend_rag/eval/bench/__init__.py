@@ -1,6 +1,6 @@
 """The benchmark suite behind ``cacheblend-rag bench``: every timing side by side in one run, one module
-per section (``ttft``, ``prefill``, ``store``, ``deviation``, ``ingest``, ``throughput``, and ``vllm``,
-which runs only when named with ``--only``). :mod:`.results` reads and writes the results file,
+per section (``ttft``, ``prefill``, ``store``, ``deviation``, ``ingest``, ``throughput``, ``serve``, and
+``vllm``, which runs only when named with ``--only``). :mod:`.results` reads and writes the results file,
 :mod:`.report` renders each section into BENCHMARKS.md, :mod:`.plots` draws the figures."""
 
 from .config import ALL_SECTIONS, OPTIONAL_SECTIONS, SECTIONS, BenchConfig, BenchContext
@@ -8,6 +8,7 @@ from .ingest import QUERY_METHODS
 from .report import render_bench
 from .results import RESULTS_NAME, load_previous, save_results
 from .run import run_bench
+from .serve import SERVE_METHODS, ServeLoadConfig
 from .throughput import THROUGHPUT_METHODS
 from .ttft import TTFT_COLUMNS
 
@@ -17,10 +18,12 @@ __all__ = [
     "QUERY_METHODS",
     "RESULTS_NAME",
     "SECTIONS",
+    "SERVE_METHODS",
     "THROUGHPUT_METHODS",
     "TTFT_COLUMNS",
     "BenchConfig",
     "BenchContext",
+    "ServeLoadConfig",
     "load_previous",
     "render_bench",
     "run_bench",

@@ -13,7 +13,7 @@ from ..datasets import load_dataset
 
 BENCH_FORMAT = "cacheblend-rag-bench/1"
 # Run by default, in this order; each can be run alone with --only.
-SECTIONS = ("ttft", "prefill", "store", "deviation", "ingest", "throughput")
+SECTIONS = ("ttft", "prefill", "store", "deviation", "ingest", "throughput", "serve")
 # Run only when named with --only: they need an optional install (vllm: the [vllm] extra).
 OPTIONAL_SECTIONS = ("vllm",)
 ALL_SECTIONS = SECTIONS + OPTIONAL_SECTIONS
@@ -38,6 +38,9 @@ class BenchConfig:
     throughput_requests: int = 8
     throughput_levels: tuple[int, ...] = (1, 4, 8, 16)
     throughput_max_new_tokens: int = 16
+    serve_levels: tuple[int, ...] = (1, 4, 8, 16)  # concurrent clients of the serve load test
+    serve_rounds: int = 2  # requests each client sends back to back
+    serve_max_new_tokens: int = 16
     query_max_new_tokens: int = 16
     ingest_max_chars: int | None = None  # cut each corpus file to this many characters (quick runs)
     ingest_files: int | None = None  # use only the first N corpus files (quick runs)
@@ -63,6 +66,9 @@ class BenchConfig:
             throughput_requests=2,
             throughput_levels=(1, 2),
             throughput_max_new_tokens=2,
+            serve_levels=(1, 2),
+            serve_rounds=1,
+            serve_max_new_tokens=2,
             query_max_new_tokens=2,
             ingest_max_chars=1500,
             ingest_files=1,

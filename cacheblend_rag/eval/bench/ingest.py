@@ -20,24 +20,7 @@ QUERY_METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "
 def section_ingest(ctx: BenchContext) -> dict[str, Any]:
     """Issue 5: ingest the sample corpus (KV included) into a fresh store, then query TTFT per method."""
     config = ctx.config
-    if not (SAMPLE_CORPUS / "questions.json").is_file():
-        raise EvalDataError(
-            f"the ingest section needs the sample corpus of a source checkout at {SAMPLE_CORPUS}"
-        )
-    questions = json.loads((SAMPLE_CORPUS / "questions.json").read_text())
-    files = sorted((SAMPLE_CORPUS / "corpus").iterdir())
-    if config.ingest_files is not None:
-        questions = [
-            q for q in questions if Path(q["file"]).name in {f.name for f in files[: config.ingest_files]}
-        ]
-        files = files[: config.ingest_files]
-    sources = ctx.work_dir / "sources"
-    sources.mkdir()
-    for file in files:
-        text = file.read_text()
-        (sources / file.name).write_text(
-            text if config.ingest_max_chars is None else _cut(file, text, config)
-        )
+    sources, questions = copy_sample_corpus(ctx, "sources")
     engine = Engine(ctx.model, ctx.work_dir / "ingest-kv")
     corpus_dir = ctx.work_dir / "ingest-corpus"
     try:
@@ -78,6 +61,28 @@ def section_ingest(ctx: BenchContext) -> dict[str, Any]:
         },
         "queries": queries,
     }
+
+
+def copy_sample_corpus(ctx: BenchContext, name: str) -> tuple[Path, list[dict[str, Any]]]:
+    """The sample corpus's files copied into ``work_dir/name`` (cut for quick runs), and its questions."""
+    config = ctx.config
+    if not (SAMPLE_CORPUS / "questions.json").is_file():
+        raise EvalDataError(f"this section needs the sample corpus of a source checkout at {SAMPLE_CORPUS}")
+    questions = json.loads((SAMPLE_CORPUS / "questions.json").read_text())
+    files = sorted((SAMPLE_CORPUS / "corpus").iterdir())
+    if config.ingest_files is not None:
+        questions = [
+            q for q in questions if Path(q["file"]).name in {f.name for f in files[: config.ingest_files]}
+        ]
+        files = files[: config.ingest_files]
+    sources = ctx.work_dir / name
+    sources.mkdir()
+    for file in files:
+        text = file.read_text()
+        (sources / file.name).write_text(
+            text if config.ingest_max_chars is None else _cut(file, text, config)
+        )
+    return sources, questions
 
 
 def _cut(file: Path, text: str, config: BenchConfig) -> str:

@@ -16,6 +16,7 @@ from .deviation import section_deviation
 from .ingest import section_ingest
 from .prefill import section_prefill
 from .results import new_results
+from .serve import section_serve
 from .store import section_store
 from .throughput import section_throughput
 from .ttft import section_ttft
@@ -30,6 +31,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[BenchContext], dict[str, Any]]] = {
     "deviation": section_deviation,
     "ingest": section_ingest,
     "throughput": section_throughput,
+    "serve": section_serve,
     "vllm": section_vllm,
 }
 

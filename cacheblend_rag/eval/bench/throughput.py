@@ -37,11 +37,12 @@ def bench_runner(
     sampling: SamplingParams,
     ratio: float,
     max_batch: int | None = None,
+    batched_fusion: bool = True,
 ) -> list[RequestTiming]:
     """Serve ``prompts``, all arriving at once, through a :class:`BatchScheduler`. Building each prompt's
     segments is timed, as it is for the sequential runner; the chunks' KV should already be in the store."""
     spec = parse_method(method).with_ratio(ratio)
-    with BatchScheduler(engine, max_batch=max_batch) as scheduler:
+    with BatchScheduler(engine, max_batch=max_batch, batched_fusion=batched_fusion) as scheduler:
         started = time.perf_counter()
         requests = [
             BatchRequest(engine.rag_segments(p.question, p.refs, spec), spec, sampling) for p in prompts
@@ -72,7 +73,9 @@ def run_sequential(
     return timings
 
 
-def throughput_requests(engine: Engine, config: BenchConfig, count: int) -> list[RagQuestion]:
+def throughput_requests(
+    engine: Engine, config: BenchConfig, count: int, chunk_tokens: int | None = None
+) -> list[RagQuestion]:
     """``count`` MuSiQue questions with overlapping chunk sets (neighbours share half their chunks), their
     chunk and prefix KV stored and in the RAM tier."""
     dataset = load_dataset(config.data)
@@ -81,14 +84,16 @@ def throughput_requests(engine: Engine, config: BenchConfig, count: int) -> list
         for c in select_cases(dataset.cases, count + 1, seed=0)
     ]
     requests = overlapping_musique_requests(
-        cases, engine.model.tokenizer, count, config.top_k, config.chunk_tokens
+        cases, engine.model.tokenizer, count, config.top_k, chunk_tokens or config.chunk_tokens
     )
     for request in requests:
         store_in_ram(engine, request.question, request.refs)
     return requests
 
 
-def _throughput_row(timings: Sequence[RequestTiming], seconds: float) -> dict[str, Any]:
+def throughput_row(timings: Sequence[Any], seconds: float) -> dict[str, Any]:
+    """Requests/s, tokens/s and TTFT percentiles of a run; ``timings`` are dataclasses with ``ttft_s`` and
+    ``tokens`` (:class:`RequestTiming`, the serve section's samples)."""
     ttfts = [t.ttft_s for t in timings]
     return {
         "requests": len(timings),
@@ -116,17 +121,19 @@ def section_throughput(ctx: BenchContext) -> dict[str, Any]:
         for method in THROUGHPUT_METHODS:
             started = time.perf_counter()
             timings = run_sequential(engine, baseline, method, sampling, config.ratio)
-            table["sequential"][method] = _throughput_row(timings, time.perf_counter() - started)
+            table["sequential"][method] = throughput_row(timings, time.perf_counter() - started)
             table["scheduler"][method] = {}
             for level in levels:
                 started = time.perf_counter()
                 timings = bench_runner(engine, requests[:level], method, sampling, config.ratio)
-                table["scheduler"][method][str(level)] = _throughput_row(
+                table["scheduler"][method][str(level)] = throughput_row(
                     timings, time.perf_counter() - started
                 )
+        fusion = _batched_fusion_rows(engine, config, sampling)
     finally:
         engine.store.close()
     return {
+        "batched_fusion": fusion,
         "requests": config.throughput_requests,
         "levels": levels,
         "max_new_tokens": config.throughput_max_new_tokens,
@@ -135,6 +142,33 @@ def section_throughput(ctx: BenchContext) -> dict[str, Any]:
         "runners": table,
         "checks": _throughput_checks(table, config.throughput_requests),
     }
+
+
+def _batched_fusion_rows(engine: Engine, config: BenchConfig, sampling: SamplingParams) -> dict[str, Any]:
+    """Issue 16: cacheblend through the scheduler at ``throughput_requests`` concurrent requests, their
+    prompts fused together vs one at a time, for short (128-token) and full-size chunks; median of
+    ``repeats`` interleaved runs each."""
+    count, rows = config.throughput_requests, {}
+    for chunk_tokens in sorted({128, config.chunk_tokens}):
+        requests = throughput_requests(engine, config, count, chunk_tokens)
+        runs: dict[str, list[dict[str, Any]]] = {"together": [], "one_at_a_time": []}
+        for _ in range(config.repeats):
+            for label, together in (("together", True), ("one_at_a_time", False)):
+                started = time.perf_counter()
+                timings = bench_runner(
+                    engine, requests, "cacheblend", sampling, config.ratio, batched_fusion=together
+                )
+                runs[label].append(throughput_row(timings, time.perf_counter() - started))
+        medians = {
+            label: sorted(samples, key=lambda row: row["requests_per_s"])[len(samples) // 2]
+            for label, samples in runs.items()
+        }
+        rows[str(chunk_tokens)] = {
+            **medians,
+            "speedup": medians["together"]["requests_per_s"] / medians["one_at_a_time"]["requests_per_s"],
+            "samples_requests_per_s": {k: [r["requests_per_s"] for r in v] for k, v in runs.items()},
+        }
+    return rows
 
 
 def _throughput_checks(table: dict[str, dict[str, Any]], batch: int) -> list[dict[str, Any]]:

@@ -1,0 +1,287 @@
+"""The server's one link to the core: everything else in ``cacheblend_rag.server`` speaks HTTP and OpenAI.
+
+A request's prompt goes through the same :class:`~cacheblend_rag.frontend.PromptFrontend` the LangChain
+and LlamaIndex integrations use: stored chunks pasted into the prompt are recognised (and ``chunk_ids`` /
+``documents`` located) and become cached segments. Every engine answers through a stream handle
+(:class:`~cacheblend_rag.engine.StreamHandle`): the PyTorch engine's requests go to the frontend's
+:class:`~cacheblend_rag.engine.BatchScheduler`, so concurrent requests are decoded together, and a request
+whose client goes away is cancelled there, freeing its slot; the vLLM engine's go to its ``stream``, which
+vLLM batches, and a cancelled one is aborted at its next token. Core exceptions a client caused become
+:class:`~cacheblend_rag.server.errors.APIError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..engine import BatchScheduler, Engine, GenerationResult, JsonConstraint, RequestHandle, TokenStream
+from ..errors import (
+    AdmissionError,
+    ChunkNotFoundError,
+    ContextLengthError,
+    InvalidChunkIdError,
+    MethodOptionError,
+    RequestCancelledError,
+    StructuredOutputError,
+)
+from ..frontend import DocumentRef, PromptFrontend, TextRequest, text_request
+from .errors import APIError, draining_error
+from .protocol import Answer, GenerationSpec
+
+log = logging.getLogger(__name__)
+
+
+class RunningRequest:
+    """A submitted request. :meth:`events` yields its text as generated (blocking: run it on a thread of
+    its own, one consumer); :meth:`result` waits for the :class:`Answer`; :meth:`cancel` stops it (from
+    any thread).
+
+    ``handle``: the engine's stream handle. Cancelling sets a flag the token loop checks, and calls
+    ``on_cancel`` (the scheduler's cancel, which ends the handle at once).
+    """
+
+    def __init__(
+        self,
+        handle: RequestHandle | TokenStream,
+        engine: str,
+        received: float,
+        param: str,
+        on_cancel: Callable[[], None] | None = None,
+    ) -> None:
+        self.received = received
+        self.submitted = getattr(handle, "submitted_at", time.perf_counter())
+        self.engine = engine
+        self._handle = handle
+        self._events = iter(handle)
+        self._param = param
+        self._on_cancel = on_cancel
+        self._cancelled = threading.Event()
+        self._first: Any = None
+
+    def prefetch(self) -> RunningRequest:
+        """Wait for the first token, so that a request the engine refuses when it first steps it fails
+        before any reply is sent (vLLM checks a request then)."""
+        with _client_errors(self._param):
+            self._first = next(self._events, None)
+        return self
+
+    def events(self) -> Iterator[str]:
+        with _client_errors(self._param):
+            first, self._first = self._first, None
+            if first is not None:
+                yield first.text
+            for event in self._events:
+                if self._cancelled.is_set():
+                    if isinstance(self._handle, TokenStream):
+                        self._handle.close()  # aborts the request in the engine (vLLM)
+                    raise RequestCancelledError("the request was cancelled")
+                yield event.text
+
+    def result(self) -> Answer:
+        for _ in self.events():
+            pass
+        with _client_errors(self._param):
+            return self._answer(self._handle.result())
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        if self._on_cancel is not None:
+            self._on_cancel()
+
+    def _answer(self, result: GenerationResult) -> Answer:
+        done = time.perf_counter()
+        details = {
+            "method": result.method,
+            "method_options": result.method_options,
+            "controller": result.controller,
+            # from the server's receipt of the request: recognition, KV lookups, queueing, fusion
+            "ttft_s": self.submitted - self.received + result.ttft_s,
+            "engine_ttft_s": result.ttft_s,  # from the engine's receipt of the segments
+            "total_s": done - self.received,
+            "recompute_ratio": result.recompute_ratio,
+            "reused_tokens": result.reused_tokens,
+            "computed_tokens": result.computed_tokens,
+            "chunk_ids": list(result.chunk_ids),
+            "load_wait_s": result.load_wait_s,
+            "engine": self.engine,
+        }
+        return Answer(
+            text=result.text,
+            finish_reason=result.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=len(result.token_ids),
+            cached_tokens=result.reused_tokens,
+            details=details,
+        )
+
+
+class EngineBackend:
+    """The model, the corpus and the engine behind one server (see the module docstring).
+
+    ``corpus_dir``: a corpus built by ``cacheblend-rag ingest``; ``model``: default the corpus's;
+    ``engine_kind``: "torch" or "vllm" (default: the ``engine`` setting). ``served_name``: the model id
+    clients name (default the model's name).
+    """
+
+    def __init__(
+        self,
+        corpus_dir: str | Path,
+        model: str | None = None,
+        served_name: str | None = None,
+        engine_kind: str | None = None,
+    ) -> None:
+        self.corpus_dir = Path(corpus_dir)
+        self.frontend = PromptFrontend(corpus_dir, model, engine_kind=engine_kind)
+        self.engine = self.frontend.engine
+        # the batch scheduler serves the PyTorch engine; vLLM schedules and batches its own requests
+        self.scheduler: BatchScheduler | None = (
+            self.frontend.scheduler if isinstance(self.engine, Engine) else None
+        )
+        self.kind = "torch" if self.scheduler is not None else "vllm"
+        self.model_id = served_name or self.frontend.model_name
+        self.fingerprint = self.engine.model.fingerprint
+        self.created = int(time.time())
+        self._closed = False
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def start(self, spec: GenerationSpec, received: float) -> RunningRequest:
+        """Build the request's segments (recognising stored chunks) and submit it. Blocking: chunk KV is
+        looked up, and computed on a miss. Raises :class:`APIError` for a request that cannot be served."""
+        if self._closed:
+            raise draining_error()
+        param = "messages" if spec.messages is not None else "prompt"
+        request = self._text_request(spec, param)
+        with _client_errors(param):
+            if self.scheduler is not None:
+                handle = self.frontend.stream(request)
+                scheduler = self.scheduler
+                return RunningRequest(handle, self.kind, received, param, lambda: _cancel(scheduler, handle))
+            segments = self.frontend.segments(request.text, request.documents, request.method)
+            stream = self.engine.stream(segments, request.method, request.sampling)
+            return RunningRequest(stream, self.kind, received, param).prefetch()
+
+    def _text_request(self, spec: GenerationSpec, param: str) -> TextRequest:
+        documents = [DocumentRef(text, chunk_id) for text, chunk_id in spec.documents]
+        with _client_errors("chunk_ids"):
+            documents += self.frontend.chunk_documents(spec.chunk_ids) if spec.chunk_ids else []
+        with _client_errors(param):
+            text = self.frontend.render_chat(spec.messages) if spec.messages is not None else spec.prompt
+            request = text_request(
+                text or "",
+                documents,
+                method=spec.method,
+                ratio=spec.ratio,
+                max_tokens=spec.max_tokens,
+                temperature=spec.temperature,
+                top_p=spec.top_p,
+                seed=spec.seed,
+                stop=spec.stop,
+            )
+        constraint = _constraint(spec.response_format)
+        if constraint is None:
+            return request
+        return replace(request, sampling=replace(request.sampling, constraint=constraint))
+
+    # -- state ---------------------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/v1/models`` tells about the model."""
+        return {
+            "engine": self.kind,
+            "fingerprint": self.fingerprint,
+            "context_window": self.engine.context_window,
+            "corpus": str(self.corpus_dir),
+        }
+
+    def health(self) -> dict[str, Any]:
+        """The scheduler's queue and counters, and the KV store's tiers and counters."""
+        stats = self.engine.store.stats()
+        counters = {k: v for k, v in stats["counters"].items() if k != "disk_layer_reads"}
+        info: dict[str, Any] = {
+            "model": self.model_id,
+            **self.describe(),
+            "kv_store": {
+                "ram": stats["ram"],
+                "disk": stats["disk"],
+                "counters": counters,
+                "remote": stats["remote"],
+            },
+        }
+        if self.scheduler is not None:
+            scheduler = self.scheduler
+            info["scheduler"] = {
+                "waiting": scheduler.waiting,
+                "active": scheduler.active,
+                "max_batch": scheduler.max_batch,
+                **scheduler.stats.as_dict(),
+            }
+        return info
+
+    def close(self) -> None:
+        """Finish the requests already submitted, then release the engine, its KV store and the corpus."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.scheduler is not None:
+            self.scheduler.close()
+        self.engine.close()
+        if self.frontend.corpus is not None:
+            self.frontend.corpus.close()
+
+
+def _cancel(scheduler: BatchScheduler, handle: RequestHandle) -> None:
+    if scheduler.cancel(handle):
+        log.info("request %d cancelled: its client went away", handle.request_id)
+
+
+def _constraint(response_format: dict[str, Any] | None) -> JsonConstraint | None:
+    """``response_format`` as a JSON constraint: ``json_object`` (any object) or ``json_schema`` (strict
+    unless ``strict`` is false)."""
+    if response_format is None:
+        return None
+    with _client_errors("response_format"):
+        if response_format["type"] == "json_object":
+            return JsonConstraint.json_mode()
+        spec = response_format.get("json_schema") or {}
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise APIError.bad_request(
+                "response_format.json_schema.schema must be a JSON schema object", "response_format"
+            )
+        strict = spec.get("strict")
+        return JsonConstraint(schema, strict=True if strict is None else bool(strict))
+
+
+@contextmanager
+def _client_errors(param: str) -> Iterator[None]:
+    """Core exceptions a request caused, as API errors naming the parameter at fault."""
+    try:
+        yield
+    except (APIError, RequestCancelledError):
+        raise
+    except ContextLengthError as exc:
+        raise APIError.bad_request(str(exc), param, "context_length_exceeded") from exc
+    except AdmissionError as exc:
+        raise APIError.bad_request(str(exc), "max_tokens", "request_too_large") from exc
+    except ChunkNotFoundError as exc:
+        raise APIError.bad_request(str(exc), "chunk_ids", "chunk_not_found") from exc
+    except InvalidChunkIdError as exc:
+        raise APIError.bad_request(str(exc), "chunk_ids", "invalid_chunk_id") from exc
+    except StructuredOutputError as exc:
+        raise APIError.bad_request(str(exc), "response_format", "unsupported_schema") from exc
+    except MethodOptionError as exc:  # an unknown method, or options it refuses
+        raise APIError.bad_request(str(exc), "method") from exc
+    except RuntimeError as exc:
+        if "closed" in str(exc):  # the scheduler or engine is shutting down
+            raise draining_error() from exc
+        raise
+    except ValueError as exc:  # the core's bad-input errors (empty prompt, invalid Unicode, bad option)
+        raise APIError.bad_request(str(exc), param) from exc

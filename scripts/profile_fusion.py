@@ -1,0 +1,87 @@
+"""Profile one fused prefill (and full prefill, full reuse) with torch.profiler.
+
+    .venv/bin/python scripts/profile_fusion.py [--chunks 6] [--chunk-tokens 512] [--methods ...]
+        [--trace DIR] [--rows 25]
+
+Builds a RAG prompt of ``--chunks`` MuSiQue chunks of ``--chunk-tokens`` tokens (chunk KV precomputed
+behind the chunk context, held in RAM as the RAM tier holds it), warms up, then profiles each method once
+and prints the operators that took the most self CPU time, plus wall time per method. ``--trace`` saves a
+Chrome trace per method (open in chrome://tracing or Perfetto). Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, get_method
+from cacheblend_rag.blend.segments import ChunkContext, prefill_chunk_kv
+from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
+from cacheblend_rag.eval.datasets import load_dataset
+from cacheblend_rag.models.loader import load_model
+from cacheblend_rag.models.tokenizer import chunk_context_ids
+from cacheblend_rag.text.chunker import Chunker
+
+
+def build_prompt(model, chunks: int, chunk_tokens: int):
+    tok = model.tokenizer
+    context = ChunkContext(chunk_context_ids(tok, "neutral"))
+    chunker = Chunker(tok, chunk_tokens)
+    pieces = []
+    for case in load_dataset("musique").cases:
+        for ctx in case.contexts:
+            pieces.extend(c.token_ids for c in chunker.split(ctx.document) if c.n_tokens == chunk_tokens)
+        if len(pieces) >= chunks:
+            break
+    if len(pieces) < chunks:  # paragraphs are short: join them into full-size chunks
+        ids = [
+            t
+            for case in load_dataset("musique").cases[:4]
+            for c in case.contexts
+            for t in tok(c.document, add_special_tokens=False)["input_ids"]
+        ]
+        pieces = [tuple(ids[i * chunk_tokens : (i + 1) * chunk_tokens]) for i in range(chunks)]
+    refs = [ChunkRef(p, None, prefill_chunk_kv(model, p, context).to(torch.float16)) for p in pieces[:chunks]]
+    question = "Which river flows through the city where the author of the book was born?"
+    segments = PromptBuilder(tok).rag_segments(question, refs)
+    # the template's opening is reused exactly, as Engine hands it to the fusor
+    head = segments[0].token_ids
+    return [Segment.cached(head, prefill_chunk_kv(model, head), exact=True), *segments[1:]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--chunks", type=int, default=6)
+    parser.add_argument("--chunk-tokens", type=int, default=512)
+    parser.add_argument("--methods", nargs="+", default=["full_recompute", "full_reuse", "cacheblend"])
+    parser.add_argument("--trace", type=Path, default=None, help="folder for Chrome traces")
+    parser.add_argument("--rows", type=int, default=25)
+    args = parser.parse_args()
+
+    model = load_model()
+    segments = build_prompt(model, args.chunks, args.chunk_tokens)
+    fusor = Fusor(model)
+    print(f"prompt: {sum(len(s) for s in segments)} tokens, {torch.get_num_threads()} threads")
+    for name in args.methods:
+        method = get_method(name)
+        # full prefill computes every token, the template's opening included
+        prompt = [Segment.fresh(s.token_ids) for s in segments] if name == "full_recompute" else segments
+        used = [s.kv for s in prompt if s.kv is not None]
+        fusor.fuse(prompt, method, DirectLayerKV(used))  # warm-up
+        started = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(name):
+            fusor.fuse(prompt, method, DirectLayerKV(used))
+        wall = time.perf_counter() - started
+        print(f"\n=== {name}: {wall:.3f} s wall (under the profiler) ===")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        if args.trace is not None:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(args.trace / f"{name}.json"))
+
+
+if __name__ == "__main__":
+    main()

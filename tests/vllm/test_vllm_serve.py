@@ -1,0 +1,87 @@
+"""``cacheblend-rag serve --engine vllm``: the same API over the vLLM engine (a real server process).
+Stored chunks pasted into a chat prompt are blended through the KV connector; the answer equals the
+PyTorch engine's; what vLLM cannot do (structured output) is refused with a 400; SIGTERM exits 0."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cacheblend_rag.corpus.corpus import Corpus
+from cacheblend_rag.engine import Engine, SamplingParams
+from cacheblend_rag.rag import CacheBlendRAG
+from cacheblend_rag.store.kvstore import KVStore
+
+pytestmark = pytest.mark.vllm
+# before any fixture builds a store: in an environment without vLLM the whole module is skipped at once
+pytest.importorskip("vllm", reason="vLLM is not installed here; `make test` runs tests/vllm in .venv-vllm")
+
+MAX_TOKENS = 12
+QUESTION = "What is another notable work made by the author of Miss Sara Sampson?"
+
+
+def _serve_support():
+    path = Path(__file__).parents[1] / "server" / "serve_support.py"
+    spec = importlib.util.spec_from_file_location("serve_support", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["serve_support"] = module
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory, sample_store) -> Path:
+    copy = tmp_path_factory.mktemp("vllm-serve") / "corpus"
+    shutil.copytree(sample_store, copy, ignore=shutil.ignore_patterns("*-shm", "*.lock"))
+    return copy
+
+
+def test_serve_over_the_vllm_engine(corpus_dir, model, tmp_path):
+    support = _serve_support()
+    with Corpus.open(corpus_dir) as corpus:
+        chunks = corpus.get_chunks(list(corpus.db.iter_chunk_ids())[:2])
+    server = support.start_server(corpus_dir, tmp_path / "serve.log", "--engine", "vllm")
+    try:
+        model_id = server.health()["model"]
+        body = {
+            "model": model_id,
+            "messages": support.rag_messages([c.text for c in chunks], QUESTION),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        }
+        answer = support.post(server, "/chat/completions", body).json()
+        extension = answer["cacheblend"]
+        assert extension["engine"] == "vllm" and extension["chunk_ids"] == [c.chunk_id for c in chunks]
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == extension["reused_tokens"] > 0
+
+        lines = []
+        with httpx.stream(
+            "POST", f"{server.url}/chat/completions", json={**body, "stream": True}, timeout=300
+        ) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+        pieces = [json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines]
+        assert "".join(pieces) == answer["choices"][0]["message"]["content"]
+
+        refused = support.post(
+            server, "/chat/completions", {**body, "response_format": {"type": "json_object"}}
+        )
+        assert refused.status_code == 400 and support.error_of(refused)["code"] == "unsupported_schema"
+    finally:
+        assert server.stop() == 0, server.log_text()[-3000:]
+
+    # the PyTorch engine's answer over the same chunks and the same prompt
+    kv = KVStore(corpus_dir / "kv", model.fingerprint, model.shape)
+    try:
+        rag = CacheBlendRAG(corpus_dir, engine=Engine(model, store=kv))
+        reference = rag.query(
+            QUESTION, chunk_ids=[c.chunk_id for c in chunks], sampling=SamplingParams(MAX_TOKENS)
+        )
+    finally:
+        kv.close()
+    assert answer["choices"][0]["message"]["content"].strip() == reference.answer
