@@ -170,7 +170,7 @@ class DocumentSet:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_TOP_K:
             raise InvalidQueryError(f"k must be an integer between 1 and {MAX_TOP_K}, got {k!r}")
         condition = parse_filter(where)
-        vector = self._query_vector(query)
+        vector = self.query_vector(query)
         rows = self.corpus.db.rows_matching(condition) if condition is not None else None
         eligible = len(rows) if rows is not None else self.corpus.db.counts()["chunks"]
         wanted = k
@@ -204,7 +204,20 @@ class DocumentSet:
             for o in found
         ]
 
-    def _query_vector(self, query: str | Sequence[float] | np.ndarray) -> np.ndarray:
+    def chunk_vectors(self, chunk_ids: Sequence[str]) -> np.ndarray:
+        """The stored (unit-length) vectors of these chunks, in order: [len(chunk_ids), dim]."""
+        rows = self.corpus.db.chunks_by_ids(list(chunk_ids))
+        missing = [c for c in chunk_ids if c not in rows]
+        if missing:
+            raise InvalidQueryError(f"no chunk {missing[0]} in corpus {self.corpus.corpus_dir}")
+        ids, vectors = self.corpus.db.embeddings_of(
+            [rows[c].row for c in chunk_ids], self.corpus.manifest.embedding_dim
+        )
+        position = {int(row): i for i, row in enumerate(ids)}
+        return vectors[[position[rows[c].row] for c in chunk_ids]]
+
+    def query_vector(self, query: str | Sequence[float] | np.ndarray) -> np.ndarray:
+        """``query`` as a unit vector: a text embedded with the corpus's embedder, or a vector checked."""
         if isinstance(query, str):
             if not query.strip():
                 raise InvalidQueryError("the query is empty")

@@ -143,6 +143,11 @@ def test_filters_are_applied_inside_the_search(tmp_path):
     assert sorted(d.metadata["topic"] for d in odd) == ["cake", "chess", "sea"]
     retriever = store.as_retriever(search_kwargs={"k": 2, "filter": {"topic": "chess"}})
     assert {d.metadata["topic"] for d in retriever.invoke("boat")} == {"chess"}
+    # maximal marginal relevance: the nearest "sea" note first, then other topics rather than more of it
+    diverse = store.max_marginal_relevance_search("a boat on the ocean", k=3, fetch_k=9, lambda_mult=0.3)
+    assert diverse[0].metadata["topic"] == "sea" and len({d.metadata["topic"] for d in diverse}) > 1
+    mmr = store.as_retriever(search_type="mmr", search_kwargs={"k": 2, "filter": {"topic": "cake"}})
+    assert {d.metadata["topic"] for d in mmr.invoke("boat")} == {"cake"}
     scored = store.similarity_search_with_relevance_scores("stormy sea ship", k=1)
     assert 0.5 < scored[0][1] <= 1.0
     with pytest.raises(ValueError, match=r"unknown filter operator 'regex'"):

@@ -9,9 +9,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Unpack
 
+import numpy as np
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
+from langchain_core.vectorstores.utils import maximal_marginal_relevance
 
 from cacheblend_rag.corpus import DocumentHit, ExternalEmbedder
 from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
@@ -140,6 +142,42 @@ class CacheBlendVectorStore(VectorStore):
     ) -> list[Document]:
         _check_options(kwargs)
         return [_document(hit) for hit in self._documents.search(embedding, k, filter)]
+
+    def max_marginal_relevance_search(
+        self,
+        query: str,
+        k: int = 4,
+        fetch_k: int = 20,
+        lambda_mult: float = 0.5,
+        filter: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        """``k`` of the ``fetch_k`` chunks nearest to ``query`` (among documents matching ``filter``),
+        chosen for relevance and diversity (``lambda_mult``: 1 relevance only, 0 diversity only)."""
+        _check_options(kwargs)
+        return self.max_marginal_relevance_search_by_vector(
+            self._documents.corpus.documents.query_vector(query).tolist(), k, fetch_k, lambda_mult, filter
+        )
+
+    def max_marginal_relevance_search_by_vector(
+        self,
+        embedding: list[float],
+        k: int = 4,
+        fetch_k: int = 20,
+        lambda_mult: float = 0.5,
+        filter: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        _check_options(kwargs)
+        hits = self._documents.search(embedding, max(k, fetch_k), filter)
+        if not hits:
+            return []
+        documents = self._documents.corpus.documents
+        vectors = documents.chunk_vectors([hit.chunk_id for hit in hits])
+        chosen = maximal_marginal_relevance(
+            np.asarray(documents.query_vector(embedding)), list(vectors), lambda_mult=lambda_mult, k=k
+        )
+        return [_document(hits[i]) for i in chosen]
 
     def _select_relevance_score_fn(self):
         return _cosine_to_relevance
