@@ -9,10 +9,11 @@ The public names, importable from here (``from cacheblend_rag import CacheBlendR
   :class:`EngineProtocol`, :class:`BatchRequest`, :class:`SamplingParams`, :class:`ChunkRef`,
   :class:`GenerationResult`, :class:`BatchScheduler`, :class:`JsonConstraint` (structured output);
 - methods: :class:`RecomputeMethod`, :func:`register_method`, :class:`MethodSpec`, :class:`Segment`;
-- storage: :class:`Corpus`, :class:`CorpusManifest` (the corpus directory), :class:`KVStore` (its chunk
-  KV store);
-- integrations: :class:`PromptFrontend`, :class:`GenerationOptions`;
-- :func:`get_settings` and :class:`CacheBlendError`.
+- storage: :class:`Corpus`, :class:`CorpusManifest` (the corpus directory), :class:`ExternalEmbedder`
+  (your own embedding model), :class:`KVStore` (its chunk KV store);
+- integrations: :class:`PromptFrontend`, :class:`GenerationOptions`, :class:`DocumentCollection` (what the
+  vector stores keep documents in);
+- :func:`get_settings`, :class:`SettingsError` and :class:`CacheBlendError`.
 
 They load on first use: importing the package stays cheap for the command line and vLLM's worker
 processes, which import single modules of it.
@@ -45,11 +46,14 @@ _EXPORTS = {
     "Segment": "blend",
     "Corpus": "corpus",
     "CorpusManifest": "corpus",
+    "ExternalEmbedder": "corpus",
     "KVStore": "store",
     "PromptFrontend": "frontend",
     "GenerationOptions": "frontend",
+    "DocumentCollection": "frontend",
     "get_settings": "settings",
     "Settings": "settings",
+    "SettingsError": "settings",
     "CacheBlendError": "errors",
 }
 
@@ -61,8 +65,10 @@ __all__ = [
     "ChunkRef",
     "Corpus",
     "CorpusManifest",
+    "DocumentCollection",
     "Engine",
     "EngineProtocol",
+    "ExternalEmbedder",
     "GenerationOptions",
     "GenerationResult",
     "IngestSummary",
@@ -76,6 +82,7 @@ __all__ = [
     "SamplingParams",
     "Segment",
     "Settings",
+    "SettingsError",
     "TokenEvent",
     "available_methods",
     "create_engine",
@@ -85,7 +92,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .blend import MethodSpec, RecomputeMethod, Reuse, Segment, available_methods, register_method
-    from .corpus import Corpus, CorpusManifest
+    from .corpus import Corpus, CorpusManifest, ExternalEmbedder
     from .engine import (
         BatchRequest,
         BatchScheduler,
@@ -99,10 +106,10 @@ if TYPE_CHECKING:
         create_engine,
     )
     from .errors import CacheBlendError
-    from .frontend import GenerationOptions, PromptFrontend
+    from .frontend import DocumentCollection, GenerationOptions, PromptFrontend
     from .ingest import IngestSummary
     from .rag import CacheBlendRAG, QueryResult
-    from .settings import Settings, get_settings
+    from .settings import Settings, SettingsError, get_settings
     from .store import KVStore
 
 

@@ -81,20 +81,22 @@ class CacheBlendRAG:
 
     def __init__(
         self,
-        corpus_dir: str | Path,
+        corpus_dir: str | Path | Corpus,
         engine: EngineProtocol | str | None = None,
         model: str | Path | None = None,
         engine_kind: str | None = None,
     ):
-        """Open the corpus at ``corpus_dir``. ``engine``: an engine over the corpus's model, or the kind of
-        engine to build over it ("torch" or "vllm"; also accepted as ``engine_kind``; default: the
-        ``engine`` setting)."""
+        """Open the corpus at ``corpus_dir`` (or use an opened :class:`Corpus`). ``engine``: an engine over
+        the corpus's model, or the kind of engine to build over it ("torch" or "vllm"; also accepted as
+        ``engine_kind``; default: the ``engine`` setting); one built here is given back by :meth:`close`."""
         if isinstance(engine, str):
             if engine_kind is not None and engine_kind != engine:
                 raise ValueError(f"engine={engine!r} and engine_kind={engine_kind!r} disagree")
             engine, engine_kind = None, engine
-        self.corpus = Corpus.open(corpus_dir)
+        self.corpus = corpus_dir if isinstance(corpus_dir, Corpus) else Corpus.open(corpus_dir)
+        corpus_dir = self.corpus.corpus_dir
         manifest = self.corpus.manifest
+        self._owned_engine = engine is None
         if engine is None:
             recorded = manifest.model_path if Path(manifest.model_path).is_dir() else manifest.model
             engine = create_engine(
@@ -116,6 +118,12 @@ class CacheBlendRAG:
                 f"context, the engine behind a {len(self.engine.chunk_context)}-token one; create the engine "
                 "with chunk_context=Corpus.open(...).chunk_context (or re-run ingest to upgrade the corpus)"
             )
+
+    def close(self) -> None:
+        """Close the engine this object built (its KV store, its hold on the shared model)."""
+        if self._owned_engine:
+            self._owned_engine = False
+            self.engine.close()
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:
         return self.corpus.search(question, top_k or get_settings().top_k)

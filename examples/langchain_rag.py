@@ -76,6 +76,7 @@ def main() -> None:
         if "answer" in part:
             print(part["answer"].content, end="", flush=True)
     print()
+    llm.close()  # waits for the scheduler to finish (a worker thread cut off at exit can abort the process)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def main() -> None:
     for token in streaming.query(questions[0]["question"]).response_gen:
         print(token, end="", flush=True)
     print()
+    llm.close()  # waits for the scheduler to finish (a worker thread cut off at exit can abort the process)
 
 
 if __name__ == "__main__":

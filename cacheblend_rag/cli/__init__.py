@@ -6,6 +6,7 @@ import logging
 
 import typer
 
+from ..settings import SettingsError, get_settings
 from .bench import bench_command
 from .eval import eval_command
 from .ingest import ingest
@@ -41,3 +42,8 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INF
         handlers=[RichHandler(console=Console(stderr=True), show_path=False)],
         format="%(message)s",
     )
+    try:
+        get_settings()  # a bad CACHEBLEND_* variable stops every command here, named
+    except SettingsError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None

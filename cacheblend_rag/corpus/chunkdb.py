@@ -1,10 +1,11 @@
-"""The corpus on disk: ``manifest.json`` (what the corpus was built with) and ``corpus.sqlite``.
+"""The corpus on disk: ``corpus.sqlite`` (what the corpus holds; ``manifest.json``, what it was built
+with, is :mod:`.manifest`'s). Writes are here, reads in :mod:`.chunkreads`.
 
 Tables of ``corpus.sqlite``:
 
 - ``files``: one row per ingested file (path, content hash, size, mtime).
-- ``documents``: one row per document (a file, or a .jsonl record, or a text added through the API):
-  key, title, metadata JSON.
+- ``documents``: one row per document (a file, or a .jsonl record, or a text added through the API under
+  the caller's id): key, title, metadata JSON.
 - ``chunks``: one row per distinct chunk (content-identical chunks are stored once): chunk id, the text
   exactly as stored, a hash of the text (for exact text look-ups), token ids as a little-endian int32
   blob, token count, the embedding (float32 blob), the KV key and whether its KV is precomputed. The
@@ -18,31 +19,39 @@ Every query is parameterised; ids from callers are validated before they reach S
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..errors import StoreError
 from ..text.chunker import Chunk, pack_token_ids, unpack_token_ids
 from ..text.document import Document
+from .chunkreads import ChunkReads, ChunkRow, StoredDocument, _batches, text_hash
+from .manifest import FORMAT_VERSION, MANIFEST_NAME, READABLE_FORMATS, CorpusManifest
 
-# 2: chunk KV is precomputed behind the chunk context the manifest records (part of each KV key).
-# A format-1 corpus (chunks prefilled alone) is read as having no context, and upgraded by ingest.
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
-MANIFEST_NAME = "manifest.json"
+# The manifest's names are importable from here too, where the corpus's other file names live.
+__all__ = [
+    "DB_NAME",
+    "FORMAT_VERSION",
+    "INDEX_NAME",
+    "MANIFEST_NAME",
+    "READABLE_FORMATS",
+    "ChunkDB",
+    "ChunkRow",
+    "CorpusManifest",
+    "FileChanges",
+    "StoredDocument",
+    "text_hash",
+]
+
 DB_NAME = "corpus.sqlite"
 INDEX_NAME = "faiss.index"
-_SQL_BATCH = 500  # ids per IN (...) query, well under SQLite's variable limit
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -88,80 +97,20 @@ CREATE INDEX IF NOT EXISTS doc_chunks_by_chunk ON doc_chunks(chunk_row);
 """
 
 
-def text_hash(text: str) -> str:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-
-
-@dataclass(frozen=True)
-class CorpusManifest:
-    """What a corpus directory was built with; it only accepts work from the same model and embedder."""
-
-    model: str
-    model_path: str
-    model_fingerprint: str
-    embedder: str
-    embedding_dim: int
-    chunk_tokens: int
-    index_type: str
-    format_version: int = FORMAT_VERSION
-    created_at: float = field(default_factory=time.time)
-    # token ids chunks are prefilled behind when their KV is precomputed (empty: alone)
-    chunk_context: tuple[int, ...] = ()
-
-    @classmethod
-    def load(cls, corpus_dir: Path) -> CorpusManifest | None:
-        """The manifest of ``corpus_dir``, or None when the folder holds none."""
-        path = Path(corpus_dir) / MANIFEST_NAME
-        if not path.is_file():
-            return None
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            if raw.get("format_version") not in READABLE_FORMATS:
-                raise StoreError(
-                    f"{path}: corpus format {raw.get('format_version')!r} is not supported "
-                    f"(this version reads formats {', '.join(map(str, READABLE_FORMATS))}); "
-                    "rebuild the corpus"
-                )
-            fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
-            fields["chunk_context"] = tuple(int(t) for t in fields.get("chunk_context", ()))
-            return cls(**fields)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise StoreError(f"{path}: unreadable manifest: {exc}") from exc
-
-    def save(self, corpus_dir: Path) -> None:
-        path = Path(corpus_dir) / MANIFEST_NAME
-        tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
-        tmp.chmod(0o644)  # never world-writable, whatever the umask
-        os.replace(tmp, path)
-
-
-@dataclass(frozen=True)
-class ChunkRow:
-    """A stored chunk with the context of its first occurrence."""
-
-    row: int
-    chunk_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    kv_key: str
-    kv_ready: bool
-    title: str | None
-    metadata: dict[str, Any]
-
-
 @dataclass
 class FileChanges:
-    """What replacing one file's documents did to the chunk set."""
+    """What a change of documents (a file's, or some by key) did to the chunk set."""
 
     chunks: int = 0  # chunk occurrences written
     tokens: int = 0
     new_chunks: list[str] = field(default_factory=list)
     removed_chunks: list[str] = field(default_factory=list)
     removed_kv_keys: list[str] = field(default_factory=list)
+    removed_rows: list[int] = field(default_factory=list)  # the removed chunks' FAISS ids
+    removed_documents: int = 0
 
 
-class ChunkDB:
+class ChunkDB(ChunkReads):
     """Thread-safe access to ``corpus.sqlite`` (WAL mode: readers are not blocked by an ingest)."""
 
     def __init__(self, path: Path, readonly: bool = False) -> None:
@@ -300,20 +249,63 @@ class ChunkDB:
                     )
                     changes.chunks += 1
                     changes.tokens += chunk.n_tokens
-            for batch in _batches(sorted(old_rows)):
-                marks = ",".join("?" * len(batch))
-                orphans = self._conn.execute(
-                    f"SELECT id, chunk_id, kv_key FROM chunks WHERE id IN ({marks}) "
-                    "AND NOT EXISTS (SELECT 1 FROM doc_chunks dc WHERE dc.chunk_row = chunks.id)",
-                    batch,
-                ).fetchall()
-                if orphans:
-                    self._conn.executemany("DELETE FROM chunks WHERE id = ?", [(r[0],) for r in orphans])
-                    changes.removed_chunks.extend(r[1] for r in orphans)
-                    changes.removed_kv_keys.extend(r[2] for r in orphans)
+            self._drop_orphans(old_rows, changes)
             if changes.new_chunks or changes.removed_chunks:
                 self._bump_version()
         return changes
+
+    def delete_documents(self, keys: Sequence[str]) -> FileChanges:
+        """In one transaction: remove the documents with these keys (absent ones are ignored) and the
+        chunks no remaining document uses."""
+        return self._delete(
+            "SELECT d.id, dc.chunk_row FROM documents d LEFT JOIN doc_chunks dc ON dc.doc_id = d.id "
+            "WHERE d.key IN",
+            "DELETE FROM documents WHERE key IN",
+            keys,
+        )
+
+    def delete_files(self, paths: Sequence[str]) -> FileChanges:
+        """In one transaction: forget these ingested files, their documents and the chunks no remaining
+        document uses."""
+        return self._delete(
+            "SELECT d.id, dc.chunk_row FROM files f JOIN documents d ON d.file_id = f.id "
+            "LEFT JOIN doc_chunks dc ON dc.doc_id = d.id WHERE f.path IN",
+            "DELETE FROM files WHERE path IN",  # cascades to their documents and occurrences
+            paths,
+        )
+
+    def _delete(self, rows_sql: str, delete_sql: str, values: Sequence[str]) -> FileChanges:
+        changes = FileChanges()
+        with self._lock, self._transaction():
+            documents: set[int] = set()
+            old_rows: set[int] = set()
+            for batch in _batches(list(dict.fromkeys(values))):
+                marks = ",".join("?" * len(batch))
+                for doc, row in self._conn.execute(f"{rows_sql} ({marks})", batch):
+                    documents.add(doc)
+                    if row is not None:
+                        old_rows.add(row)
+                self._conn.execute(f"{delete_sql} ({marks})", batch)
+            changes.removed_documents = len(documents)
+            self._drop_orphans(old_rows, changes)
+            if changes.removed_chunks:
+                self._bump_version()
+        return changes
+
+    def _drop_orphans(self, rows: set[int], changes: FileChanges) -> None:
+        """Delete those of ``rows`` that no document uses any more, recording them in ``changes``."""
+        for batch in _batches(sorted(rows)):
+            marks = ",".join("?" * len(batch))
+            orphans = self._conn.execute(
+                f"SELECT id, chunk_id, kv_key FROM chunks WHERE id IN ({marks}) "
+                "AND NOT EXISTS (SELECT 1 FROM doc_chunks dc WHERE dc.chunk_row = chunks.id)",
+                batch,
+            ).fetchall()
+            if orphans:
+                self._conn.executemany("DELETE FROM chunks WHERE id = ?", [(r[0],) for r in orphans])
+                changes.removed_chunks.extend(r[1] for r in orphans)
+                changes.removed_kv_keys.extend(r[2] for r in orphans)
+                changes.removed_rows.extend(r[0] for r in orphans)
 
     def _chunk_row(
         self,
@@ -367,81 +359,6 @@ class ChunkDB:
     def _transaction(self):
         return _Transaction(self._conn)
 
-    # --- reads ----------------------------------------------------------------------------------------
-
-    def embeddings(self, dim: int) -> tuple[np.ndarray, np.ndarray]:
-        """(row ids [n] int64, vectors [n, dim] float32) of every chunk, for (re)building the index."""
-        with self._lock:
-            rows = self._conn.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()
-        ids = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-        vectors = np.zeros((len(rows), dim), dtype=np.float32)
-        for i, (_, blob) in enumerate(rows):
-            vectors[i] = np.frombuffer(blob, dtype="<f4")
-        return ids, vectors
-
-    def pending_kv(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(chunk id, token ids) of chunks whose KV is not precomputed yet."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT chunk_id, token_ids FROM chunks WHERE kv_ready = 0 ORDER BY id"
-            ).fetchall()
-        return [(r[0], unpack_token_ids(r[1])) for r in rows]
-
-    def chunks_by_rows(self, rows: Sequence[int]) -> dict[int, ChunkRow]:
-        return self._select("c.id", list(rows), lambda r: r.row)
-
-    def chunks_by_ids(self, chunk_ids: Sequence[str]) -> dict[str, ChunkRow]:
-        return self._select("c.chunk_id", list(chunk_ids), lambda r: r.chunk_id)
-
-    def chunk_by_text(self, text: str) -> ChunkRow | None:
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT id FROM chunks WHERE text_hash = ? ORDER BY retokenizes DESC, id", (text_hash(text),)
-            ).fetchall()
-        found = self.chunks_by_rows([r[0] for r in rows])
-        return next((found[r[0]] for r in rows if r[0] in found and found[r[0]].text == text), None)
-
-    def _select(self, column: str, keys: list, key_of) -> dict:
-        out: dict = {}
-        with self._lock:
-            for batch in _batches(keys):
-                marks = ",".join("?" * len(batch))
-                # the first occurrence of each chunk (lowest document, then ordinal) gives title and metadata
-                query = f"""
-                    SELECT c.id, c.chunk_id, c.text, c.token_ids, c.kv_key, c.kv_ready,
-                           d.title, d.metadata, d.key, d.source, dc.ordinal, dc.start, dc.end
-                    FROM chunks c
-                    LEFT JOIN doc_chunks dc ON dc.rowid = (
-                        SELECT rowid FROM doc_chunks WHERE chunk_row = c.id ORDER BY doc_id, ordinal LIMIT 1)
-                    LEFT JOIN documents d ON d.id = dc.doc_id
-                    WHERE {column} IN ({marks})"""
-                for r in self._conn.execute(query, batch):
-                    metadata = json.loads(r[7]) if r[7] else {}
-                    if r[8] is not None:
-                        metadata.update(
-                            {"doc_key": r[8], "source": r[9], "ordinal": r[10], "start": r[11], "end": r[12]}
-                        )
-                    row = ChunkRow(r[0], r[1], r[2], unpack_token_ids(r[3]), r[4], bool(r[5]), r[6], metadata)
-                    out[key_of(row)] = row
-        return out
-
-    def counts(self) -> dict[str, int]:
-        with self._lock:
-            one = self._conn.execute
-            return {
-                "files": one("SELECT COUNT(*) FROM files").fetchone()[0],
-                "documents": one("SELECT COUNT(*) FROM documents").fetchone()[0],
-                "chunks": one("SELECT COUNT(*) FROM chunks").fetchone()[0],
-                "tokens": one("SELECT COALESCE(SUM(n_tokens), 0) FROM chunks").fetchone()[0],
-                "kv_ready": one("SELECT COUNT(*) FROM chunks WHERE kv_ready = 1").fetchone()[0],
-                "occurrences": one("SELECT COUNT(*) FROM doc_chunks").fetchone()[0],
-            }
-
-    def iter_chunk_ids(self) -> Iterator[str]:
-        with self._lock:
-            rows = self._conn.execute("SELECT chunk_id FROM chunks ORDER BY id").fetchall()
-        yield from (r[0] for r in rows)
-
 
 class _Transaction:
     """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any exception (including KeyboardInterrupt)."""
@@ -454,8 +371,3 @@ class _Transaction:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._conn.execute("ROLLBACK" if exc_type else "COMMIT")
-
-
-def _batches(items: list) -> Iterator[list]:
-    for i in range(0, len(items), _SQL_BATCH):
-        yield items[i : i + _SQL_BATCH]

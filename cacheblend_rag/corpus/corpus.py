@@ -1,8 +1,10 @@
-"""A corpus directory opened for retrieval: ``Corpus.open(DIR).search(question)``.
+"""A corpus directory opened for retrieval: ``Corpus.open(DIR).search(question)``; created from code with
+``Corpus.create(DIR, model, embedder)``, its documents managed by key through ``corpus.documents``
+(:mod:`.documents`).
 
-Layout of DIR: ``manifest.json`` and ``corpus.sqlite`` (see :mod:`.chunkdb`), ``faiss.index`` (the vector
-index, rebuilt from the stored embeddings whenever it is missing or older than the chunk set) and
-``kv/`` (the chunk KV store, owned by :class:`cacheblend_rag.store.kvstore.KVStore`).
+Layout of DIR: ``manifest.json`` (:mod:`.manifest`) and ``corpus.sqlite`` (see :mod:`.chunkdb`),
+``faiss.index`` (the vector index, rebuilt from the stored embeddings whenever it is missing or older than
+the chunk set) and ``kv/`` (the chunk KV store, owned by :class:`cacheblend_rag.store.kvstore.KVStore`).
 """
 
 from __future__ import annotations
@@ -12,28 +14,40 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from filelock import FileLock
 
 from ..blend.segments import ChunkContext
 from ..errors import ChunkNotFoundError, InvalidQueryError, StoreError
-from ..models.tokenizer import ModelTokenizer, chunk_context_ids, load_model_tokenizer
+from ..models.tokenizer import ModelTokenizer, load_model_tokenizer
 from ..settings import get_settings
 from ..store.keys import chunk_key
 from ..text.chunker import Chunk, Chunker, validate_chunk_id
 from ..text.document import Document
 from . import index as vector_index
-from .chunkdb import DB_NAME, FORMAT_VERSION, INDEX_NAME, ChunkDB, ChunkRow, CorpusManifest, FileChanges
-from .embedder import Embedder, get_embedder
+from .chunkdb import DB_NAME, ChunkDB, ChunkRow, FileChanges
+from .context import new_chunk_context, upgrade_format
+from .documents import DocumentSet
+from .embedder import EmbedderLike, get_embedder, is_external
+from .manifest import (
+    FORMAT_VERSION,
+    KV_DIR_NAME,
+    CorpusManifest,
+    check_compatible,
+    check_embedder,
+    check_new_corpus_dir,
+)
+from .vectors import CorpusVectors
 
 log = logging.getLogger(__name__)
 
-KV_DIR_NAME = "kv"
+# importable from here, where ingest has always found them
+__all__ = ["Corpus", "CorpusStats", "RetrievedChunk", "check_compatible", "check_new_corpus_dir"]
 _MAX_TOP_K = 1000
 _EMBED_BATCH = 64
 _CORPUS_DIR_MODE = 0o750  # never world-writable: a corpus's content ends up inside prompts
@@ -78,7 +92,7 @@ class Corpus:
     """Chunks, embeddings and the vector index of one corpus directory. Thread-safe."""
 
     def __init__(
-        self, corpus_dir: Path, manifest: CorpusManifest, db: ChunkDB, embedder: Embedder | None = None
+        self, corpus_dir: Path, manifest: CorpusManifest, db: ChunkDB, embedder: EmbedderLike | None = None
     ):
         self.corpus_dir = corpus_dir
         self.manifest = manifest
@@ -86,25 +100,27 @@ class Corpus:
         self._embedder = embedder
         self._tokenizer: ModelTokenizer | None = None
         self._chunker: Chunker | None = None
-        self._index = None
-        self._index_version = -1
-        self._index_dirty = False  # in-memory index holds additions the saved one lacks
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # also guards the index and document changes (.vectors, .documents)
+        self.vectors = CorpusVectors(corpus_dir, manifest, db, self._lock)
         # KV keys of chunks whose KV an upgrade made stale (the KV store may delete them)
         self.stale_kv_keys: list[str] = []
 
     # --- opening --------------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, corpus_dir: str | Path, embedder: Embedder | None = None) -> Corpus:
-        """Open an existing corpus directory (built by ``cacheblend-rag ingest``)."""
+    def open(cls, corpus_dir: str | Path, embedder: EmbedderLike | None = None) -> Corpus:
+        """Open an existing corpus directory. ``embedder``: the one it was built with (checked; needed
+        only for a corpus built with an external embedder, see :meth:`use_embedder`)."""
         corpus_dir = Path(corpus_dir).expanduser()
         manifest = CorpusManifest.load(corpus_dir)
         if manifest is None:
             raise StoreError(
                 f"{corpus_dir} is not a cacheblend-rag store (a corpus directory has a manifest.json); "
-                f"build one with `cacheblend-rag ingest PATH... --corpus {corpus_dir}`"
+                f"build one with `cacheblend-rag ingest PATH... --corpus {corpus_dir}`, or from code with "
+                "Corpus.create or a CacheBlendVectorStore (LangChain, LlamaIndex) over the directory"
             )
+        if embedder is not None:
+            check_embedder(corpus_dir, manifest, embedder)
         if not (corpus_dir / DB_NAME).is_file():
             raise StoreError(f"{corpus_dir}: {DB_NAME} is missing; re-ingest into a new store")
         readonly = not os.access(corpus_dir, os.W_OK)
@@ -123,12 +139,13 @@ class Corpus:
         cls,
         corpus_dir: str | Path,
         model: ModelTokenizer,
-        embedder: Embedder,
+        embedder: EmbedderLike,
         chunk_tokens: int | None = None,
         index_type: str | None = None,
     ) -> Corpus:
-        """Open ``corpus_dir`` for writing, creating it if needed. Refuses (and changes nothing) when the
-        corpus was built with another model, embedder or chunk size; a new ``index_type`` is adopted."""
+        """Open ``corpus_dir`` for writing, creating it if needed (an empty or missing folder becomes an
+        empty corpus). Refuses (and changes nothing) when the corpus was built with another model,
+        embedder (name or dimension) or chunk size; a new ``index_type`` is adopted."""
         corpus_dir = Path(corpus_dir).expanduser()
         if index_type is not None:
             vector_index.check_index_type(index_type)
@@ -137,7 +154,7 @@ class Corpus:
         if manifest is not None:
             check_compatible(corpus_dir, manifest, model, embedder, chunk_tokens)
             if manifest.format_version < FORMAT_VERSION:
-                manifest, stale_kv = _upgrade(corpus_dir, manifest, new_chunk_context(model))
+                manifest, stale_kv = upgrade_format(corpus_dir, manifest, new_chunk_context(model))
             if index_type is not None and index_type != manifest.index_type:
                 manifest = replace(manifest, index_type=index_type)
                 manifest.save(corpus_dir)
@@ -168,8 +185,7 @@ class Corpus:
     def close(self) -> None:
         """Save the index if in-memory additions are not on disk yet, then close the database."""
         with self._lock:
-            if self._index_dirty and not self.db.readonly:
-                self._save_index(self._index, self._index_version)
+            self.vectors.save_if_changed()
             self.db.close()
 
     def __enter__(self) -> Corpus:
@@ -190,15 +206,40 @@ class Corpus:
         return self.corpus_dir / KV_DIR_NAME
 
     @property
-    def embedder(self) -> Embedder:
-        if self._embedder is None:
-            self._embedder = get_embedder(self.manifest.embedder)
-            if self._embedder.dim != self.manifest.embedding_dim:
-                raise StoreError(
-                    f"embedder {self.manifest.embedder} gives {self._embedder.dim}-dim vectors, "
-                    f"the corpus holds {self.manifest.embedding_dim}-dim ones"
-                )
-        return self._embedder
+    def embedder(self) -> EmbedderLike:
+        """The corpus's embedder: the one given, else the one the manifest names, loaded on first use (an
+        external embedder cannot be loaded by name: the caller gives it, see :meth:`use_embedder`)."""
+        with self._lock:
+            if self._embedder is None:
+                if is_external(self.manifest.embedder):
+                    raise StoreError(
+                        f"corpus {self.corpus_dir} was built with the external embedder "
+                        f"{self.manifest.embedder} ({self.manifest.embedding_dim}-dim vectors): give it "
+                        "again to embed text (a CacheBlendVectorStore's embeddings, or "
+                        "Corpus.open(DIR, embedder=...))"
+                    )
+                embedder = get_embedder(self.manifest.embedder)
+                check_embedder(self.corpus_dir, self.manifest, embedder)
+                self._embedder = embedder
+            return self._embedder
+
+    @property
+    def can_embed(self) -> bool:
+        """Whether text can be embedded: an embedder was given, or the manifest's can be loaded by name."""
+        return self._embedder is not None or not is_external(self.manifest.embedder)
+
+    def use_embedder(self, embedder: EmbedderLike) -> None:
+        """Embed with ``embedder`` from now on; it must be the one the corpus was built with (same name
+        and dimension)."""
+        check_embedder(self.corpus_dir, self.manifest, embedder)
+        with self._lock:
+            self._embedder = embedder
+
+    @cached_property
+    def documents(self) -> DocumentSet:
+        """The corpus's documents by key: add or replace, delete (with their chunks' vectors and KV), get,
+        search with metadata filters."""
+        return DocumentSet(self, self._lock)
 
     @property
     def chunker(self) -> Chunker:
@@ -230,7 +271,7 @@ class Corpus:
             raise InvalidQueryError(f"top_k must be an integer between 1 and {_MAX_TOP_K}, got {top_k!r}")
         query = self.embedder.embed_query(question)
         with self._lock:
-            hits = vector_index.search(self.sync_index(), query, top_k)
+            hits = vector_index.search(self.vectors.current(), query, top_k)
         rows = self.db.chunks_by_rows([row for row, _ in hits])
         return [_retrieved(rows[row], score) for row, score in hits if row in rows]
 
@@ -294,10 +335,12 @@ class Corpus:
         documents: Sequence[tuple[Document, Sequence[Chunk]]],
         file: tuple[str, str, int, float] | None = None,
         on_embedded: Callable[[int], None] | None = None,
+        vectors: Mapping[str, np.ndarray] | None = None,
     ) -> FileChanges:
         """Store chunked documents in one transaction, replacing earlier versions of the same ``file``
         (path, content hash, size, mtime) or of the same document keys. Only chunks not stored yet are
-        embedded (``on_embedded(n)`` after each batch of n)."""
+        embedded (``on_embedded(n)`` after each batch of n), unless ``vectors`` gives their document's
+        vector (document key -> unit vector from the corpus's embedder, computed by the caller)."""
         with self._lock:
             if self.db.readonly:
                 raise StoreError(f"store {self.corpus_dir} is read-only")
@@ -306,88 +349,45 @@ class Corpus:
                 for chunk in chunks:
                     first.setdefault(chunk.chunk_id, (doc, chunk))
             known = self.db.known_chunk_ids(list(first))
-            fresh = [cid for cid in first if cid not in known]
-            vectors: dict[str, np.ndarray] = {}
+            given = vectors or {}
+            fresh = [cid for cid in first if cid not in known and first[cid][0].key not in given]
+            new_vectors = {
+                cid: given[doc.key]
+                for cid, (doc, _) in first.items()
+                if cid not in known and doc.key in given
+            }
             for start in range(0, len(fresh), _EMBED_BATCH):
                 batch = fresh[start : start + _EMBED_BATCH]
                 embedded = self.embedder.embed([_embedding_text(*first[cid]) for cid in batch])
-                vectors.update(zip(batch, embedded, strict=True))
+                new_vectors.update(zip(batch, embedded, strict=True))
                 if on_embedded is not None:
                     on_embedded(len(batch))
             fingerprint, kv_dtype = self.manifest.model_fingerprint, get_settings().kv_dtype
             before = self.db.version()
             changes = self.db.replace_documents(
                 documents,
-                vectors,
+                new_vectors,
                 file,
                 kv_key=lambda cid: chunk_key(
                     fingerprint, kv_dtype, first[cid][1].token_ids, self.chunk_context.key
                 ),
             )
-            after = self.db.version()
-            # extend the loaded index in place when nothing else changed the corpus meanwhile
-            appendable = self._index is not None and self._index_version == before and after == before + 1
-            if appendable and not changes.removed_chunks and self.manifest.index_type != "ivf":
-                rows = self.db.chunks_by_ids(changes.new_chunks)
-                vector_index.add_vectors(
-                    self._index,
-                    np.stack([vectors[c] for c in changes.new_chunks]),
-                    np.array([rows[c].row for c in changes.new_chunks], dtype=np.int64),
-                )
-                self._index_version = after
-                self._index_dirty = True
+            self.vectors.follow(before, changes, new_vectors)
             return changes
 
-    # --- the vector index -----------------------------------------------------------------------------
+    # --- the vector index (kept by .vectors) ----------------------------------------------------------
 
     def sync_index(self):
-        """The FAISS index for the current chunk set: the loaded one, the saved one if it is current, or
-        one rebuilt from the stored embeddings (and saved, when the corpus is writable)."""
-        with self._lock:
-            version = self.db.version()
-            if self._index is not None and self._index_version == version:
-                return self._index
-            index = None
-            path = self.corpus_dir / INDEX_NAME
-            if path.is_file() and self.db.index_version() == version:
-                index = vector_index.read_index(path)
-                if index.ntotal != self.db.counts()["chunks"]:
-                    log.warning("%s does not match the chunk table; rebuilding it", path)
-                    index = None
-            if index is None:
-                index = self._build_index()
-                if not self.db.readonly:
-                    self._save_index(index, version)
-            self._index, self._index_version, self._index_dirty = index, version, False
-            return index
+        """The FAISS index for the current chunk set (see :meth:`CorpusVectors.current`)."""
+        return self.vectors.current()
 
     def rebuild_index(self) -> None:
         """Build the index afresh from the stored embeddings and save it (after a change of index type)."""
-        with self._lock:
-            version = self.db.version()
-            index = self._build_index()
-            self._save_index(index, version)
-            self._index, self._index_version, self._index_dirty = index, version, False
+        self.vectors.rebuild()
 
     def save_index(self) -> None:
         """Make ``faiss.index`` on disk match the current chunk set."""
-        with self._lock:
-            index = self.sync_index()
-            if self._index_dirty or self.db.index_version() != self._index_version:
-                self._save_index(index, self._index_version)
-
-    def _build_index(self):
-        ids, vectors = self.db.embeddings(self.manifest.embedding_dim)
-        return vector_index.build_index(vectors, ids, self.manifest.index_type, self.manifest.embedding_dim)
-
-    def _save_index(self, index, version: int) -> None:
-        # the lock keeps "write file, then record its version" atomic across processes
-        with FileLock(str(self.corpus_dir / ".index.lock"), mode=0o644):
-            if self.db.index_version() > version:
-                return  # another process already saved a newer index
-            vector_index.write_index(index, self.corpus_dir / INDEX_NAME)
-            self.db.set_index_version(version)
-        self._index_dirty = False
+        self.vectors.save()
 
     # --- information ----------------------------------------------------------------------------------
 
@@ -395,7 +395,7 @@ class Corpus:
         """Counts of files, documents, chunks, tokens and precomputed KV, with the corpus's settings."""
         counts = self.db.counts()
         with self._lock:
-            index_size = int(self.sync_index().ntotal)
+            index_size = int(self.vectors.current().ntotal)
         m = self.manifest
         return CorpusStats(
             corpus_dir=str(self.corpus_dir),
@@ -422,70 +422,3 @@ def _retrieved(row: ChunkRow, score: float) -> RetrievedChunk:
 def _embedding_text(doc: Document, chunk: Chunk) -> str:
     # the title gives a chunk cut from the middle of a document the topic its own text may not name
     return f"{doc.title}\n{chunk.text}" if doc.title else chunk.text
-
-
-def check_new_corpus_dir(corpus_dir: Path) -> None:
-    """Refuse to turn a file, or a folder holding anything but hidden files and a KV store, into a store."""
-    if corpus_dir.exists() and (
-        not corpus_dir.is_dir()
-        or any(not p.name.startswith(".") and p.name != KV_DIR_NAME for p in corpus_dir.iterdir())
-    ):
-        raise StoreError(
-            f"{corpus_dir} exists and is neither an empty folder nor a cacheblend-rag store "
-            "(a corpus directory)"
-        )
-
-
-def new_chunk_context(model: ModelTokenizer) -> ChunkContext:
-    """The chunk context a corpus created now records (the ``chunk_context`` setting)."""
-    return ChunkContext(chunk_context_ids(model.tokenizer, get_settings().chunk_context))
-
-
-def _upgrade(
-    corpus_dir: Path, manifest: CorpusManifest, context: ChunkContext
-) -> tuple[CorpusManifest, list[str]]:
-    """Bring a corpus of an older format to the current one: every chunk's KV key moves to ``context``
-    and its KV is marked as not computed (ingest then precomputes it). Returns the new manifest and the
-    now stale KV keys."""
-    db = ChunkDB(corpus_dir / DB_NAME)
-    try:
-        kv_dtype = get_settings().kv_dtype
-        stale = db.rekey_kv(lambda ids: chunk_key(manifest.model_fingerprint, kv_dtype, ids, context.key))
-    finally:
-        db.close()
-    upgraded = replace(manifest, format_version=FORMAT_VERSION, chunk_context=context.token_ids)
-    upgraded.save(corpus_dir)
-    log.info(
-        "corpus %s upgraded from format %d to %d: chunk KV is recomputed behind the %d-token chunk context",
-        corpus_dir,
-        manifest.format_version,
-        FORMAT_VERSION,
-        len(context),
-    )
-    return upgraded, stale
-
-
-def check_compatible(
-    corpus_dir: Path,
-    manifest: CorpusManifest,
-    model: ModelTokenizer,
-    embedder: Embedder | None,
-    chunk_tokens: int | None,
-) -> None:
-    """Raise StoreError unless ``model`` (and the embedder and chunk size, when given) match the store's."""
-    if model.fingerprint != manifest.model_fingerprint:
-        raise StoreError(
-            f"corpus {corpus_dir} was built with model {manifest.model} (fingerprint "
-            f"{manifest.model_fingerprint[:12]}…, at {manifest.model_path}); this run uses {model.name} "
-            f"({model.fingerprint[:12]}…, at {model.path}). Use the same model or another corpus directory."
-        )
-    if embedder is not None and embedder.name != manifest.embedder:
-        raise StoreError(
-            f"corpus {corpus_dir} was built with embedder {manifest.embedder}, not {embedder.name}; "
-            "use the same embedder or another corpus directory"
-        )
-    if chunk_tokens is not None and chunk_tokens != manifest.chunk_tokens:
-        raise StoreError(
-            f"corpus {corpus_dir} was built with {manifest.chunk_tokens}-token chunks, not {chunk_tokens}; "
-            "use the same chunk size or another corpus directory"
-        )

@@ -1,19 +1,46 @@
-"""Sentence embeddings for retrieval (sentence-transformers, offline, L2-normalized)."""
+"""Sentence embeddings for retrieval, L2-normalized: our sentence-transformers model (offline), or the
+caller's own embedding model (:class:`ExternalEmbedder`: a LangChain ``Embeddings``, a LlamaIndex embed
+model, any pair of functions)."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from ..errors import ModelNotFoundError
+from ..errors import ModelNotFoundError, StoreError
 from ..settings import get_settings
 
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
 _DEFAULT_ALIASES = {DEFAULT_EMBEDDER, f"sentence-transformers/{DEFAULT_EMBEDDER}"}
+# A corpus's manifest names an external embedder with this prefix: it cannot be loaded by name, the
+# caller gives it again when reopening the corpus.
+EXTERNAL_PREFIX = "external:"
+_DIMENSION_PROBE = "How many dimensions do your vectors have?"
+
+
+class EmbedderLike(Protocol):
+    """What a corpus needs from an embedding model: a name (recorded in the manifest), the dimension,
+    and unit-length float32 vectors of texts and of a query."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+
+    def embed_query(self, text: str) -> np.ndarray: ...
+
+
+def is_external(name: str) -> bool:
+    """Whether a manifest's embedder name is an external embedder's (not loadable by name)."""
+    return name.startswith(EXTERNAL_PREFIX)
 
 
 def resolve_embedder_path(name: str | Path | None = None) -> Path:
@@ -106,3 +133,59 @@ def get_embedder(name: str | Path | None = None) -> Embedder:
 @lru_cache(maxsize=2)
 def _shared_embedder(spec: str) -> Embedder:
     return Embedder(spec)
+
+
+class ExternalEmbedder:
+    """The caller's embedding model, through ``embed_documents(texts) -> vectors`` and
+    ``embed_query(text) -> vector`` (a LangChain ``Embeddings`` has both methods; a LlamaIndex embed model
+    has ``get_text_embedding_batch`` and ``get_query_embedding``).
+
+    ``name`` identifies the model in the corpus's manifest (prefixed ``external:``); reopening the corpus
+    needs an embedder of the same name and dimension. Vectors are normalized to unit length, so the
+    corpus ranks by cosine similarity whatever the model's own scale. ``dim``: the vectors' dimension, or
+    None to ask the model once (one query embedding)."""
+
+    def __init__(
+        self,
+        name: str,
+        embed_documents: Callable[[list[str]], Sequence[Sequence[float]]],
+        embed_query: Callable[[str], Sequence[float]],
+        dim: int | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError("an external embedder needs a non-empty name")
+        self.name = name if is_external(name) else EXTERNAL_PREFIX + name
+        self._embed_documents = embed_documents
+        self._embed_query = embed_query
+        self._dim = dim
+
+    @property
+    def dim(self) -> int:
+        if self._dim is None:
+            self._dim = len(self._embed_query(_DIMENSION_PROBE))
+        return self._dim
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit-length float32 vectors [len(texts), dim] of ``texts``."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return unit_vectors(self._embed_documents(list(texts)), len(texts), self.dim, self.name)
+
+    def embed_query(self, text: str) -> np.ndarray:
+        return unit_vectors([self._embed_query(text)], 1, self.dim, self.name)[0]
+
+
+def unit_vectors(
+    vectors: Sequence[Sequence[float]] | np.ndarray, count: int, dim: int, source: str
+) -> np.ndarray:
+    """``vectors`` (``count`` of them, from ``source``) as unit-length float32 rows, checked for shape
+    and finite values."""
+    array = np.asarray(vectors, dtype=np.float32)
+    if array.ndim != 2 or array.shape[0] != count or array.shape[1] != dim:
+        raise StoreError(
+            f"{source} gave vectors of shape {array.shape} for {count} texts; "
+            f"expected {count} vectors of dimension {dim}"
+        )
+    if not np.isfinite(array).all():
+        raise StoreError(f"{source} gave a vector with NaN or infinite values")
+    return array / np.maximum(np.linalg.norm(array, axis=1, keepdims=True), 1e-12)

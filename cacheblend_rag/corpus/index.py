@@ -60,14 +60,43 @@ def add_vectors(index, vectors: np.ndarray, ids: np.ndarray) -> None:
     )
 
 
-def search(index, query: np.ndarray, top_k: int) -> list[tuple[int, float]]:
-    """The ``top_k`` nearest (id, score) pairs for one unit-length query vector, best first."""
-    if index.ntotal == 0 or top_k <= 0:
+def remove_vectors(index, ids: np.ndarray) -> None:
+    """Remove the vectors with these ids from a flat or IVF index (HNSW cannot remove: rebuild it)."""
+    import faiss
+
+    index.remove_ids(faiss.IDSelectorBatch(np.ascontiguousarray(ids, dtype=np.int64)))
+
+
+def search(
+    index, query: np.ndarray, top_k: int, allowed: np.ndarray | None = None
+) -> list[tuple[int, float]]:
+    """The ``top_k`` nearest (id, score) pairs for one unit-length query vector, best first; with
+    ``allowed``, among those ids only (FAISS skips every other vector during the search)."""
+    import faiss
+
+    limit = index.ntotal if allowed is None else min(index.ntotal, len(allowed))
+    if limit == 0 or top_k <= 0:
         return []
-    k = min(top_k, index.ntotal)
+    k = min(top_k, limit)
     _tune_for(index, k)
-    scores, ids = index.search(np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1), k)
+    params = None
+    if allowed is not None:
+        selector = faiss.IDSelectorBatch(np.ascontiguousarray(allowed, dtype=np.int64))
+        params = _search_parameters(index, selector)
+    scores, ids = index.search(np.ascontiguousarray(query, dtype=np.float32).reshape(1, -1), k, params=params)
     return [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
+
+
+def _search_parameters(index, selector):
+    """Search parameters carrying ``selector`` of the kind ``index`` takes (its own tuning kept)."""
+    import faiss
+
+    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap2) else index
+    if isinstance(inner, faiss.IndexHNSW):
+        return faiss.SearchParametersHNSW(sel=selector, efSearch=inner.hnsw.efSearch)
+    if isinstance(inner, faiss.IndexIVF):
+        return faiss.SearchParametersIVF(sel=selector, nprobe=inner.nprobe)
+    return faiss.SearchParameters(sel=selector)
 
 
 def write_index(index, path: Path) -> None:

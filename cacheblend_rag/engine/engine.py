@@ -26,8 +26,8 @@ from ..blend.segments import (
 )
 from ..blend.spec import resolve_method, reuse_of
 from ..errors import ContextLengthError, CorruptKVError, StoreError
-from ..models.loader import load_model
 from ..models.runtime import KVCache, LayerwiseModel
+from ..models.shared import acquire_model, release_model
 from ..models.tokenizer import chunk_context_ids
 from ..settings import get_settings
 from ..store.kvstore import KVStore
@@ -68,7 +68,10 @@ class Engine(PromptSegments):
         chunk_context: ChunkContext | None = None,
     ) -> None:
         settings = get_settings()
-        self.model = model if isinstance(model, LayerwiseModel) else load_model(model)
+        # A model named (or the default) is the process's shared copy (one load per model and device),
+        # given back by close(); a model object passed in stays its owner's.
+        self._owns_model = not isinstance(model, LayerwiseModel)
+        self.model = acquire_model(model) if self._owns_model else model
         # What chunks are prefilled behind (docs/fusor.md); a corpus passes the one it was built with.
         if chunk_context is None:
             chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, settings.chunk_context))
@@ -84,8 +87,9 @@ class Engine(PromptSegments):
         self.fusor = Fusor(self.model)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
         # The model's forward is not re-entrant across threads: every forward (prefill, fusion, decode
-        # step, here or in a BatchScheduler) holds this lock.
-        self.forward_lock = threading.RLock()
+        # step, here or in a BatchScheduler) holds this lock, the model's own, so engines sharing a
+        # model take turns too.
+        self.forward_lock = self.model.forward_lock
         self.eos_ids = eos_token_ids(
             self.model.tokenizer, getattr(self.model.hf_model.generation_config, "eos_token_id", None)
         )
@@ -96,8 +100,12 @@ class Engine(PromptSegments):
         return self.model.shape.max_context
 
     def close(self) -> None:
-        """Close the chunk KV store (waiting for its background writes)."""
+        """Close the chunk KV store (waiting for its background writes) and give back the shared model
+        this engine loaded (the last engine to do so frees it)."""
         self.store.close()
+        if self._owns_model:
+            self._owns_model = False
+            release_model(self.model)
 
     # -- chunk KV ------------------------------------------------------------------------------------
 

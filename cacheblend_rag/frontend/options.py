@@ -4,24 +4,29 @@
 (with per-call overrides) to a :class:`~.text.TextRequest`, and maps an answer back to usage counts and a
 report; a framework class only adapts types (its methods are named apart from the frameworks' own
 ``stream``, ``generate``, ``batch``, since an integration class inherits from both). Every object over
-the same corpus, model and engine kind shares one engine in the process (:func:`~.text.get_frontend`);
-``engine="vllm"`` serves it with vLLM.
+the same corpus, model and engine kind shares one engine in the process (:func:`~.text.acquire_frontend`),
+and every engine the model's weights; ``close()`` gives the object's hold back. ``engine="vllm"`` serves it
+with vLLM.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import AliasChoices, BaseModel, Field, field_validator
+from pydantic import AliasChoices, BaseModel, Field, PrivateAttr, field_validator
 
 from ..blend.spec import MethodSpec
-from ..corpus.chunkdb import CorpusManifest
+from ..corpus.manifest import CorpusManifest
 from ..engine import ENGINE_KINDS, GenerationResult, StreamHandle
 from ..settings import get_settings
-from .text import DocumentRef, PromptFrontend, TextRequest, get_frontend, text_request
+from .text import DocumentRef, PromptFrontend, TextRequest, acquire_frontend, release_frontend, text_request
+
+log = logging.getLogger(__name__)
 
 PROVIDER = "cacheblend"
 
@@ -43,8 +48,8 @@ class GenerationOptions(BaseModel):
     corpus_dir: str | None = Field(
         default=None,
         validation_alias=AliasChoices("corpus_dir", "store_dir"),
-        description="Corpus directory built by `cacheblend-rag ingest` (also accepted as store_dir); "
-        "None: no chunk recognition.",
+        description="Corpus directory (str or Path) built by `cacheblend-rag ingest` or a "
+        "CacheBlendVectorStore (also accepted as store_dir); None: no chunk recognition.",
     )
     model: str | None = Field(
         default=None, description="Model name or folder (default: the corpus's model, else the settings')."
@@ -74,6 +79,14 @@ class GenerationOptions(BaseModel):
     )
     remember_documents: bool = Field(default=True, description="Add passed documents the corpus lacks to it.")
 
+    _frontend: PromptFrontend | None = PrivateAttr(default=None)
+    _warned_no_reuse: bool = PrivateAttr(default=False)
+
+    @field_validator("corpus_dir", "model", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
     @field_validator("method")
     @classmethod
     def _known_method(cls, value: str) -> str:
@@ -94,8 +107,34 @@ class GenerationOptions(BaseModel):
 
     @property
     def frontend(self) -> PromptFrontend:
-        """The shared frontend for this corpus, model and engine kind (the engine is loaded on first use)."""
-        return get_frontend(self.corpus_dir, self.model, self.engine)
+        """The shared frontend for this corpus, model and engine kind (the engine is loaded on first use,
+        and held until :meth:`close`)."""
+        if self._frontend is None or self._frontend.closed:
+            self._frontend = acquire_frontend(self.corpus_dir, self.model, self.engine)
+        return self._frontend
+
+    def close(self) -> None:
+        """Give back this object's hold on the shared engine; the last holder's close frees the model.
+        The object loads it again if used afterwards."""
+        frontend, self._frontend = self._frontend, None
+        if frontend is not None:
+            release_frontend(frontend)
+
+    def _no_reuse(self) -> None:
+        """A prompt held no chunk to reuse: say so, and how to fix it, once per object."""
+        if self._warned_no_reuse:
+            return
+        self._warned_no_reuse = True
+        where = f"corpus {self.corpus_dir}" if self.corpus_dir else "no corpus (corpus_dir is not set)"
+        log.warning(
+            "%s over %s: the prompt holds no stored chunk and no documents= were passed, so no chunk KV is "
+            "reused (cache_read 0, full prefill). To reuse KV, retrieve with a CacheBlendVectorStore (or "
+            "CacheBlendRetriever) over the corpus this model reads, build the chain with "
+            "create_cacheblend_rag_chain, or pass the retrieved documents with documents=. "
+            "(Said once per model object.)",
+            type(self).__name__,
+            where,
+        )
 
     def model_label(self) -> str:
         """The model's name without loading it (for tracing parameters)."""
@@ -145,11 +184,13 @@ class GenerationOptions(BaseModel):
 
     def stream_answer(self, request: TextRequest) -> StreamHandle[GenerationResult]:
         """The answer's handle: iterate it for tokens, then ``.result()``."""
-        return self.frontend.stream(request, self.recognise_chunks, self.remember_documents)
+        return self.frontend.stream(request, self.recognise_chunks, self.remember_documents, self._no_reuse)
 
     def answer_batch(self, requests: Sequence[TextRequest]) -> list[GenerationResult]:
         """Answer every request in one submission (batched by the engine); results in order."""
-        return self.frontend.generate_batch(requests, self.recognise_chunks, self.remember_documents)
+        return self.frontend.generate_batch(
+            requests, self.recognise_chunks, self.remember_documents, self._no_reuse
+        )
 
 
 @dataclass(frozen=True)

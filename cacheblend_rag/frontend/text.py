@@ -13,28 +13,33 @@ Matched spans become cached segments with the chunk's *stored* token ids and KV;
 (chat template, instructions, the question) is tokenized as fresh segments. Every method (full recompute
 included) sees the same token ids for one prompt, so their answers are comparable token for token.
 
-:func:`get_frontend` and :func:`get_corpus` share one engine per (corpus, model, engine kind) and one corpus
-per corpus directory across the process, so every LLM, chat model and retriever object over a corpus uses
-the same model.
-
 The frontend uses only the engine contract (:class:`~cacheblend_rag.engine.EngineProtocol`), so either
-engine serves it. Batching: requests of the PyTorch engine meet in one
-:class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (continuous batching across callers); the vLLM
-engine batches by itself (its driver steps vLLM for every concurrent ``stream``, ``generate_batch``
-submits a batch at once), so its requests go straight to its ``stream`` / ``generate_batch``.
+engine serves it. :func:`acquire_frontend` (:func:`get_frontend`) and :func:`get_corpus` share one engine
+per (corpus, model, engine kind) and one corpus per corpus directory across the process, so every LLM,
+chat model, retriever and vector store object over a corpus uses the same model and the same corpus.
+Engines over different corpora share the model's weights too
+(:func:`cacheblend_rag.models.shared.acquire_model`). A frontend acquired is released by its holder (an
+integration object's ``close()``); the last release closes it and frees the model.
+
+Batching: requests of the PyTorch engine meet in one
+:class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (continuous batching across callers, shared chunk
+reads); the vLLM engine batches by itself (its driver steps vLLM for every concurrent ``stream``,
+``generate_batch`` submits a batch at once), so its requests go straight to its ``stream`` /
+``generate_batch``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..blend.segments import Segment
 from ..blend.spec import MethodSpec
 from ..corpus.corpus import Corpus
+from ..corpus.embedder import EmbedderLike
 from ..engine import (
     ENGINE_KINDS,
     BatchRequest,
@@ -114,9 +119,10 @@ class PromptFrontend:
         engine: EngineProtocol | None = None,
         engine_kind: str | None = None,
     ) -> None:
+        self._owned_engine: EngineProtocol | None = None
         if corpus_dir is not None:
             self.rag: CacheBlendRAG | None = CacheBlendRAG(
-                corpus_dir, engine=engine, model=model, engine_kind=engine_kind
+                get_corpus(corpus_dir), engine=engine, model=model, engine_kind=engine_kind
             )
             self.engine: EngineProtocol = self.rag.engine
             self.corpus: Corpus | None = self.rag.corpus
@@ -124,9 +130,26 @@ class PromptFrontend:
         else:
             self.rag, self.corpus, self.index = None, None, None
             self.engine = engine or create_engine(engine_kind, model)
+            self._owned_engine = None if engine is not None else self.engine
         self._chunker: Chunker | None = None
         self._scheduler: BatchScheduler | None = None
         self._scheduler_lock = threading.Lock()
+        self.closed = False
+
+    def close(self) -> None:
+        """Finish the requests already submitted, stop the scheduler and close the engine this frontend
+        built (its KV store, and its hold on the shared model)."""
+        with self._scheduler_lock:
+            if self.closed:
+                return
+            self.closed = True
+            scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler.close()
+        if self.rag is not None:
+            self.rag.close()
+        elif self._owned_engine is not None:
+            self._owned_engine.close()
 
     @property
     def model_name(self) -> str:
@@ -195,9 +218,12 @@ class PromptFrontend:
         spans, with the KV ``method`` reuses attached."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the prompt is empty")
+        return self._segments(text, self.spans(text, documents, recognise, remember), method)
+
+    def _segments(self, text: str, spans: Sequence[ChunkSpan], method: str | MethodSpec) -> list[Segment]:
         parts: list[PromptPart] = []
         previous = 0
-        for span in self.spans(text, documents, recognise, remember):
+        for span in spans:
             parts.append(tuple(self.engine.prompts.encode(text[previous : span.start])))
             parts.append(ChunkRef(span.token_ids, span.chunk_id))
             previous = span.end
@@ -229,9 +255,16 @@ class PromptFrontend:
             found = corpus.find_by_text(doc.text)
             if found is not None:
                 return [(found.chunk_id, found.text, found.token_ids)]
-            if remember and not corpus.db.readonly:
+            split = self.chunker.split(doc.text)
+            if len(corpus.db.known_chunk_ids([c.chunk_id for c in split])) == len(
+                {c.chunk_id for c in split}
+            ):
+                # a stored document longer than one chunk: its chunks, by their content ids
+                return [(c.chunk_id, c.text, c.token_ids) for c in split]
+            if remember and not corpus.db.readonly and corpus.can_embed:
                 (ids,) = corpus.add_texts([doc.text])
                 return [(c.chunk_id, c.text, c.token_ids) for c in corpus.get_chunks(ids)]
+            return [(c.chunk_id, c.text, c.token_ids) for c in split]
         return [(c.chunk_id, c.text, c.token_ids) for c in self.chunker.split(doc.text)]
 
     @property
@@ -251,19 +284,26 @@ class PromptFrontend:
         if not isinstance(self.engine, Engine):
             return None
         with self._scheduler_lock:
+            if self.closed:
+                raise RuntimeError("this frontend is closed (its model was given back)")
             if self._scheduler is None:
                 self._scheduler = BatchScheduler(self.engine)
             return self._scheduler
 
     def stream(
-        self, request: TextRequest, recognise: bool = True, remember: bool = True
+        self,
+        request: TextRequest,
+        recognise: bool = True,
+        remember: bool = True,
+        unrecognised: Callable[[], None] | None = None,
     ) -> StreamHandle[GenerationResult]:
         """The answer's handle: iterate it for tokens, then ``.result()`` for its
-        :class:`GenerationResult`.
+        :class:`GenerationResult`. ``unrecognised()`` is called when the prompt holds no chunk to reuse
+        (none recognised, no documents passed).
 
         Concurrent calls (a chat model's ``batch``, concurrent async calls) are batched: by the PyTorch
         engine's :class:`BatchScheduler` (which also shares their chunks' reads), or by vLLM itself."""
-        segments = self.segments(request.text, request.documents, request.method, recognise, remember)
+        segments = self._request_segments(request, recognise, remember, unrecognised)
         scheduler = self.scheduler
         if scheduler is None:
             return self.engine.stream(segments, request.method, request.sampling)
@@ -275,47 +315,107 @@ class PromptFrontend:
         return self.stream(request, recognise, remember).result()
 
     def generate_batch(
-        self, requests: Sequence[TextRequest], recognise: bool = True, remember: bool = True
+        self,
+        requests: Sequence[TextRequest],
+        recognise: bool = True,
+        remember: bool = True,
+        unrecognised: Callable[[], None] | None = None,
     ) -> list[GenerationResult]:
         """Answer every request in one submission (to the batch scheduler, or to vLLM); results in order."""
         batch = [
-            BatchRequest(
-                self.segments(r.text, r.documents, r.method, recognise, remember), r.method, r.sampling
-            )
+            BatchRequest(self._request_segments(r, recognise, remember, unrecognised), r.method, r.sampling)
             for r in requests
         ]
         scheduler = self.scheduler
         return self.engine.generate_batch(batch) if scheduler is None else scheduler.generate_batch(batch)
 
+    def _request_segments(
+        self,
+        request: TextRequest,
+        recognise: bool,
+        remember: bool,
+        unrecognised: Callable[[], None] | None,
+    ) -> list[Segment]:
+        text = request.text
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("the prompt is empty")
+        spans = self.spans(text, request.documents, recognise, remember)
+        if not spans and not request.documents and unrecognised is not None:
+            unrecognised()
+        return self._segments(text, spans, request.method)
+
 
 _frontends: dict[tuple[str | None, str | None, str], PromptFrontend] = {}
+_holders: dict[tuple[str | None, str | None, str], int] = {}
 _corpora: dict[str, Corpus] = {}
-_shared_lock = threading.Lock()
+_shared_lock = threading.RLock()  # re-entered: a frontend opens its corpus through get_corpus
 
 
 def _dir_key(corpus_dir: str | Path) -> str:
     return str(Path(corpus_dir).expanduser().resolve())
 
 
-def get_frontend(
-    corpus_dir: str | Path | None = None, model: str | Path | None = None, engine: str | None = None
-) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), loaded on first use.
-    ``engine``: "torch" or "vllm" (default: the ``engine`` setting)."""
+def _frontend_key(
+    corpus_dir: str | Path | None, model: str | Path | None, engine: str | None
+) -> tuple[str | None, str | None, str]:
     kind = engine or get_settings().engine
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
-    key = (_dir_key(corpus_dir) if corpus_dir is not None else None, str(model) if model else None, kind)
+    return (_dir_key(corpus_dir) if corpus_dir is not None else None, str(model) if model else None, kind)
+
+
+def acquire_frontend(
+    corpus_dir: str | Path | None = None, model: str | Path | None = None, engine: str | None = None
+) -> PromptFrontend:
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), loaded on first use;
+    give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default: the ``engine``
+    setting)."""
+    key = _frontend_key(corpus_dir, model, engine)
     with _shared_lock:
         if key not in _frontends:
-            _frontends[key] = PromptFrontend(key[0], model, engine_kind=kind)
+            _frontends[key] = PromptFrontend(key[0], model, engine_kind=key[2])
+            _holders[key] = 0
+        _holders[key] += 1
         return _frontends[key]
 
 
-def get_corpus(corpus_dir: str | Path) -> Corpus:
-    """The process-wide :class:`Corpus` of a corpus directory (for retrievers: no model is loaded)."""
+def find_frontend(
+    corpus_dir: str | Path, model: str | Path | None = None, engine: str | None = None
+) -> PromptFrontend | None:
+    """The frontend over (corpus, model, engine kind) if the process holds one now (no hold is taken)."""
+    with _shared_lock:
+        return _frontends.get(_frontend_key(corpus_dir, model, engine))
+
+
+def release_frontend(frontend: PromptFrontend) -> None:
+    """Give back one hold on ``frontend``; the last one closes it (and gives its model back)."""
+    with _shared_lock:
+        key = next((k for k, f in _frontends.items() if f is frontend), None)
+        if key is None:
+            return
+        _holders[key] -= 1
+        if _holders[key] > 0:
+            return
+        del _frontends[key], _holders[key]
+    frontend.close()
+
+
+def get_frontend(
+    corpus_dir: str | Path | None = None, model: str | Path | None = None, engine: str | None = None
+) -> PromptFrontend:
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), kept for the rest of
+    the process."""
+    return acquire_frontend(corpus_dir, model, engine)
+
+
+def get_corpus(corpus_dir: str | Path, embedder: EmbedderLike | None = None) -> Corpus:
+    """The process-wide :class:`Corpus` of a corpus directory (for retrievers: no model is loaded).
+    ``embedder``: the one the corpus was built with (checked), for a corpus built with an external one."""
     key = _dir_key(corpus_dir)
     with _shared_lock:
-        if key not in _corpora:
-            _corpora[key] = Corpus.open(key)
-        return _corpora[key]
+        corpus = _corpora.get(key)
+        if corpus is None:
+            corpus = _corpora[key] = Corpus.open(key, embedder)
+        elif embedder is not None:
+            corpus.use_embedder(embedder)
+        return corpus

@@ -1,7 +1,16 @@
 """From files to a corpus directory: readers and the ingest pipeline (read, chunk, embed, index,
 precompute KV)."""
 
-from .pipeline import ChunkKVWriter, IngestSummary, ingest
+from .kv import ChunkKVWriter, precompute_pending
+from .pipeline import IngestSummary, ingest
 from .readers import SUPPORTED_SUFFIXES, discover, read_file
 
-__all__ = ["SUPPORTED_SUFFIXES", "ChunkKVWriter", "IngestSummary", "discover", "ingest", "read_file"]
+__all__ = [
+    "SUPPORTED_SUFFIXES",
+    "ChunkKVWriter",
+    "IngestSummary",
+    "discover",
+    "ingest",
+    "precompute_pending",
+    "read_file",
+]

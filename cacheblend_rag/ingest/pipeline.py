@@ -5,6 +5,8 @@ Incremental and crash-safe:
 - a file whose content hash is already recorded is skipped (re-ingesting an unchanged corpus does nothing);
 - a changed file replaces its documents and chunks in one SQLite transaction, so a crash (even kill -9)
   leaves every file either fully old or fully new;
+- a file recorded under a folder being ingested that is gone from it is forgotten: its documents, and the
+  chunks no other document holds with their vectors and KV;
 - content-identical chunks are stored, embedded and precomputed once;
 - ``faiss.index`` is written atomically after the commits; a crash before that is detected by the
   recorded index version and the index is rebuilt from the stored embeddings on the next open;
@@ -28,21 +30,22 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from filelock import FileLock, Timeout
 
 from ..blend.segments import ChunkContext
-from ..corpus.chunkdb import FORMAT_VERSION, CorpusManifest
-from ..corpus.corpus import Corpus, check_compatible, check_new_corpus_dir, new_chunk_context
+from ..corpus.context import new_chunk_context
+from ..corpus.corpus import Corpus
 from ..corpus.embedder import get_embedder
 from ..corpus.index import check_index_type
+from ..corpus.manifest import FORMAT_VERSION, CorpusManifest, check_compatible, check_new_corpus_dir
 from ..engine import create_engine
 from ..errors import StoreError
 from ..models.tokenizer import load_model_tokenizer
 from ..settings import get_settings
 from ..store.kvstore import KVStore
 from ..text import Chunk, Chunker, Document
+from .kv import ChunkKVWriter, precompute_pending
 from .readers import discover, read_bytes, read_file
 
 log = logging.getLogger(__name__)
@@ -52,28 +55,6 @@ ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total)
 _LOCK_NAME = ".ingest.lock"
 _LOCK_TIMEOUT_S = 30.0
 _PIN_BATCH = 1000  # chunk rows read at a time when pinning the corpus in the remote tier
-
-
-class ModelIdentity(Protocol):
-    fingerprint: str
-
-
-class ChunkKVWriter(Protocol):
-    """What the KV stage needs from an engine: the model it computes KV for, its KV store, and a way
-    to precompute one chunk's KV into that store. Both engines are KV writers."""
-
-    model: ModelIdentity
-    store: KVStore
-
-    chunk_context: ChunkContext
-
-    def chunk_key(self, token_ids: Sequence[int]) -> str:
-        """The store key of the chunk's KV."""
-        ...
-
-    def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
-        """Compute and store the chunk's KV unless present; the bytes written."""
-        ...
 
 
 @dataclass
@@ -88,6 +69,7 @@ class IngestSummary:
     chunks: int = 0  # chunk occurrences in the changed files
     new_chunks: int = 0  # distinct chunks the corpus did not hold
     removed_chunks: int = 0  # chunks no document uses any more (dropped with their KV)
+    removed_files: int = 0  # files gone from an ingested folder, forgotten
     tokens: int = 0  # tokens of the chunk occurrences above
     kv_chunks: int = 0  # chunks whose KV was precomputed in this run
     kv_bytes: int = 0
@@ -140,6 +122,7 @@ def ingest(
     on first use.
     """
     started = time.perf_counter()
+    paths = list(paths)
     corpus_dir = Path(corpus_dir).expanduser()
     notify = progress or (lambda stage, done, total: None)
     if index_type is not None:
@@ -194,6 +177,8 @@ def ingest(
             else None
         )
         plans = _read_stage(files, chunker, corpus, summary, notify)
+        if corpus is not None:
+            _prune_stage(corpus, paths, files, engine, summary)
         if corpus is None:
             corpus = Corpus.create(corpus_dir, tokenizer, embedder_model, chunker.max_tokens, index_type)
         index_changed = index_type is not None and manifest is not None and index_type != manifest.index_type
@@ -201,6 +186,8 @@ def ingest(
         _index_stage(corpus, index_changed, summary, notify)
         if precompute_kv:
             _kv_stage(corpus, tokenizer.path, engine, removed_kv, summary, notify)
+        else:
+            corpus.documents.drop_kv(removed_kv, engine.store if engine is not None else None)
     except BaseException:
         if created and corpus is None:
             shutil.rmtree(corpus_dir, ignore_errors=True)  # nothing was stored: leave no empty corpus behind
@@ -298,6 +285,32 @@ def _index_stage(
     summary.stage_seconds["index"] = time.perf_counter() - t0
 
 
+def _prune_stage(
+    corpus: Corpus,
+    paths: Sequence[str | Path],
+    files: Sequence[Path],
+    engine: ChunkKVWriter | None,
+    summary: IngestSummary,
+) -> None:
+    """Forget the files recorded under a folder being ingested that are no longer in it."""
+    roots = [Path(p).expanduser().resolve() for p in paths if Path(p).expanduser().is_dir()]
+    present = {str(f) for f in files}
+    gone = [
+        recorded
+        for recorded in corpus.db.file_paths()
+        if recorded not in present and any(Path(recorded).is_relative_to(root) for root in roots)
+    ]
+    if gone:
+        changes = corpus.documents.delete_files(gone, engine.store if engine is not None else None)
+        summary.removed_files += len(gone)
+        summary.removed_chunks += len(changes.removed_chunks)
+        log.info(
+            "forgot %d files gone from the ingested folders (%d chunks)",
+            len(gone),
+            len(changes.removed_chunks),
+        )
+
+
 def _kv_stage(
     corpus: Corpus,
     model_path: Path,
@@ -307,10 +320,10 @@ def _kv_stage(
     notify: ProgressCallback,
 ) -> None:
     t0 = time.perf_counter()
-    todo = corpus.db.pending_kv()
-    notify("kv", 0, len(todo))
+    pending = len(corpus.db.pending_kv())
+    notify("kv", 0, pending)
     owned = None
-    if todo and engine is None:
+    if pending and engine is None:
         loading = time.perf_counter()
         engine = owned = create_engine(
             "torch", model=model_path, store=corpus.kv_dir, chunk_context=corpus.chunk_context
@@ -319,14 +332,14 @@ def _kv_stage(
         summary.stage_seconds["load"] += loaded
         t0 += loaded
     try:
-        for done, (chunk_id, token_ids) in enumerate(todo, start=1):
-            written = engine.ensure_chunk_kv(token_ids)
-            corpus.db.mark_kv_ready(chunk_id, engine.chunk_key(token_ids))
+        if engine is not None:
+            computed, written = precompute_pending(
+                corpus, engine, lambda done, total: notify("kv", done, total)
+            )
+            summary.kv_chunks += computed
             summary.kv_bytes += written
-            summary.kv_chunks += 1 if written else 0
-            notify("kv", done, len(todo))
-        if removed_kv:
-            _drop_kv(corpus, engine, removed_kv)
+        # the KV of chunks the corpus no longer holds (their keys hash token ids no chunk has now)
+        corpus.documents.drop_kv(removed_kv, engine.store if engine is not None else None)
         if engine is not None or get_settings().kv_remote:
             with _kv_store(corpus, engine) as store:
                 _pin_remote(corpus, store, summary)
@@ -352,13 +365,6 @@ def _kv_store(corpus: Corpus, engine: ChunkKVWriter | None) -> Iterator[KVStore 
     finally:
         if store is not None:
             store.close()
-
-
-def _drop_kv(corpus: Corpus, engine: ChunkKVWriter | None, keys: Sequence[str]) -> None:
-    """Delete the KV of chunks the corpus no longer holds (their keys hash token ids no chunk has now)."""
-    with _kv_store(corpus, engine) as store:
-        for key in keys if store is not None else ():
-            store.delete(key)
 
 
 def _pin_remote(corpus: Corpus, store: KVStore | None, summary: IngestSummary) -> None:

@@ -13,6 +13,7 @@ causal mask (a token at position p sees the keys at positions 0..p).
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -216,6 +217,8 @@ class LayerwiseModel:
         # check the work a method really did.
         self.qkv_token_layers = 0
         self.attention_token_layers = 0
+        # One forward at a time over these weights, whichever engine or thread runs it.
+        self.forward_lock = threading.RLock()
 
     @property
     def num_layers(self) -> int:

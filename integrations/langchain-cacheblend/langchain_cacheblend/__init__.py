@@ -4,12 +4,14 @@ from .chains import DEFAULT_RAG_PROMPT, create_cacheblend_rag_chain, format_docu
 from .chat_models import MESSAGE_CHUNK_IDS_KEY, ChatCacheBlend
 from .llms import CacheBlendLLM
 from .retrievers import CacheBlendRetriever, chunk_document
+from .vectorstores import CacheBlendVectorStore
 
 __all__ = [
     "DEFAULT_RAG_PROMPT",
     "MESSAGE_CHUNK_IDS_KEY",
     "CacheBlendLLM",
     "CacheBlendRetriever",
+    "CacheBlendVectorStore",
     "ChatCacheBlend",
     "chunk_document",
     "create_cacheblend_rag_chain",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 
 from cacheblend_rag.corpus import RetrievedChunk
 from cacheblend_rag.frontend import get_corpus
@@ -26,9 +27,15 @@ class CacheBlendRetriever(BaseRetriever):
 
     corpus_dir: str = Field(
         validation_alias=AliasChoices("corpus_dir", "store_dir"),
-        description="Corpus directory built by `cacheblend-rag ingest` (also accepted as store_dir).",
+        description="Corpus directory (str or Path) built by `cacheblend-rag ingest` (also accepted as "
+        "store_dir).",
     )
     k: int = Field(default_factory=lambda: get_settings().top_k, ge=1, description="Documents to return.")
+
+    @field_validator("corpus_dir", mode="before")
+    @classmethod
+    def _path_as_text(cls, value: Any) -> Any:
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, k: int | None = None, **kwargs: Any

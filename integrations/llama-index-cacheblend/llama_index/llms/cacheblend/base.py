@@ -41,10 +41,12 @@ class CacheBlendLLM(GenerationOptions, CustomLLM):
     :class:`~llama_index.llms.cacheblend.CacheBlendSynthesizer` passes them) names the chunks in the
     prompt outright. Documents the corpus lacks are added to it and their KV computed on first sight.
 
-    Each response's ``additional_kwargs`` hold token counts (``prompt_tokens``, ``completion_tokens``,
-    ``total_tokens``, ``cached_tokens`` = prompt tokens whose KV was reused) and ``raw`` the engine's full
-    report (``ttft_s``, ``method``, ``recompute_ratio``, ``chunk_ids``...). Objects over the same corpus
-    and model share one engine in the process.
+    Each response's ``raw`` holds the engine's full report (``ttft_s``, ``method``, ``recompute_ratio``,
+    ``chunk_ids``...) and ``raw["usage"]`` the token counts as LlamaIndex's OpenAI LLMs report them
+    (``prompt_tokens``, ``completion_tokens``, ``total_tokens``, ``prompt_tokens_details.cached_tokens`` =
+    prompt tokens whose KV was reused), so ``TokenCountingHandler`` counts them; ``additional_kwargs``
+    hold the same counts flat (``cached_tokens``). Objects over the same corpus and model share one engine
+    in the process; ``close()`` gives this object's hold back.
     """
 
     apply_chat_template: bool = Field(
@@ -111,9 +113,7 @@ class CacheBlendLLM(GenerationOptions, CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         result = self._run(self._request(self._completion_text(prompt, formatted), kwargs))
-        return CompletionResponse(
-            text=result.text, raw=answer_report(result), additional_kwargs=_usage(result)
-        )
+        return CompletionResponse(text=result.text, raw=_raw(result), additional_kwargs=_usage(result))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -125,7 +125,7 @@ class CacheBlendLLM(GenerationOptions, CustomLLM):
                     yield CompletionResponse(text=text, delta=delta)
                 else:
                     yield CompletionResponse(
-                        text=text, delta="", raw=answer_report(result), additional_kwargs=_usage(result)
+                        text=text, delta="", raw=_raw(result), additional_kwargs=_usage(result)
                     )
 
         return gen()
@@ -147,7 +147,7 @@ class CacheBlendLLM(GenerationOptions, CustomLLM):
         result = self._run(self._request(self._chat_text(messages), kwargs))
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
-            raw=answer_report(result),
+            raw=_raw(result),
             additional_kwargs=_usage(result),
         )
 
@@ -162,7 +162,7 @@ class CacheBlendLLM(GenerationOptions, CustomLLM):
                     yield ChatResponse(message=message, delta=delta)
                 else:
                     yield ChatResponse(
-                        message=message, delta="", raw=answer_report(result), additional_kwargs=_usage(result)
+                        message=message, delta="", raw=_raw(result), additional_kwargs=_usage(result)
                     )
 
         return gen()
@@ -191,6 +191,16 @@ def _text(message: ChatMessage) -> str:
             raise ValueError(f"CacheBlendLLM takes text only; a message holds a {type(block).__name__}")
         parts.append(block.text)
     return "".join(parts)
+
+
+def _raw(result: GenerationResult) -> dict[str, Any]:
+    """The engine's report, with the token counts under ``usage`` as OpenAI-style responses carry them."""
+    usage = TokenUsage.of(result)
+    counts = {"prompt_tokens": usage.input, "completion_tokens": usage.output, "total_tokens": usage.total}
+    return {
+        **answer_report(result),
+        "usage": {**counts, "prompt_tokens_details": {"cached_tokens": usage.cached}},
+    }
 
 
 def _usage(result: GenerationResult) -> dict[str, int]:

@@ -1,0 +1,45 @@
+"""The chunk context of a corpus: what a new corpus records, and the upgrade of an older corpus to it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from ..blend.segments import ChunkContext
+from ..models.tokenizer import ModelTokenizer, chunk_context_ids
+from ..settings import get_settings
+from ..store.keys import chunk_key
+from .chunkdb import DB_NAME, ChunkDB
+from .manifest import FORMAT_VERSION, CorpusManifest
+
+log = logging.getLogger(__name__)
+
+
+def new_chunk_context(model: ModelTokenizer) -> ChunkContext:
+    """The chunk context a corpus created now records (the ``chunk_context`` setting)."""
+    return ChunkContext(chunk_context_ids(model.tokenizer, get_settings().chunk_context))
+
+
+def upgrade_format(
+    corpus_dir: Path, manifest: CorpusManifest, context: ChunkContext
+) -> tuple[CorpusManifest, list[str]]:
+    """Bring a corpus of an older format to the current one: every chunk's KV key moves to ``context``
+    and its KV is marked as not computed (ingest then precomputes it). Returns the new manifest and the
+    now stale KV keys."""
+    db = ChunkDB(corpus_dir / DB_NAME)
+    try:
+        kv_dtype = get_settings().kv_dtype
+        stale = db.rekey_kv(lambda ids: chunk_key(manifest.model_fingerprint, kv_dtype, ids, context.key))
+    finally:
+        db.close()
+    upgraded = replace(manifest, format_version=FORMAT_VERSION, chunk_context=context.token_ids)
+    upgraded.save(corpus_dir)
+    log.info(
+        "corpus %s upgraded from format %d to %d: chunk KV is recomputed behind the %d-token chunk context",
+        corpus_dir,
+        manifest.format_version,
+        FORMAT_VERSION,
+        len(context),
+    )
+    return upgraded, stale

@@ -1,0 +1,119 @@
+"""What a corpus directory was built with (``manifest.json``) and the checks that keep work on a corpus
+consistent with it: the same model, embedder (name and dimension) and chunk size."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import StoreError
+
+if TYPE_CHECKING:
+    from ..models.tokenizer import ModelTokenizer
+    from .embedder import EmbedderLike
+
+# 2: chunk KV is precomputed behind the chunk context the manifest records (part of each KV key).
+# A format-1 corpus (chunks prefilled alone) is read as having no context, and upgraded by ingest.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
+MANIFEST_NAME = "manifest.json"
+KV_DIR_NAME = "kv"
+
+
+@dataclass(frozen=True)
+class CorpusManifest:
+    """What a corpus directory was built with; it only accepts work from the same model and embedder."""
+
+    model: str
+    model_path: str
+    model_fingerprint: str
+    embedder: str
+    embedding_dim: int
+    chunk_tokens: int
+    index_type: str
+    format_version: int = FORMAT_VERSION
+    created_at: float = field(default_factory=time.time)
+    # token ids chunks are prefilled behind when their KV is precomputed (empty: alone)
+    chunk_context: tuple[int, ...] = ()
+
+    @classmethod
+    def load(cls, corpus_dir: Path) -> CorpusManifest | None:
+        """The manifest of ``corpus_dir``, or None when the folder holds none."""
+        path = Path(corpus_dir) / MANIFEST_NAME
+        if not path.is_file():
+            return None
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            if raw.get("format_version") not in READABLE_FORMATS:
+                raise StoreError(
+                    f"{path}: corpus format {raw.get('format_version')!r} is not supported "
+                    f"(this version reads formats {', '.join(map(str, READABLE_FORMATS))}); "
+                    "rebuild the corpus"
+                )
+            fields = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+            fields["chunk_context"] = tuple(int(t) for t in fields.get("chunk_context", ()))
+            return cls(**fields)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise StoreError(f"{path}: unreadable manifest: {exc}") from exc
+
+    def save(self, corpus_dir: Path) -> None:
+        path = Path(corpus_dir) / MANIFEST_NAME
+        tmp = path.with_name(f".{MANIFEST_NAME}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
+        tmp.chmod(0o644)  # never world-writable, whatever the umask
+        os.replace(tmp, path)
+
+
+def check_new_corpus_dir(corpus_dir: Path) -> None:
+    """Refuse to turn a file, or a folder holding anything but hidden files and a KV store, into a store."""
+    if corpus_dir.exists() and (
+        not corpus_dir.is_dir()
+        or any(not p.name.startswith(".") and p.name != KV_DIR_NAME for p in corpus_dir.iterdir())
+    ):
+        raise StoreError(
+            f"{corpus_dir} exists and is neither an empty folder nor a cacheblend-rag store "
+            "(a corpus directory)"
+        )
+
+
+def check_compatible(
+    corpus_dir: Path,
+    manifest: CorpusManifest,
+    model: ModelTokenizer,
+    embedder: EmbedderLike | None,
+    chunk_tokens: int | None,
+) -> None:
+    """Raise StoreError unless ``model`` (and the embedder and chunk size, when given) match the store's."""
+    if model.fingerprint != manifest.model_fingerprint:
+        raise StoreError(
+            f"corpus {corpus_dir} was built with model {manifest.model} (fingerprint "
+            f"{manifest.model_fingerprint[:12]}…, at {manifest.model_path}); this run uses {model.name} "
+            f"({model.fingerprint[:12]}…, at {model.path}). Use the same model or another corpus directory."
+        )
+    if embedder is not None:
+        check_embedder(corpus_dir, manifest, embedder)
+    if chunk_tokens is not None and chunk_tokens != manifest.chunk_tokens:
+        raise StoreError(
+            f"corpus {corpus_dir} was built with {manifest.chunk_tokens}-token chunks, not {chunk_tokens}; "
+            "use the same chunk size or another corpus directory"
+        )
+
+
+def check_embedder(corpus_dir: Path, manifest: CorpusManifest, embedder: EmbedderLike) -> None:
+    """Raise StoreError unless ``embedder`` is the one the corpus's vectors came from (same name, same
+    dimension)."""
+    if embedder.name != manifest.embedder:
+        raise StoreError(
+            f"corpus {corpus_dir} was built with embedder {manifest.embedder} "
+            f"({manifest.embedding_dim}-dim vectors), not {embedder.name}; give the same embedder again "
+            "or use another corpus directory"
+        )
+    if embedder.dim != manifest.embedding_dim:
+        raise StoreError(
+            f"embedder {embedder.name} gives {embedder.dim}-dim vectors, corpus {corpus_dir} holds "
+            f"{manifest.embedding_dim}-dim ones; give the embedder the corpus was built with"
+        )

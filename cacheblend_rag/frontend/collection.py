@@ -1,0 +1,147 @@
+"""A corpus directory as the backing of a vector store (what LangChain's and LlamaIndex's
+``CacheBlendVectorStore`` wrap): :class:`DocumentCollection`.
+
+An empty (or missing) directory becomes a corpus on first use, no CLI needed. Documents are added under the
+caller's ids, replaced, deleted (their chunks' rows, vectors and KV with them), fetched and searched with
+metadata filters (:mod:`cacheblend_rag.corpus.documents`). The chunk KV of added documents is precomputed
+right away through the engine the process shares with every LLM over the same corpus, so the first
+question already reuses it; with ``precompute_kv=False`` it is computed on first use instead.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypedDict
+
+from ..corpus.chunkdb import FileChanges, StoredDocument
+from ..corpus.corpus import Corpus
+from ..corpus.documents import DocumentHit
+from ..corpus.embedder import EmbedderLike, get_embedder, is_external
+from ..corpus.filters import Filter
+from ..corpus.manifest import CorpusManifest, check_compatible
+from ..errors import StoreError
+from ..ingest.kv import precompute_pending
+from ..models.tokenizer import load_model_tokenizer
+from ..store.kvstore import KVStore
+from .text import PromptFrontend, acquire_frontend, find_frontend, get_corpus, release_frontend
+
+
+class CollectionOptions(TypedDict, total=False):
+    """The options of a :class:`DocumentCollection` besides its folder and embedder, which the framework
+    vector stores take as they are."""
+
+    model: str | os.PathLike[str] | None
+    chunk_tokens: int | None
+    index_type: str | None
+    precompute_kv: bool
+
+
+class DocumentCollection:
+    """Documents by id in one corpus directory, with their chunk KV kept ready for the LLMs reading it.
+
+    ``embedder``: the caller's embedding model (an :class:`~cacheblend_rag.corpus.ExternalEmbedder`),
+    recorded by name and dimension in a new corpus and required again, the same, to reopen it; None: our
+    default sentence embedder (a corpus built by ``cacheblend-rag ingest`` is opened this way). ``model``:
+    the LLM whose tokens chunks are cut into and whose KV is precomputed (default: the corpus's, else the
+    settings' model); ``chunk_tokens`` and ``index_type`` apply to a new corpus (an existing one refuses
+    another chunk size). Thread-safe.
+    """
+
+    def __init__(
+        self,
+        corpus_dir: str | os.PathLike[str],
+        embedder: EmbedderLike | None = None,
+        *,
+        model: str | os.PathLike[str] | None = None,
+        chunk_tokens: int | None = None,
+        index_type: str | None = None,
+        precompute_kv: bool = True,
+    ) -> None:
+        self.corpus_dir = Path(corpus_dir).expanduser()
+        self.model = os.fspath(model) if model is not None else None
+        self.precompute_kv = precompute_kv
+        manifest = CorpusManifest.load(self.corpus_dir) if self.corpus_dir.is_dir() else None
+        if manifest is None:
+            tokenizer = load_model_tokenizer(self.model)
+            Corpus.create(
+                self.corpus_dir, tokenizer, embedder or get_embedder(), chunk_tokens, index_type
+            ).close()
+        elif self.model is not None or chunk_tokens is not None:
+            check_compatible(self.corpus_dir, manifest, load_model_tokenizer(self.model), None, chunk_tokens)
+        self.corpus: Corpus = get_corpus(self.corpus_dir, embedder)
+        if embedder is None and is_external(self.corpus.manifest.embedder):
+            raise StoreError(
+                f"corpus {self.corpus_dir} was built with the embedder {self.corpus.manifest.embedder} "
+                f"({self.corpus.manifest.embedding_dim}-dim vectors): give the same embedding model again"
+            )
+        self._frontend: PromptFrontend | None = None
+        self._lock = threading.Lock()
+
+    # -- the engine that precomputes KV --------------------------------------------------------------
+
+    @property
+    def frontend(self) -> PromptFrontend:
+        """The process's shared frontend (engine) over this corpus, acquired on first use."""
+        with self._lock:
+            if self._frontend is None or self._frontend.closed:
+                self._frontend = acquire_frontend(self.corpus_dir, self.model)
+            return self._frontend
+
+    def _kv_store(self) -> KVStore | None:
+        """The KV store of the engine the process runs over this corpus, if any (deleting through it
+        clears its RAM tier too); None: the corpus opens its own, without loading a model."""
+        frontend = self._frontend or find_frontend(self.corpus_dir, self.model)
+        return frontend.engine.store if frontend is not None and not frontend.closed else None
+
+    def close(self) -> None:
+        """Write the vector index if it changed (reopening then skips a rebuild) and give back the hold
+        on the shared engine (the last holder frees the model)."""
+        if not self.corpus.db.readonly:
+            self.corpus.save_index()
+        with self._lock:
+            frontend, self._frontend = self._frontend, None
+        if frontend is not None:
+            release_frontend(frontend)
+
+    # -- documents -----------------------------------------------------------------------------------
+
+    def add(
+        self,
+        texts: Sequence[str],
+        ids: Sequence[str],
+        metadatas: Sequence[Mapping[str, Any] | None] | None = None,
+        vectors: Sequence[Sequence[float] | None] | None = None,
+    ) -> FileChanges:
+        """Add (or replace, by id) documents; then precompute the KV of their new chunks, unless the
+        collection computes KV lazily. The KV of chunks a replacement left unused is deleted."""
+        changes = self.corpus.documents.put(texts, ids, metadatas, vectors, self._kv_store())
+        if self.precompute_kv and changes.new_chunks:
+            precompute_pending(self.corpus, self.frontend.engine, only=changes.new_chunks)
+        return changes
+
+    def delete(self, ids: Sequence[str]) -> FileChanges:
+        """Remove documents by id (unknown ids are ignored) with the rows, vectors and KV of the chunks no
+        other document holds."""
+        return self.corpus.documents.delete(ids, self._kv_store())
+
+    def get(self, ids: Sequence[str]) -> list[StoredDocument]:
+        """Documents by id as added, in the order asked; unknown ids are left out."""
+        return self.corpus.documents.get(ids)
+
+    def ids(self, where: Mapping[str, Any] | Filter | None = None) -> list[str]:
+        """Ids of the documents whose metadata matches ``where`` (all without it)."""
+        return self.corpus.documents.keys_where(where)
+
+    def search(
+        self,
+        query: str | Sequence[float],
+        k: int = 4,
+        where: Mapping[str, Any] | Filter | None = None,
+        whole_documents: bool = False,
+    ) -> list[DocumentHit]:
+        """The ``k`` chunks (or ``whole_documents``) nearest to ``query`` (text or vector) among the
+        documents matching ``where``."""
+        return self.corpus.documents.search(query, k, where, whole_documents)

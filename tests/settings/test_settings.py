@@ -1,0 +1,65 @@
+"""Settings are typed and bounded: a bad CACHEBLEND_* value fails at load, naming the variable, from
+get_settings() and from every CLI command."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from cacheblend_rag.cli import app
+from cacheblend_rag.settings import SettingsError, get_settings
+
+
+@pytest.fixture(autouse=True)
+def _fresh_settings():
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "variable, value, says",
+    [
+        ("CACHEBLEND_RATIO", "15", "less than or equal to 1"),
+        ("CACHEBLEND_ENGINE", "vlm", "'torch' or 'vllm'"),
+        ("CACHEBLEND_INDEX_TYPE", "annoy", "'flat', 'ivf' or 'hnsw'"),
+        ("CACHEBLEND_KV_DTYPE", "int8", "'float16', 'bfloat16' or 'float32'"),
+        ("CACHEBLEND_TOP_K", "0", "greater than or equal to 1"),
+        ("CACHEBLEND_CHUNK_TOKENS", "8", "greater than or equal to 16"),
+        ("CACHEBLEND_DEVICE", "gpu", "should match pattern"),
+        ("CACHEBLEND_KV_REMOTE", "http://cache:6379", "should match pattern"),
+        ("CACHEBLEND_THREADS", "many", "valid integer"),
+    ],
+)
+def test_a_bad_value_fails_at_load_naming_the_variable(monkeypatch, variable, value, says):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SettingsError) as caught:
+        get_settings()
+    assert f"{variable}={value!r}" in str(caught.value) and says in str(caught.value)
+    result = CliRunner().invoke(app, ["store", "stats", "--corpus", "/nonexistent"])
+    assert result.exit_code == 2 and variable in result.output and "Traceback" not in result.output
+
+
+def test_every_bad_variable_is_named_at_once(monkeypatch):
+    monkeypatch.setenv("CACHEBLEND_RATIO", "-0.5")
+    monkeypatch.setenv("CACHEBLEND_ENGINE", "tensorrt")
+    with pytest.raises(SettingsError, match=r"CACHEBLEND_ENGINE=.*; CACHEBLEND_RATIO="):
+        get_settings()
+
+
+def test_good_values_load(monkeypatch):
+    for variable, value in {
+        "CACHEBLEND_RATIO": "0.3",
+        "CACHEBLEND_ENGINE": "vllm",
+        "CACHEBLEND_DEVICE": "cuda:1",
+        "CACHEBLEND_KV_REMOTE": "redis://localhost:6379/0",
+        "CACHEBLEND_INDEX_TYPE": "hnsw",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    settings = get_settings()
+    assert (settings.ratio, settings.engine, settings.device, settings.index_type) == (
+        0.3,
+        "vllm",
+        "cuda:1",
+        "hnsw",
+    )
