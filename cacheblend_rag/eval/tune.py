@@ -23,10 +23,12 @@ DEFAULT_VARIANTS = (
     "none:cacheblend@ratio=0.15,selection=hkvd",
     "cacheblend@ratio=0.15,selection=hkvd",
     "cacheblend@ratio=0.15,selection=hkvd,signal=v",
+    "cacheblend@ratio=0.15,selection=hkvd,schedule=[[2,1.0]]",
     "cacheblend@ratio=0.15,selection=hkvd,schedule=[[1,2.0],[3,1.0]]",
     "none:cacheblend@0.15",
-    "cacheblend@0.05",
+    "cacheblend@ratio=0.15,score=attention",
     "cacheblend@0.1",
+    "cacheblend@0.12",
     "cacheblend@0.15",
     "cacheblend@0.3",
 )
