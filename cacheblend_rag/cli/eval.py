@@ -31,6 +31,13 @@ def settings_prefix() -> list[str]:
     return out
 
 
+def command_line(command: str, arguments: list[str], options: dict[str, object]) -> str:
+    """The command as it can be typed again, recorded with its results: the settings that differ from
+    their defaults, then ``cacheblend-rag COMMAND ARGUMENTS --OPTION VALUE`` (None options left out)."""
+    flags = [part for flag, value in options.items() if value is not None for part in (flag, str(value))]
+    return shlex.join([*settings_prefix(), "cacheblend-rag", command, *arguments, *flags])
+
+
 def parse_list(text: str, kind: type, option: str) -> list:
     try:
         values = [kind(part.strip()) for part in text.split(",") if part.strip()]
@@ -114,34 +121,26 @@ def eval_command(
     try:
         dataset_name = load_dataset(data).name
         json_path = json_path or Path(f"eval-{dataset_name}.json")
-        command = shlex.join(
-            [
-                *settings_prefix(),
-                "cacheblend-rag",
-                "eval",
-                "--data",
-                data,
-                "--methods",
-                methods,
-                "--ratios",
-                ratios,
-                *(["--limit", str(limit)] if limit is not None else []),
-                "--seed",
-                str(seed),
-                *(["--skip", str(skip)] if skip else []),
-                *(["--chunk-context", chunk_context] if chunk_context else []),
-                "--top-k",
-                str(top_k),
-                "--chunk-tokens",
-                str(chunk_tokens),
-                *(["--max-new-tokens", str(max_new_tokens)] if max_new_tokens else []),
-                *(["--task", task] if task != "auto" else []),
-                *(["--model", model] if model else []),
-                "--json",
-                str(json_path),
-                *(["--markdown", str(markdown)] if markdown else []),
-                *(["--plot", str(plot)] if plot else []),
-            ]
+        command = command_line(
+            "eval",
+            [],
+            {
+                "--data": data,
+                "--methods": methods,
+                "--ratios": ratios,
+                "--limit": limit,
+                "--seed": seed,
+                "--skip": skip or None,
+                "--chunk-context": chunk_context,
+                "--top-k": top_k,
+                "--chunk-tokens": chunk_tokens,
+                "--max-new-tokens": max_new_tokens,
+                "--task": task if task != "auto" else None,
+                "--model": model,
+                "--json": json_path,
+                "--markdown": markdown,
+                "--plot": plot,
+            },
         )
         config = EvalConfig(
             data=data,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import CacheBlendError
-from .eval import settings_prefix
+from .eval import command_line
 
 err_console = Console(stderr=True)
 
@@ -46,26 +45,19 @@ def tune_command(
     try:
         name = load_dataset(data).name
         json_path = json_path or Path(f"tune-{name}-{chunk_tokens}.json")
-        command = shlex.join(
-            [
-                *settings_prefix(),
-                "cacheblend-rag",
-                "tune",
-                *chosen,
-                "--data",
-                data,
-                *(["--limit", str(limit)] if limit is not None else []),
-                "--seed",
-                str(seed),
-                *(["--skip", str(skip)] if skip else []),
-                "--chunk-tokens",
-                str(chunk_tokens),
-                "--top-k",
-                str(top_k),
-                "--json",
-                str(json_path),
-                *(["--markdown", str(markdown)] if markdown else []),
-            ]
+        command = command_line(
+            "tune",
+            chosen,
+            {
+                "--data": data,
+                "--limit": limit,
+                "--seed": seed,
+                "--skip": skip or None,
+                "--chunk-tokens": chunk_tokens,
+                "--top-k": top_k,
+                "--json": json_path,
+                "--markdown": markdown,
+            },
         )
         config = EvalConfig(
             data=data,
