@@ -131,7 +131,9 @@ def test_eval_cli_summary_task_writes_json_markdown_and_plot(tmp_path):
     assert all(r["score"] is None for r in case["retrieved"])  # summaries take chunks in document order
     assert {"agreement_rouge_l", "gold", "nll_gold"} <= set(case["methods"]["cacheblend@0.15"])
     text = markdown.read_text()
-    assert "<!-- BEGIN other -->\nkept" in text and "<!-- BEGIN eval-multinews -->" in text
+    assert (
+        "<!-- BEGIN other -->\nkept" in text and "<!-- BEGIN eval-multinews-64 -->" in text
+    )  # a non-default chunk size names its section
     assert "gold Rouge-L" in text and "cacheblend-rag eval --data" in text and "](q.png)" in text
     assert plot.stat().st_size > 10_000
 
