@@ -13,8 +13,9 @@ way to finish the JSON takes (by playing a closing policy on a copy of itself); 
 gets down to that, it narrows the model's choices, step by step, to the first non-empty tier of: tokens
 made of ``"``, ``]`` and ``}`` only (close what is open), short value starts (digits, ``"``, ``[``, ``{``,
 ``null``/``true``/``false``), separators towards a required key (``,``, ``:``), and else whatever the
-grammar allows (an enum value or a key name the grammar dictates). The JSON then completes inside the
-budget whenever the budget leaves room for the closing sequence at all.
+grammar allows (an enum value or a key name the grammar dictates). The model chooses within the tier
+while there is slack; once there is none, only the policy's own next token is allowed, so the JSON
+completes inside the budget whenever the budget leaves room for the closing sequence at all.
 
 The matcher is llguidance (chosen by measurement, see docs/structured_output.md). JSON is generated
 compact (``", "`` and ``": "`` separators, no other whitespace): a small model cannot wander off into
@@ -34,10 +35,11 @@ import threading
 import types
 import weakref
 from collections.abc import Collection, Mapping
-from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints, is_typeddict
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 import numpy as np
 import torch
+from typing_extensions import is_typeddict  # typing's misses typing_extensions TypedDicts before 3.13
 
 from ..errors import StructuredOutputError
 
@@ -54,7 +56,8 @@ _tokenizers_lock = threading.Lock()
 
 
 def schema_of(obj: Any) -> dict[str, Any]:
-    """The JSON schema of a Pydantic model class, a TypedDict class, or a JSON schema dict (copied)."""
+    """The JSON schema of a Pydantic model class (``pydantic.v1`` models too), a TypedDict class, or a
+    JSON schema dict (copied)."""
     if isinstance(obj, Mapping):
         if not all(isinstance(key, str) for key in obj):
             raise StructuredOutputError("a JSON schema must be a dict with string keys")
@@ -65,6 +68,10 @@ def schema_of(obj: Any) -> dict[str, Any]:
         return obj.model_json_schema()
     if isinstance(obj, type) and is_typeddict(obj):
         return TypeAdapter(_pydantic_typeddicts(obj, set())).json_schema()
+    from pydantic import v1 as pydantic_v1  # the Pydantic 1 API that Pydantic 2 still ships
+
+    if isinstance(obj, type) and issubclass(obj, pydantic_v1.BaseModel):
+        return obj.schema()
     raise StructuredOutputError(
         f"cannot make a JSON schema of {obj!r}: pass a Pydantic model class, a TypedDict class or a "
         "JSON schema dict"
@@ -150,6 +157,7 @@ class JsonConstraint:
         self.schema = {"type": "object"} if self.mode == "json_mode" else schema_of(schema)
         self.strict = strict
         enforced = strict_schema(self.schema) if strict else self.schema
+        self.enforced_schema: dict[str, Any] = enforced
         try:
             self.grammar = llg.LLMatcher.grammar_from_json_schema(enforced, defaults=JSON_OPTIONS)
         except ValueError as exc:
@@ -157,6 +165,13 @@ class JsonConstraint:
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self.grammar)
         if is_error:
             raise StructuredOutputError(f"unsupported JSON schema: {messages[0]}")
+
+    def guidance_schema(self) -> dict[str, Any]:
+        """The enforced schema with this module's JSON options written into it (llguidance's
+        ``x-guidance`` key, where the schema's own settings win): any llguidance matcher compiles it to
+        the same grammar, e.g. vLLM's ``guidance`` structured-output backend."""
+        options = {**JSON_OPTIONS, **(self.enforced_schema.get("x-guidance") or {})}
+        return {**self.enforced_schema, "x-guidance": options}
 
     @classmethod
     def json_mode(cls) -> JsonConstraint:
@@ -217,6 +232,11 @@ class ConstraintState:
             raise StructuredOutputError("constrained decoding failed: the grammar allows no next token")
         if self._must_close():
             words = self._vocab.closing_choices(words, self._matcher.is_accepting())
+            # The model picks within the closing tier, and its pick may take longer than the policy's
+            # (an opening quote where the policy closes a list): once no slack is left, only the
+            # policy's own token, whose path is exactly the estimated length, keeps the JSON finishing.
+            if self._cost_to_close() >= self.max_tokens - self.accepted:
+                words = self._vocab.only(self._vocab.pick(words))
         return logits.masked_fill(~self._vocab.unpack(words).to(logits.device), float("-inf"))
 
     def accept(self, token: int) -> bool:
@@ -305,6 +325,12 @@ class _Vocab:
             if narrowed.any():
                 return narrowed
         return allowed
+
+    def only(self, token: int) -> np.ndarray:
+        """The bitmask that allows ``token`` alone."""
+        words = np.zeros(self.words, dtype=np.int32)
+        words.view(np.uint32)[token // 32] = np.uint32(1) << np.uint32(token % 32)
+        return words
 
     def pick(self, choices: np.ndarray) -> int:
         """The closing policy's token among ``choices`` (a non-empty bitmask)."""

@@ -1,11 +1,13 @@
 """Serve prompts that a framework (LangChain, LlamaIndex) has already written out as text: recognise the
 stored chunks in them (:mod:`.recognition`), answer them through one shared engine and batch scheduler
-(:mod:`.text`), with the generation options every integration shares (:mod:`.options`); and the documents
-behind the integrations' vector stores (:mod:`.collection`)."""
+(:mod:`.text`), with the generation options every integration shares (:mod:`.options`) and structured
+output (:mod:`.structured`); and the documents behind the integrations' vector stores
+(:mod:`.collection`)."""
 
 from .collection import CollectionOptions, DocumentCollection
 from .options import PROVIDER, GenerationOptions, TokenUsage, answer_report
 from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex, chunk_forms
+from .structured import STRUCTURED_METHODS, constraint_of, response_format_for
 from .text import (
     DocumentRef,
     PromptFrontend,
@@ -20,6 +22,7 @@ from .text import (
 __all__ = [
     "ANCHOR_CHARS",
     "PROVIDER",
+    "STRUCTURED_METHODS",
     "ChunkSpan",
     "ChunkTextIndex",
     "CollectionOptions",
@@ -32,8 +35,10 @@ __all__ = [
     "acquire_frontend",
     "answer_report",
     "chunk_forms",
+    "constraint_of",
     "get_corpus",
     "get_frontend",
     "release_frontend",
+    "response_format_for",
     "text_request",
 ]

