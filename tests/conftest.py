@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,23 @@ from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.models.runtime import LayerwiseModel
 
 DATA_DIR = Path(__file__).parent / "data"
+
+
+@pytest.fixture(autouse=True)
+def _settings_environment_restored():
+    """A command run in-process with ``--kv-remote`` writes ``CACHEBLEND_KV_REMOTE`` to the environment
+    (so child processes inherit it); put every ``CACHEBLEND_*`` variable back after each test so a later
+    test never talks to a Redis server that is gone."""
+    from cacheblend_rag.settings import ENV_PREFIX, get_settings
+
+    before = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    if after != before:
+        for name in after.keys() - before.keys():
+            del os.environ[name]
+        os.environ.update(before)
+        get_settings.cache_clear()
 
 
 @pytest.fixture(scope="session")

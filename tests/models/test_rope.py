@@ -82,6 +82,18 @@ def test_rerotation_equals_rotation_at_target(rope_pair, real_keys, start, targe
     assert (rerotated - rope.apply(real_keys, to_positions)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize(("start", "target"), [(0, 3000), (0, 20000)], ids=["0->3000", "0->20000"])
+def test_float32_rerotation_tables_stay_within_the_bound(rope_pair, real_keys, start, target):
+    """The fusor's tables: a float64 angle difference rounded to float32, applied in float32."""
+    rope, _ = rope_pair
+    n = real_keys.shape[2]
+    from_positions, to_positions = torch.arange(start, start + n), torch.arange(target, target + n)
+    tables = rope.rerotation(from_positions, to_positions, torch.float32)
+    assert tables[0].dtype == torch.float32
+    rerotated = rope.apply_rerotation(rope.apply(real_keys, from_positions), tables)
+    assert (rerotated - rope.apply(real_keys, to_positions)).abs().max().item() <= 1e-5
+
+
 def test_rerotation_per_row_positions(rope_pair, real_keys):
     """Batched [B, S] positions: each row moves by its own offset, scattered positions included."""
     rope, _ = rope_pair
