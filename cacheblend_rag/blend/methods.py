@@ -222,8 +222,11 @@ class CacheBlend(RecomputeMethod):
 
 
 def _budget(share: float, plan: FusionPlan) -> int:
-    """Cached tokens a share of them amounts to (rounded up, so any share > 0 recomputes something)."""
-    return math.ceil(share * plan.num_cached - 1e-9)
+    """Cached tokens a share of them amounts to: rounded down, so a ratio r never recomputes more than r of
+    the cached tokens, yet at least one for any share > 0."""
+    if share <= 0:
+        return 0
+    return max(1, math.floor(share * plan.num_cached + 1e-9))
 
 
 # -- the registry ------------------------------------------------------------------------------------

@@ -115,7 +115,10 @@ def test_recompute_work_matches_the_selection(model, prompt):
     fused = Fusor(model).fuse(segments, method)
     n, cached = fused.plan.num_tokens, fused.plan.num_cached
     fresh = n - cached
-    budget_l1, budget_final = math.ceil(0.15 * 2.0 * cached - 1e-9), math.ceil(0.15 * cached - 1e-9)
+    budget_l1, budget_final = (
+        max(1, math.floor(0.15 * 2.0 * cached + 1e-9)),
+        max(1, math.floor(0.15 * cached + 1e-9)),
+    )
     # layer 0 full; layer 1 projects all, keeps 2r; layer 2 projects those, keeps r; then r everywhere
     assert fused.qkv_tokens_per_layer[:3] == [n, n, fresh + budget_l1]
     assert fused.attended_tokens_per_layer[:3] == [n, fresh + budget_l1, fresh + budget_final]

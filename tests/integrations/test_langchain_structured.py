@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 from operator import itemgetter
 from pathlib import Path
 from typing import Literal
@@ -147,10 +148,12 @@ def test_llm_takes_response_format_as_a_call_option(musique):
         llm.close()
 
 
-def test_readme_structured_output_example(store_dir):
-    """The README's structured-output block, run after the README's LangChain chain (its names)."""
+def test_readme_structured_output_example(store_dir, tmp_path):
+    """The README's structured-output block, run as a script after the README's LangChain chain (its
+    names given as the script's globals)."""
     block = README.read_text().split("<!-- structured-output example -->", 1)[1]
-    code = re.search(r"```python\n(.*?)```", block, re.DOTALL).group(1)
+    script = tmp_path / "readme_structured_output.py"
+    script.write_text(re.search(r"```python\n(.*?)```", block, re.DOTALL).group(1))
     llm = ChatCacheBlend(corpus_dir=store_dir, max_tokens=MAX_TOKENS)
     names = {
         "retriever": CacheBlendRetriever(store_dir=store_dir, k=2),
@@ -160,7 +163,7 @@ def test_readme_structured_output_example(store_dir):
         "RunnablePassthrough": RunnablePassthrough,
     }
     try:
-        exec(compile(code, "README.md", "exec"), names)
+        names = runpy.run_path(str(script), init_globals=names)
         assert isinstance(names["answer"], names["Answer"]) and 1 <= names["answer"].confidence <= 5
         raw = names["with_raw"].invoke("Who wrote Miss Sara Sampson?")
         assert isinstance(raw["parsed"], names["Answer"]) and raw["parsing_error"] is None
