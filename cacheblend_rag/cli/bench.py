@@ -95,9 +95,12 @@ def bench_command(
         raise typer.Exit(1) from exc
     save_results(results, results_path)
     plots = {}
-    if "ttft" in results["sections"]:
-        plots["ttft"] = plot_ttft_sweeps(results, out / PLOT_NAMES["ttft"])
-    if "deviation" in results["sections"]:
-        plots["deviation"] = plot_deviation(results, out / PLOT_NAMES["deviation"])
+    for name, plot in (("ttft", plot_ttft_sweeps), ("deviation", plot_deviation)):
+        path = out / PLOT_NAMES[name]
+        if name in config.sections:
+            plots[name] = plot(results, path)
+        elif name in results["sections"] and path.exists():
+            # drawn by the run that measured it (`--only vllm` runs where matplotlib is not installed)
+            plots[name] = path
     update_markdown(markdown, "bench", render_bench(results, markdown, plots))
     err_console.print(f"results: {results_path}; report: {markdown}")
