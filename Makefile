@@ -106,6 +106,19 @@ eval: install
 tune: install
 	$(VENV)/bin/cacheblend-rag tune --json docs/results/tune-musique-512.json --markdown docs/fusor.md
 
+# scripts/gpu_check.py on a GPU machine without network (Python 3.12, torch and numpy there): the wheels
+# of the pure-Python packages our blend/models layers import, and pydantic-core's manylinux build, into
+# .whl/ (ignored) to carry beside the tree; the script's docstring says how they are installed there.
+GPU_WHEELS := pydantic==$$($(PY) -c "import pydantic; print(pydantic.VERSION)") \
+	pydantic-core==$$($(PY) -c "import pydantic_core; print(pydantic_core.__version__)") \
+	pydantic-settings==$$($(PY) -c "import importlib.metadata as m; print(m.version('pydantic-settings'))") \
+	annotated-types typing-inspection typing-extensions platformdirs python-dotenv
+.PHONY: gpu-wheels
+gpu-wheels: install
+	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis .benchmarks bench-tmp
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,407 @@
+"""Time CacheBlend against full prefill on one accelerator, in one short call, and check r = 1 is exact.
+
+    python scripts/gpu_check.py [--device cuda] [--config llama-3.1-8b,qwen2.5-1.5b]
+        [--workloads 6x512,20x512,8x2048] [--repeats 5] [--warmup 2] [--json gpu_check.json]
+
+For each model config (random weights in the shape of a named real model, built in plain torch: nothing is
+downloaded and ``transformers`` is not needed) and each workload ``NxL`` (N cached chunks of L tokens
+between a short fresh head and a fresh question), it times, median of ``--repeats`` after ``--warmup``
+runs (CUDA events on CUDA, wall clock elsewhere):
+
+- ``full_prefill``: the model's forward over the whole prompt;
+- ``cacheblend`` (the default: query-aware selection, r = 0.15), ``cacheblend_hkvd`` (the paper's rule at
+  the same r), ``full_reuse`` and ``epic``, each fusing the precomputed chunk KV through our ``Fusor``,
+  with that KV held in device memory (``hbm``) and in pinned host RAM (``host``; on CPU only ``ram``).
+
+Every time runs to the first token's logits. It then checks ``cacheblend@ratio=1`` against full prefill
+(relative L2 error of the logits within the compute dtype's bound) and exits non-zero when it is not, prints
+one table and writes JSON (rows appended as they are measured, so a run cut short keeps what it did).
+
+It imports only torch, numpy and the package's ``blend`` and ``models`` layers (which need pydantic,
+pydantic-settings, platformdirs and python-dotenv); on a GPU machine without network carry their wheels
+(``make gpu-wheels`` downloads them into ``.whl/``) and start the command there with
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+    python3 scripts/gpu_check.py --json $OUT/gpu_check.json
+
+(it has not run on a GPU yet). ``--device cpu --config tiny`` runs in ``make test``
+(tests/scripts/test_gpu_check.py) so this path cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
+
+from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, get_method
+from cacheblend_rag.blend.segments import ChunkContext, ChunkKV, prefill_chunk_kv, prefill_context
+from cacheblend_rag.models.rope import Rope
+from cacheblend_rag.models.runtime import LayerwiseModel, ModelShape
+
+# Modules this path must never need: the GPU machine has none of them.
+FORBIDDEN_IMPORTS = ("transformers", "faiss", "sentence_transformers", "tokenizers", "langchain_core")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The shape of a real model (its config.json), enough to build random weights of that size."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    max_context: int
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    # Llama 3.1's rope scaling (factor, low_freq_factor, high_freq_factor, original context); None: plain
+    llama3_rope: tuple[float, float, float, int] | None = None
+
+
+CONFIGS = {
+    "llama-3.1-8b": Config(
+        "llama-3.1-8b",
+        32,
+        4096,
+        32,
+        8,
+        128,
+        14336,
+        128256,
+        500000.0,
+        131072,
+        llama3_rope=(8.0, 1.0, 4.0, 8192),
+    ),
+    "qwen2.5-1.5b": Config(
+        "qwen2.5-1.5b",
+        28,
+        1536,
+        12,
+        2,
+        128,
+        8960,
+        151936,
+        1000000.0,
+        32768,
+        qkv_bias=True,
+        tie_embeddings=True,
+    ),
+    "tiny": Config("tiny", 3, 64, 4, 2, 16, 128, 512, 10000.0, 8192, qkv_bias=True),
+}
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32, as Llama and Qwen2 compute it."""
+
+    def __init__(self, size: int, device, dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, c: Config, **kw) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **kw)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **kw)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Config, **kw) -> None:
+        super().__init__()
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, q, bias=c.qkv_bias, **kw)
+        self.k_proj = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias, **kw)
+        self.v_proj = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias, **kw)
+        self.o_proj = nn.Linear(q, c.hidden_size, bias=False, **kw)
+
+
+class Block(nn.Module):
+    def __init__(self, c: Config, **kw) -> None:
+        super().__init__()
+        self.self_attn = Attention(c, **kw)
+        self.mlp = SwiGLU(c, **kw)
+        self.input_layernorm = RMSNorm(c.hidden_size, **kw)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, **kw)
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: Config, **kw) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **kw)
+        self.layers = nn.ModuleList(Block(c, **kw) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, **kw)
+
+
+class CausalLM(nn.Module):
+    """Modules laid out as a Hugging Face causal LM (``model.embed_tokens / layers / norm``, ``lm_head``),
+    which is all :class:`LayerwiseModel` drives."""
+
+    def __init__(self, c: Config, **kw) -> None:
+        super().__init__()
+        self.model = Backbone(c, **kw)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, **kw)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def inv_freq(c: Config) -> torch.Tensor:
+    """RoPE inverse frequencies of the config, with Llama 3.1's frequency-dependent scaling if it has it."""
+    freqs = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+    if c.llama3_rope is None:
+        return freqs.float()
+    factor, low, high, original = c.llama3_rope
+    wavelen = 2 * math.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > original / low, freqs / factor, freqs)
+    mid = (wavelen <= original / low) & (wavelen >= original / high)
+    return torch.where(mid, (1 - smooth) * freqs / factor + smooth * freqs, scaled).float()
+
+
+def build_model(c: Config, device: torch.device, dtype: torch.dtype, seed: int) -> LayerwiseModel:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        hf_like = CausalLM(c, device=device, dtype=dtype).eval()
+    shape = ModelShape(
+        "llama",
+        c.num_layers,
+        c.hidden_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.vocab_size,
+        c.max_context,
+    )
+    return LayerwiseModel(
+        hf_like,
+        shape,
+        Rope(inv_freq(c)),
+        dtype,
+        device,
+        fingerprint=f"gpu-check-{c.name}-{seed}",
+        name=c.name,
+    )
+
+
+class Timer:
+    """Median seconds of ``fn`` over ``repeats`` runs after ``warmup``; CUDA events on CUDA."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+
+    def median(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.repeats):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            else:
+                started = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+
+def parse_workloads(text: str) -> list[tuple[int, int]]:
+    workloads = []
+    for item in text.split(","):
+        try:
+            chunks, tokens = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"bad workload {item!r}: expected NxL, e.g. 6x512") from None
+        if chunks < 1 or tokens < 1:
+            raise SystemExit(f"bad workload {item!r}: N and L must be positive")
+        workloads.append((chunks, tokens))
+    return workloads
+
+
+def prompt_segments(
+    model: LayerwiseModel, chunks: int, tokens: int, kv_dtype: torch.dtype, generator: torch.Generator
+) -> tuple[list[Segment], list[int]]:
+    """A RAG prompt: 24 fresh head tokens, ``chunks`` cached chunks of ``tokens`` random ids (KV precomputed
+    behind a 16-token chunk context, stored in ``kv_dtype``), 32 fresh question tokens."""
+    vocab = model.shape.vocab_size
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=generator).tolist()
+
+    context = ChunkContext(tuple(ids(16)))
+    context_cache = prefill_context(model, context)
+    head, question = ids(24), ids(32)
+    segments = [Segment.fresh(head)]
+    for _ in range(chunks):
+        chunk = ids(tokens)
+        kv = prefill_chunk_kv(model, chunk, context, context_cache).to(kv_dtype)
+        segments.append(Segment.cached(chunk, kv))
+    segments.append(Segment.fresh(question))
+    return segments, [t for s in segments for t in s.token_ids]
+
+
+def on_host(kv: ChunkKV) -> ChunkKV:
+    """The same chunk KV in pinned host RAM (what a GPU reads from the RAM tier)."""
+    return ChunkKV(
+        [k.cpu().pin_memory() for k in kv.keys], [v.cpu().pin_memory() for v in kv.values], kv.fingerprint
+    )
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+# label -> (method, options): the defaults, and HKVD at the default's ratio
+METHODS: dict[str, tuple[str, dict]] = {
+    "cacheblend": ("cacheblend", {}),
+    "cacheblend_hkvd": ("cacheblend", {"selection": "hkvd"}),
+    "full_reuse": ("full_reuse", {}),
+    "epic": ("epic", {}),
+}
+
+
+def check_config(c: Config, args: argparse.Namespace, device: torch.device, out: dict) -> bool:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kv_dtype = torch.float16
+    model = build_model(c, device, dtype, args.seed)
+    fusor, timer = Fusor(model), Timer(device, args.repeats, args.warmup)
+    tiers = ["hbm", "host"] if device.type == "cuda" else ["ram"]
+    # bf16 keeps 8 significant bits: a few rounding steps' worth of difference over the whole network
+    bound = 0.05 if dtype == torch.bfloat16 else 1e-4
+    ok = True
+    generator = torch.Generator().manual_seed(args.seed)
+    for chunks, tokens in parse_workloads(args.workloads):
+        segments, ids = prompt_segments(model, chunks, tokens, kv_dtype, generator)
+        if len(ids) > c.max_context:
+            print(
+                f"{c.name} {chunks}x{tokens}: {len(ids)} tokens exceed the context "
+                f"of {c.max_context}; skipped"
+            )
+            continue
+        row = {"config": c.name, "workload": f"{chunks}x{tokens}", "prompt_tokens": len(ids)}
+        full_logits, _ = model.prefill(ids)
+        full_s = timer.median(lambda ids=ids: model.prefill(ids))
+        exact = fusor.fuse(segments, get_method("cacheblend", ratio=1.0)).logits
+        error = relative_error(exact, full_logits[0])
+        row.update(full_prefill_s=full_s, r1_relative_error=error, r1_bound=bound, r1_ok=error <= bound)
+        ok &= error <= bound
+        for tier in tiers:
+            placed = [
+                s if s.kv is None or tier != "host" else Segment.cached(s.token_ids, on_host(s.kv))
+                for s in segments
+            ]
+            kvs = [s.kv for s in placed if s.kv is not None]
+            for label, (name, options) in METHODS.items():
+                method = get_method(name, **options)
+                result = fusor.fuse(placed, method, DirectLayerKV(kvs))
+                seconds = timer.median(lambda m=method, p=placed, k=kvs: fusor.fuse(p, m, DirectLayerKV(k)))
+                row[f"{label}_{tier}_s"] = seconds
+                row[f"{label}_{tier}_speedup"] = full_s / seconds
+                row[f"{label}_compute_fraction"] = result.compute_fraction
+        out["rows"].append(row)
+        print_row(row, tiers)
+        if args.json is not None:
+            args.json.write_text(json.dumps(out, indent=2))
+    return ok
+
+
+def print_row(row: dict, tiers: list[str]) -> None:
+    cells = [
+        f"{row['config']:<13}",
+        f"{row['workload']:>7}",
+        f"{row['prompt_tokens']:>6}",
+        f"{row['full_prefill_s'] * 1e3:>9.1f}",
+    ]
+    for tier in tiers:
+        for label in METHODS:
+            cells.append(f"{row[f'{label}_{tier}_s'] * 1e3:>8.1f} ({row[f'{label}_{tier}_speedup']:.2f}x)")
+    cells.append(f"{row['r1_relative_error']:.1e}{'' if row['r1_ok'] else ' FAIL'}")
+    print(" | ".join(cells), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    parser.add_argument("--config", default="llama-3.1-8b,qwen2.5-1.5b", help=f"any of {', '.join(CONFIGS)}")
+    parser.add_argument("--workloads", default="6x512,20x512,8x2048", help="NxL: N cached chunks of L tokens")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args()
+    if args.repeats < 5:
+        parser.error("--repeats must be at least 5 (medians of fewer runs are not reported)")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
+    unknown = [name for name in args.config.split(",") if name not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown config {', '.join(unknown)}: use {', '.join(CONFIGS)}")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    out = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "timer": "cuda events" if device.type == "cuda" else "perf_counter",
+        "methods": METHODS,
+        "rows": [],
+    }
+    tiers = ["hbm", "host"] if device.type == "cuda" else ["ram"]
+    print(
+        f"device {device_name}, torch {torch.__version__}, "
+        f"median of {args.repeats} after {args.warmup} warm-up"
+    )
+    print(
+        "config | workload | tokens | full ms | "
+        + " | ".join(f"{m} {t} ms" for t in tiers for m in METHODS)
+        + " | r=1 rel err"
+    )
+    ok = True
+    for name in args.config.split(","):
+        ok &= check_config(CONFIGS[name], args, device, out)
+        if device.type == "cuda":  # the last config's weights are gone with its frame: hand back the memory
+            torch.cuda.empty_cache()
+    out["forbidden_imports"] = sorted({m.split(".")[0] for m in sys.modules} & set(FORBIDDEN_IMPORTS))
+    out["r1_ok"] = ok
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2))
+    if out["forbidden_imports"]:
+        print(f"FAIL: imported {', '.join(out['forbidden_imports'])}, which a GPU machine here does not have")
+        return 1
+    print("r = 1 matches full prefill" if ok else "FAIL: r = 1 differs from full prefill beyond the bound")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
