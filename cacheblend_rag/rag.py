@@ -41,6 +41,10 @@ class QueryResult:
     finish_reason: str
     method_options: dict
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+    # the round this answer's chunks were blended in, when it shared one (GenerationResult's fields)
+    round_requests: int = 0
+    round_shared_tokens: int = 0
+    round_recomputed_tokens: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +73,9 @@ class _Prepared:
             finish_reason=generated.finish_reason,
             method_options=generated.method_options,
             controller=generated.controller,
+            round_requests=generated.round_requests,
+            round_shared_tokens=generated.round_shared_tokens,
+            round_recomputed_tokens=generated.round_recomputed_tokens,
         )
 
 
@@ -170,10 +177,34 @@ class CacheBlendRAG:
         sampling: SamplingParams | None = None,
     ) -> list[QueryResult]:
         """Retrieve for every question, then answer them all together through the engine's
-        ``generate_batch``; results in question order, equal to :meth:`query`'s (greedy)."""
+        ``generate_batch``; results in question order. Questions admitted together whose chunks are the
+        same share one blend of them (a round, the ``batch_rounds`` setting); the others' greedy answers
+        equal :meth:`query`'s."""
         spec = _spec(method, ratio)
         prepared = [self._prepare(question, top_k, chunk_ids, spec) for question in questions]
         generated = self.engine.generate_batch([BatchRequest(p.segments, spec, sampling) for p in prepared])
+        return [p.result(result) for p, result in zip(prepared, generated, strict=True)]
+
+    def query_round(
+        self,
+        questions: Sequence[str],
+        top_k: int | None = None,
+        method: str | None = None,
+        ratio: float | None = None,
+        chunk_ids: Sequence[str] | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> list[QueryResult]:
+        """Answer ``questions`` (agents of one round) over the same chunks, blended once for all of them:
+        ``chunk_ids``, or the top-k chunks retrieved once for the questions together. Results in
+        question order, each reporting the round it shared."""
+        if not questions:
+            return []
+        spec = _spec(method, ratio)
+        shared = list(chunk_ids) if chunk_ids is not None else None
+        if shared is None:
+            shared = [c.chunk_id for c in self.retrieve("\n".join(questions), top_k)]
+        prepared = [self._prepare(question, top_k, shared, spec) for question in questions]
+        generated = self.engine.generate_round([BatchRequest(p.segments, spec, sampling) for p in prepared])
         return [p.result(result) for p, result in zip(prepared, generated, strict=True)]
 
     def _prepare(

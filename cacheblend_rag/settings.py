@@ -62,6 +62,11 @@ class Settings(BaseSettings):
     batch_max_requests: int = Field(
         8, ge=1, le=4096, description="Most requests the batch scheduler decodes together."
     )
+    batch_rounds: bool = Field(
+        True,
+        description="Batch scheduler: requests fused together that read the same chunks share one blend "
+        "of them (a round) instead of blending them once each.",
+    )
     batch_kv_budget_bytes: int = Field(
         1024**3,
         gt=0,

@@ -28,14 +28,26 @@ from ..errors import ContextLengthError, FusionInputError
 from ..models.rope import Rope
 from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
 from .layers import run_layer
-from .methods import RecomputeMethod
+from .methods import FullReuse, RecomputeMethod
 from .plan import FusionPlan, LayerState
-from .probe import ProbePass
+from .probe import ProbePass, ProbeResult
 from .segments import DirectLayerKV, LayerKVProvider, Segment
 
 # Called at every layer with (layer, query positions, q [1, H, S, d], keys [1, Hkv, T, d], mask): lets
 # diagnostics look at attention without a second code path.
 AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], None]
+
+
+@dataclass(frozen=True)
+class RoundShare:
+    """A request's part in a round (:mod:`.round`): its chunks' KV came from one blend made for every
+    request of the round, counted here apart from what the request computed itself."""
+
+    requests: int  # requests that share the round's blend
+    shared_tokens: int  # this prompt's tokens whose KV is the round's blend
+    round_recomputed_tokens: int  # cached tokens the round recomputed, once for all its requests
+    recompute_ratio: float  # the round's share of its cached tokens recomputed
+    seconds: float  # the round's probe and blend (paid once, before any of its requests)
 
 
 @dataclass
@@ -51,6 +63,8 @@ class FusionResult:
     seconds: float = 0.0
     load_wait_s: float = 0.0
     probe_token_layers: int = 0  # fresh-text token-layers of the query probe (0 when none ran)
+    # set when the prompt's chunks came blended from a round shared with other requests (blend/round.py)
+    round: RoundShare | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,7 +87,8 @@ class FusionResult:
         blended = self.plan.cached_mask & ~self.plan.exact_mask
         total = int(blended.sum())
         if total == 0:
-            return 1.0
+            # every chunk came blended from a round: the round's share is the one that was applied
+            return self.round.recompute_ratio if self.round is not None else 1.0
         return float(blended[self.selected].sum()) / total
 
     @property
@@ -95,6 +110,13 @@ class FusionRequest:
     kv_provider: LayerKVProvider | None = None
     extra_capacity: int = 0
     observer: AttentionObserver | None = None
+    # the question's attention per prompt position ([T] attention, [T] contribution), found elsewhere
+    # (a round scores its chunks for all its requests at once): no probe runs, the method gets these
+    query_scores: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+# the method a probe-only run carries (it never selects: the probe computes the fresh text alone)
+_PROBE_ONLY = FullReuse()
 
 
 class Fusor:
@@ -162,6 +184,19 @@ class Fusor:
                 run.provider.close()
         return [run.result() for run in runs]
 
+    @torch.inference_mode()
+    def probe(self, segments: list[Segment], kv_provider: LayerKVProvider | None = None) -> ProbeResult:
+        """Only the query probe of ``segments`` (:mod:`.probe`): where their question looks."""
+        self.validate(segments)
+        run = _Run(self, FusionRequest(segments, _PROBE_ONLY, kv_provider))
+        probe = run.probe_pass()
+        try:
+            for layer in range(self.model.num_layers):
+                run_layer(self.model, layer, [probe], finish=layer < self.model.num_layers - 1)
+        finally:
+            run.provider.close()
+        return probe.result()
+
     def _rerotations(self, spans: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per cached span, the tables that turn its keys from 0..n-1 to its prompt positions; the same
         at every layer, so computed once per fusion (none for a span that stays at 0..n-1)."""
@@ -220,7 +255,10 @@ class _Run:
         self.rotations = fusor._rerotations(self.spans)
         self.check_layers = set(request.method.check_layers(plan))
         self.num_cached_total = int(plan.cached_mask.sum())
-        self.wants_probe = plan.num_cached > 0 and request.method.uses_query_attention(plan)
+        self.query_scores = request.query_scores
+        self.wants_probe = (
+            plan.num_cached > 0 and self.query_scores is None and request.method.uses_query_attention(plan)
+        )
         self.probed = False
         self.qkv_counts: list[int] = []
         self.attended_counts: list[int] = []
@@ -242,6 +280,8 @@ class _Run:
                 result.token_layers,
                 True,
             )
+        elif self.query_scores is not None:
+            plan.query_attention, plan.query_contribution = self.query_scores
         selected = self.method.layer0_positions(plan).to(model.device)
         self.fusor._check_selection(plan, selected, None)
         self.hidden = model.embed(plan.token_ids[selected.cpu()][None]).to(model.dtype)

@@ -39,6 +39,14 @@ class Reuse(StrEnum):
     CHUNKS = "chunks"  # each chunk's KV, precomputed alone at positions 0..n-1
 
 
+class RoundSharing(StrEnum):
+    """Whether requests that read the same chunks may share one blend of them (:mod:`.round`)."""
+
+    NONE = "none"  # each request fused alone (the method reuses no chunk KV, or must stay exact)
+    SAME_PREFIX = "same_prefix"  # only requests whose text up to their last chunk is the round's own
+    ANY = "any"  # every request over the same chunks, whatever its own text before, between or after
+
+
 class RecomputeMethod(BaseModel, ABC):
     """The PIC-method interface the fusor applies. Subclass it, declare options as fields and
     :func:`register_method` the class to add one (see :class:`CacheBlend` for an example)."""
@@ -67,6 +75,11 @@ class RecomputeMethod(BaseModel, ABC):
     def select(self, state: LayerState) -> torch.Tensor:
         """Positions, a subset of ``state.candidates`` (with all must-compute ones), that go on."""
         return state.candidates
+
+    def round_sharing(self) -> RoundSharing:
+        """How requests fused with this method may share a round's blend of their common chunks
+        (default: any request that reuses chunk KV may)."""
+        return RoundSharing.ANY if self.reuses is Reuse.CHUNKS else RoundSharing.NONE
 
     def uses_query_attention(self, plan: FusionPlan) -> bool:
         """Whether the fusor should run the query probe first (blend/probe.py) and set
@@ -185,6 +198,11 @@ class CacheBlend(RecomputeMethod):
 
     def uses_query_attention(self, plan: FusionPlan) -> bool:
         return self.selection == "query"
+
+    def round_sharing(self) -> RoundSharing:
+        # r = 1 promises each request its own full prefill: a shared blend keeps it only for requests
+        # whose text before the chunks is the round's own
+        return RoundSharing.SAME_PREFIX if self.ratio >= 1.0 else RoundSharing.ANY
 
     def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
         if self.selection == "hkvd":

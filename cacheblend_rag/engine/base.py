@@ -57,10 +57,22 @@ class FusionStats:
     computed_tokens: int
     recompute_ratio: float
     load_wait_s: float = 0.0
+    round_requests: int = 0
+    round_shared_tokens: int = 0
+    round_recomputed_tokens: int = 0
 
     @classmethod
     def of(cls, fusion: FusionResult) -> FusionStats:
-        return cls(fusion.reused_tokens, fusion.computed_tokens, fusion.recompute_ratio, fusion.load_wait_s)
+        share = fusion.round
+        return cls(
+            fusion.reused_tokens,
+            fusion.computed_tokens,
+            fusion.recompute_ratio,
+            fusion.load_wait_s,
+            share.requests if share else 0,
+            share.shared_tokens if share else 0,
+            share.round_recomputed_tokens if share else 0,
+        )
 
 
 @dataclass
@@ -81,6 +93,12 @@ class GenerationResult:
     method_options: dict = field(default_factory=dict)
     load_wait_s: float = 0.0
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+    # A round (several requests reading the same chunks blended once for all of them): how many requests
+    # shared it, this prompt's tokens whose KV came from its blend (counted in reused_tokens too), and
+    # the cached tokens the round recomputed once for all of them (in no request's computed_tokens).
+    round_requests: int = 0
+    round_shared_tokens: int = 0
+    round_recomputed_tokens: int = 0
 
     @classmethod
     def build(
@@ -112,6 +130,9 @@ class GenerationResult:
             method_options=resolved.method.describe(),
             load_wait_s=fusion.load_wait_s,
             controller=resolved.controller,
+            round_requests=fusion.round_requests,
+            round_shared_tokens=fusion.round_shared_tokens,
+            round_recomputed_tokens=fusion.round_recomputed_tokens,
             **extra,
         )
 
@@ -264,6 +285,11 @@ class EngineProtocol(Protocol):
 
     def generate_batch(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
         """Serve ``requests`` together; results in order."""
+        ...
+
+    def generate_round(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
+        """Serve ``requests`` (agents reading the same chunks) together as one round where the engine
+        can share a blend of their chunks; results in order, each reporting its round."""
         ...
 
     def close(self) -> None: ...

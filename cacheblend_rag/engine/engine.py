@@ -15,6 +15,7 @@ import torch
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionRequest, FusionResult, Fusor
 from ..blend.methods import RecomputeMethod, Reuse
+from ..blend.round import fuse_round
 from ..blend.segments import (
     NO_CONTEXT,
     ChunkContext,
@@ -202,8 +203,7 @@ class Engine(PromptSegments):
         """Fuse with the store's pipelined loader. A chunk found corrupt while loading is recomputed,
         rewritten and the fusion retried once."""
         for attempt in (1, 2):
-            sources = [s.kv for s in segments if s.kv is not None]
-            loader = PipelinedLayerLoader(sources, dtype=self.model.dtype, device=self.model.device)
+            loader = self._loader([s.kv for s in segments if s.kv is not None])
             try:
                 with self.forward_lock:
                     return self.fusor.fuse(segments, method, loader, extra_capacity, observer)
@@ -220,6 +220,28 @@ class Engine(PromptSegments):
                 ]
         raise AssertionError("unreachable")
 
+    def _loader(self, sources: Sequence[ChunkKVSource]) -> PipelinedLayerLoader:
+        return PipelinedLayerLoader(list(sources), dtype=self.model.dtype, device=self.model.device)
+
+    def fuse_round(
+        self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
+    ) -> list[FusionResult | Exception]:
+        """Fuse several prompts together, those that read the same chunks sharing one blend of them
+        (:mod:`~cacheblend_rag.blend.round`): each result carries its round share. If that fails, they
+        are fused as :meth:`fuse_many` fuses them, so a round never costs a request its answer."""
+        jobs = [
+            FusionRequest(segments, method, self._loader([s.kv for s in segments if s.kv is not None]))
+            for segments, method in requests
+        ]
+        try:
+            with self.forward_lock:
+                return list(fuse_round(self.fusor, jobs, self._loader))
+        except Exception as exc:  # each request is fused again below, without the round
+            for job in jobs:
+                job.kv_provider.close()
+            log.info("fusing %d requests as a round failed (%s); fusing them without", len(requests), exc)
+        return self.fuse_many(requests)
+
     def fuse_many(
         self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
     ) -> list[FusionResult | Exception]:
@@ -228,15 +250,7 @@ class Engine(PromptSegments):
         they are fused one at a time instead, so one request's problem stays its own: the caller gets
         each request's result or exception in order."""
         loaders = [
-            FusionRequest(
-                segments,
-                method,
-                PipelinedLayerLoader(
-                    [s.kv for s in segments if s.kv is not None],
-                    dtype=self.model.dtype,
-                    device=self.model.device,
-                ),
-            )
+            FusionRequest(segments, method, self._loader([s.kv for s in segments if s.kv is not None]))
             for segments, method in requests
         ]
         try:
@@ -319,10 +333,28 @@ class Engine(PromptSegments):
         return self.stream(segments, method, sampling, **method_options).result()
 
     def generate_batch(
-        self, requests: Sequence[BatchRequest], max_batch: int | None = None
+        self,
+        requests: Sequence[BatchRequest],
+        max_batch: int | None = None,
+        rounds: bool | None = None,
+        kv_budget_bytes: int | None = None,
     ) -> list[GenerationResult]:
         """Serve ``requests`` together through a :class:`BatchScheduler` (``max_batch`` rows at most,
-        default: the ``batch_max_requests`` setting); results in order. Greedy answers equal
-        :meth:`generate`'s."""
-        with BatchScheduler(self, max_batch=max_batch) as scheduler:
+        default: the ``batch_max_requests`` setting); results in order. Requests admitted together that
+        read the same chunks share one blend of them (``rounds``, default: the ``batch_rounds``
+        setting); other greedy answers equal :meth:`generate`'s."""
+        with BatchScheduler(
+            self, max_batch=max_batch, rounds=rounds, kv_budget_bytes=kv_budget_bytes
+        ) as scheduler:
             return scheduler.generate_batch(requests)
+
+    def generate_round(
+        self, requests: Sequence[BatchRequest], kv_budget_bytes: int | None = None
+    ) -> list[GenerationResult]:
+        """Answer ``requests`` (agents reading the same chunks, each with its own text around them) as one
+        round: admitted together, as far as the decode batch's KV budget allows, so that their common
+        chunks are blended once for all of them (:mod:`~cacheblend_rag.blend.round`). Each result
+        reports its round: ``round_requests``, ``round_shared_tokens``, ``round_recomputed_tokens``."""
+        return self.generate_batch(
+            requests, max_batch=max(1, len(requests)), rounds=True, kv_budget_bytes=kv_budget_bytes
+        )

@@ -122,11 +122,14 @@ class BatchScheduler:
         max_batch: int | None = None,
         kv_budget_bytes: int | None = None,
         batched_fusion: bool = True,
+        rounds: bool | None = None,
     ):
         settings = get_settings()
         self.engine = engine
         # fuse an admission group's prompts together (Engine.fuse_many) rather than one at a time
         self.batched_fusion = batched_fusion
+        # requests of a group that read the same chunks share one blend of them (blend/round.py)
+        self.rounds = rounds if rounds is not None else settings.batch_rounds
         self.model = engine.model
         self.max_batch = max_batch if max_batch is not None else settings.batch_max_requests
         self.kv_budget_bytes = (
@@ -317,13 +320,17 @@ class BatchScheduler:
         try:
             # cancelled since its group was admitted: not worth a fusion
             live = [i for i, p in enumerate(group) if not p.handle.cancel_requested]
+            # a round is blended for every request admitted with it, so that one cancelled since leaves
+            # the others' answers as they would have been (its own fusion is dropped below)
+            fused = list(range(len(group))) if self.rounds and self.batched_fusion else live
             fusions: dict[int, FusionResult | Exception] = {}
-            sizes = [group[i].prompt_tokens * self.kv_bytes_per_token for i in live]
-            for batch in fusion_batches(live, sizes, self.kv_budget_bytes):
+            sizes = [group[i].prompt_tokens * self.kv_bytes_per_token for i in fused]
+            for batch in fusion_batches(fused, sizes, self.kv_budget_bytes):
                 jobs = [(shared[i], group[i].resolved.method) for i in batch]
                 if self.batched_fusion:
                     self.stats.fusion_passes += 1
-                    fusions.update(zip(batch, self.engine.fuse_many(jobs), strict=True))
+                    fuse = self.engine.fuse_round if self.rounds else self.engine.fuse_many
+                    fusions.update(zip(batch, fuse(jobs), strict=True))
                     continue
                 for i, job in zip(batch, jobs, strict=True):
                     self.stats.fusion_passes += 1
@@ -337,7 +344,7 @@ class BatchScheduler:
                     if isinstance(segment.kv, SharedChunk):
                         segment.kv.release()
         for i, pending in enumerate(group):
-            fusion = fusions.get(i)
+            fusion = fusions.get(i) if i in live else None
             try:
                 if fusion is None:
                     self._end_cancelled(pending)

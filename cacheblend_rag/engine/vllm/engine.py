@@ -364,3 +364,8 @@ class VLLMEngine(PromptSegments):
         for _ in self._drive(prepared):
             pass
         return self._collect(prepared)
+
+    def generate_round(self, requests: Sequence[BatchRequest]) -> list[VLLMGenerationResult]:
+        """As :meth:`generate_batch`: the connector blends each request's chunks in vLLM's worker, one
+        request at a time, so requests here never share a round (their ``round_requests`` stay 0)."""
+        return self.generate_batch(requests)

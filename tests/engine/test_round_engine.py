@@ -1,0 +1,100 @@
+"""Rounds through the engine: Engine.generate_round, the batch scheduler (on by default, cancellation)
+and CacheBlendRAG.query_round, each agent's result reporting its round."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cacheblend_rag.engine import Engine, SamplingParams
+from cacheblend_rag.engine.prompt import ChunkRef
+from cacheblend_rag.engine.scheduler import BatchRequest, BatchScheduler
+from cacheblend_rag.store.kvstore import KVStore
+
+DATA_DIR = Path(__file__).parent.parent / "data"
+SAMPLING = SamplingParams(max_new_tokens=8)
+QUESTIONS = ["Who founded it?", "When did it happen?", "Where is it located?"]
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+    store = KVStore(tmp_path_factory.mktemp("round") / "kv", model.fingerprint, model.shape)
+    yield Engine(model, store=store)
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def refs(model):
+    case = json.loads((DATA_DIR / "musique_24.json").read_text())[1]
+    tok = model.tokenizer
+    return [
+        ChunkRef(
+            tuple(tok(c["title"] + "\n" + c["text"], add_special_tokens=False)["input_ids"][:100]), f"p{i}"
+        )
+        for i, c in enumerate(case["ctxs"][:4])
+    ]
+
+
+def requests(engine, refs, method, questions=QUESTIONS, sampling=SAMPLING):
+    return [BatchRequest(engine.rag_segments(q, refs, method), method, sampling) for q in questions]
+
+
+def test_generate_round_at_r1_answers_each_agent_as_alone(engine, refs):
+    method = "cacheblend@ratio=1"
+    results = engine.generate_round(requests(engine, refs, method))
+    for question, result in zip(QUESTIONS, results, strict=True):
+        alone = engine.generate(engine.rag_segments(question, refs, method), method, SAMPLING)
+        assert result.token_ids == alone.token_ids
+        assert result.round_requests == 3 and result.round_shared_tokens == 400
+        assert result.round_recomputed_tokens == 400
+        assert alone.round_requests == 0
+
+
+def test_the_scheduler_blends_shared_chunks_once_by_default(engine, refs):
+    batch = requests(engine, refs, "cacheblend")
+    head = batch[0].segments[0]  # the template's opening, exact KV (no method recomputes it)
+    assert head.exact
+    results = engine.generate_batch(batch)
+    for result in results:
+        assert result.round_requests == 3 and result.round_shared_tokens == 400
+        assert result.round_recomputed_tokens == 60  # r = 0.15 of the round's 400 cached tokens, once
+        # the agent computed only its own text; the chunks' KV was read (blended by the round)
+        assert result.reused_tokens == 400 + len(head)
+        assert result.computed_tokens == result.prompt_tokens - 400 - len(head)
+    off = engine.generate_batch(requests(engine, refs, "cacheblend"), rounds=False)
+    assert all(r.round_requests == 0 for r in off)
+
+
+def test_cancelling_one_agent_leaves_the_others_unchanged(engine, refs):
+    long = SamplingParams(max_new_tokens=40)
+    expected = [
+        r.token_ids for r in engine.generate_round(requests(engine, refs, "cacheblend", sampling=long))
+    ]
+    with BatchScheduler(engine, max_batch=3, rounds=True) as scheduler:
+        handles = scheduler.submit_many(requests(engine, refs, "cacheblend", sampling=long))
+        next(iter(handles[1]))  # the round is fused, every agent has its first token
+        assert scheduler.cancel(handles[1])
+        kept = [handles[0].result(timeout=600), handles[2].result(timeout=600)]
+    assert [k.token_ids for k in kept] == [expected[0], expected[2]]
+    assert handles[1].cancelled
+
+
+def test_query_round_over_a_corpus(tmp_path, musique_case):
+    from cacheblend_rag.ingest.pipeline import ingest
+    from cacheblend_rag.rag import CacheBlendRAG
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, paragraph in enumerate(musique_case["paragraphs"][:3]):
+        (docs / f"p{i}.txt").write_text(paragraph[:500])
+    ingest([docs], tmp_path / "corpus", chunk_tokens=96)
+    rag = CacheBlendRAG(tmp_path / "corpus")
+    try:
+        answers = rag.query_round(QUESTIONS, top_k=2, sampling=SAMPLING)
+        assert len(answers) == 3 and len({tuple(a.chunk_ids) for a in answers}) == 1  # retrieved once
+        assert all(a.round_requests == 3 and a.round_shared_tokens > 0 for a in answers)
+        assert rag.query_round([]) == []
+    finally:
+        rag.close()
