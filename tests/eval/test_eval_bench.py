@@ -72,9 +72,24 @@ def test_bench_quick_runs_every_section(tmp_path):
     same = [c for c in throughput["checks"] if "one-at-a-time" in c["claim"]]
     assert len(same) == 3 and all(c["passed"] for c in same)
 
+    rounds = sections["round"]
+    assert rounds["levels"] == [1, 2] and set(rounds["timing"]["full_prefill"]) == {"1"}
+    assert rounds["timing"]["round"]["2"]["round_requests"] == 2  # two agents shared one blend
+    assert rounds["timing"]["per_request"]["2"]["round_requests"] == 0
+    assert rounds["timing"]["round_own_order"]["2"]["round_requests"] == 2
+    assert rounds["fidelity"]["cases"] == 1 and 0 <= rounds["fidelity"]["agree_round"] <= 1
+
     markdown = (out / "BENCHMARKS.md").read_text()
     assert "<!-- BEGIN bench -->" in markdown and "<!-- END bench -->" in markdown
-    for title in ("Time to first token", "issue 2", "issue 3", "issue 4", "issue 5", "Throughput"):
+    for title in (
+        "Time to first token",
+        "issue 2",
+        "issue 3",
+        "issue 4",
+        "issue 5",
+        "Throughput",
+        "issue 21",
+    ):
         assert title in markdown
     assert "cacheblend-rag bench --quick" in markdown
     assert (out / "ttft_vs_chunks.png").stat().st_size > 10_000

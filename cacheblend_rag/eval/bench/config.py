@@ -13,7 +13,7 @@ from ..datasets import load_dataset
 
 BENCH_FORMAT = "cacheblend-rag-bench/1"
 # Run by default, in this order; each can be run alone with --only.
-SECTIONS = ("ttft", "prefill", "store", "deviation", "ingest", "throughput", "serve")
+SECTIONS = ("ttft", "prefill", "store", "deviation", "ingest", "throughput", "round", "serve")
 # Run only when named with --only: they need an optional install (vllm: the [vllm] extra).
 OPTIONAL_SECTIONS = ("vllm",)
 ALL_SECTIONS = SECTIONS + OPTIONAL_SECTIONS
@@ -38,6 +38,8 @@ class BenchConfig:
     throughput_requests: int = 8
     throughput_levels: tuple[int, ...] = (1, 4, 8, 16)
     throughput_max_new_tokens: int = 16
+    round_max_agents: int = 16  # the round section's agents: 1, 2, 4, 8, 16 up to this many
+    round_fidelity_cases: int = 20  # held-out MuSiQue rounds of 8 agents for the round's fidelity
     serve_levels: tuple[int, ...] = (1, 4, 8, 16)  # concurrent clients of the serve load test
     serve_rounds: int = 2  # requests each client sends back to back
     serve_max_new_tokens: int = 16
@@ -66,6 +68,8 @@ class BenchConfig:
             throughput_requests=2,
             throughput_levels=(1, 2),
             throughput_max_new_tokens=2,
+            round_max_agents=2,
+            round_fidelity_cases=1,
             serve_levels=(1, 2),
             serve_rounds=1,
             serve_max_new_tokens=2,

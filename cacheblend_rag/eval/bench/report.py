@@ -10,6 +10,7 @@ from typing import Any
 
 from ..markdown import checks_list, fmt, machine_line, relative_link, table
 from .config import ALL_SECTIONS
+from .round import render_round
 from .vllm import BLEND, FULL
 
 TTFT_LABELS = {
@@ -436,6 +437,7 @@ RENDERERS: dict[str, tuple[str, Callable[[Page, dict[str, Any]], list[str]]]] = 
     "deviation": ("Attention deviation vs recompute ratio (issue 3)", render_deviation),
     "ingest": ("Ingest and query on the sample corpus (issue 5)", render_ingest),
     "throughput": ("Throughput: concurrent requests (issue 10)", render_throughput),
+    "round": ("Rounds: N agents over the same chunks (issue 21)", render_round),
     "serve": ("Serving: concurrent clients through `cacheblend-rag serve` (issue 17)", render_serve),
     "vllm": ("vLLM backend: full prefill vs CacheBlend inside vLLM (issue 8)", render_vllm),
 }

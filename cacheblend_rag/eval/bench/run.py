@@ -16,6 +16,7 @@ from .deviation import section_deviation
 from .ingest import section_ingest
 from .prefill import section_prefill
 from .results import new_results
+from .round import section_round
 from .serve import section_serve
 from .store import section_store
 from .throughput import section_throughput
@@ -31,6 +32,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[BenchContext], dict[str, Any]]] = {
     "deviation": section_deviation,
     "ingest": section_ingest,
     "throughput": section_throughput,
+    "round": section_round,
     "serve": section_serve,
     "vllm": section_vllm,
 }

@@ -1,0 +1,273 @@
+"""Section ``round`` (issue 21): N agents reading the same chunks in one round.
+
+Each agent's prompt is its own role (a system message of 20-80 tokens, different per agent), the same 6
+MuSiQue chunks and its own question. Timed through the batch scheduler, all agents arriving at once:
+(a) full prefill, (b) per-request cacheblend with batched fusion (rounds off), (c) the round; the time
+until every agent has its first token and requests/s with ``throughput_max_new_tokens`` new tokens each,
+median of ``repeats``; (b) and (c) again with each agent's own chunk order. Then fidelity per agent
+against its own full prefill on held-out MuSiQue rounds (each case's chunks, 8 agents asking its question
+in 8 roles): first-token KL and agreement of per-request cacheblend and of the round at the same r.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ...blend.spec import parse_method
+from ...corpus.embedder import get_embedder
+from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
+from ...engine.prompt import ChunkRef, PromptBuilder
+from ...store.keys import kv_bytes_per_token
+from ...text.chunker import Chunker
+from ..datasets import load_dataset, select_cases
+from ..harness import QA_TEMPLATE, retrieve_chunks, store_in_ram
+from ..markdown import checks_list, fmt, table
+from ..metrics import kl_divergence
+from .config import BenchContext
+from .prompts import eval_engine, rag_prompts
+
+# Sixteen agents' roles, 20-80 tokens each with the default tokenizer (tests/eval check the range).
+ROLES = (
+    "You are a research assistant. Answer the question using only the passages, in one short sentence.",
+    "You are a fact checker for a newspaper. Read the passages and give the single fact asked for.",
+    "You are a librarian helping a student with homework. Point to what the passages say, briefly and "
+    "clearly, without adding anything they do not say.",
+    "You are a quiz host. Give the answer only, no explanation.",
+    "You are a careful historian. Answer from the passages; if they disagree, say which one you follow.",
+    "You are an assistant for a legal team. Quote no more than needed and answer precisely from the "
+    "documents provided, naming the passage you rely on.",
+    "You are a travel guide writer. Answer the question about places and people from the passages in "
+    "plain words a visitor would understand.",
+    "You are a data analyst. Extract the entity or number the question asks for from the passages.",
+    "You are a teacher preparing an exam key. Write the correct answer as a short phrase.",
+    "You are a support agent for a knowledge base. Answer from the retrieved articles only; when they do "
+    "not contain the answer, say that the articles do not say.",
+    "You are a biographer. Answer questions about people's lives from the passages, briefly.",
+    "You are a museum curator answering a visitor's question from the exhibit notes below.",
+    "You are a news editor checking a reporter's claim against the sources. State the fact from the "
+    "sources that answers the question, and nothing else.",
+    "You are a concise assistant. One line.",
+    "You are a geography tutor. Answer with the place name the passages give, then stop.",
+    "You are an archivist. Find the answer in the records below and reply with it in a few words, "
+    "keeping the wording of the records where you can.",
+)
+ROUND_LEVELS = (1, 2, 4, 8, 16)
+FULL_PREFILL_LEVELS = (1, 8)  # full prefill is timed where the claims compare against it
+FIDELITY_AGENTS = 8
+
+
+def agent_requests(
+    engine: Engine, refs: Sequence[ChunkRef], questions: Sequence[str], method, sampling, own_order: bool
+) -> list[BatchRequest]:
+    """One request per question: role i, the chunks (in a per-agent order when ``own_order``)."""
+    requests = []
+    for i, question in enumerate(questions):
+        order = list(refs)
+        if own_order:
+            random.Random(i).shuffle(order)
+        builder = PromptBuilder(engine.model.tokenizer, ROLES[i % len(ROLES)], QA_TEMPLATE)
+        requests.append(
+            BatchRequest(engine.segments(builder.rag_parts(question, order), method), method, sampling)
+        )
+    return requests
+
+
+def _timed(engine: Engine, requests: list[BatchRequest], rounds: bool) -> dict[str, float]:
+    """All ``requests`` submitted at once to a scheduler admitting all of them."""
+    capacity = max(sum(len(s) for s in r.segments) for r in requests) + 64
+    budget = 2 * len(requests) * capacity * kv_bytes_per_token(engine.model.shape, engine.model.dtype)
+    with BatchScheduler(engine, max_batch=len(requests), kv_budget_bytes=budget, rounds=rounds) as scheduler:
+        started = time.perf_counter()
+        handles = scheduler.submit_many(requests)
+        results = [h.result() for h in handles]
+        done = time.perf_counter() - started
+        first = max(h.first_token_at for h in handles) - started
+        peak = scheduler.stats.peak_kv_bytes
+    return {
+        "all_first_tokens_s": first,
+        "requests_per_s": len(requests) / done,
+        "peak_kv_bytes": peak,
+        "round_requests": results[0].round_requests,
+    }
+
+
+def _median(samples: list[dict[str, float]]) -> dict[str, Any]:
+    keys = ("all_first_tokens_s", "requests_per_s")
+    out: dict[str, Any] = {k: statistics.median(s[k] for s in samples) for k in keys}
+    out["samples_all_first_tokens_s"] = [s["all_first_tokens_s"] for s in samples]
+    out["peak_kv_bytes"] = samples[0]["peak_kv_bytes"]
+    out["round_requests"] = samples[0]["round_requests"]
+    return out
+
+
+def section_round(ctx: BenchContext) -> dict[str, Any]:
+    config = ctx.config
+    engine = eval_engine(ctx)
+    sampling = SamplingParams(max_new_tokens=config.throughput_max_new_tokens)
+    blend = parse_method("cacheblend").with_ratio(config.ratio)
+    levels = [n for n in ROUND_LEVELS if n <= config.round_max_agents]
+    try:
+        prompts = rag_prompts(engine, config, max(levels) + 1)
+        refs, questions = prompts[0].refs, [p.question for p in prompts[1:]]
+        store_in_ram(engine, questions[0], refs)
+        timing: dict[str, dict[str, Any]] = {}
+        runners = {
+            "full_prefill": ("full_recompute", False, False),
+            "per_request": (blend, False, False),
+            "round": (blend, True, False),
+            "per_request_own_order": (blend, False, True),
+            "round_own_order": (blend, True, True),
+        }
+        for label, (method, rounds, own_order) in runners.items():
+            timing[label] = {}
+            for n in levels:
+                if label == "full_prefill" and n not in FULL_PREFILL_LEVELS:
+                    continue
+                samples = [
+                    _timed(
+                        engine,
+                        agent_requests(engine, refs, questions[:n], method, sampling, own_order),
+                        rounds,
+                    )
+                    for _ in range(config.repeats)
+                ]
+                timing[label][str(n)] = _median(samples)
+        fidelity = _fidelity(engine, config, blend)
+    finally:
+        engine.store.close()
+    return {
+        "levels": levels,
+        "chunks": len(refs),
+        "chunk_tokens": [len(r.token_ids) for r in refs],
+        "ratio": config.ratio,
+        "max_new_tokens": config.throughput_max_new_tokens,
+        "timing": timing,
+        "fidelity": fidelity,
+        "checks": _checks(timing, fidelity),
+    }
+
+
+def _fidelity(engine: Engine, config, blend) -> dict[str, Any]:
+    """Per agent, first-token KL and agreement against its own full prefill: per-request cacheblend vs the
+    round, on ``round_fidelity_cases`` held-out MuSiQue cases (8 roles asking each case's question)."""
+    dataset = load_dataset("musique-heldout")
+    chunker = Chunker(engine.model.tokenizer, config.chunk_tokens)
+    method, full = blend.build(), parse_method("full_recompute").build()
+    embedder = get_embedder()
+    rows: dict[str, list[float]] = {
+        "kl_per_request": [],
+        "kl_round": [],
+        "agree_per_request": [],
+        "agree_round": [],
+    }
+    for case in select_cases(dataset.cases, config.round_fidelity_cases, seed=0):
+        retrieved, _ = retrieve_chunks(case, chunker, embedder, config.top_k, "qa")
+        refs = [ChunkRef(r.token_ids) for r in retrieved]
+        questions = [case.question] * FIDELITY_AGENTS
+        requests = agent_requests(engine, refs, questions, method, None, own_order=False)
+        fresh = agent_requests(engine, refs, questions, full, None, own_order=False)
+        references = [engine.fuse(r.segments, full).logits for r in fresh]
+        jobs = [(r.segments, method) for r in requests]
+        per_request, rounded = engine.fuse_many(jobs), engine.fuse_round(jobs)
+        for reference, alone, shared in zip(references, per_request, rounded, strict=True):
+            top = int(reference.argmax())
+            rows["kl_per_request"].append(kl_divergence(reference, alone.logits))
+            rows["kl_round"].append(kl_divergence(reference, shared.logits))
+            rows["agree_per_request"].append(float(int(alone.logits.argmax()) == top))
+            rows["agree_round"].append(float(int(shared.logits.argmax()) == top))
+    return {
+        "cases": config.round_fidelity_cases,
+        "agents": FIDELITY_AGENTS,
+        **{k: statistics.fmean(v) if v else None for k, v in rows.items()},
+    }
+
+
+def _checks(timing: dict[str, dict[str, Any]], fidelity: dict[str, Any]) -> list[dict[str, Any]]:
+    checks = []
+    at8 = {label: rows.get("8") for label, rows in timing.items()}
+    if at8["round"] and at8["per_request"]:
+        value = at8["per_request"]["all_first_tokens_s"] / at8["round"]["all_first_tokens_s"]
+        checks.append(
+            {
+                "claim": "N = 8: the round >= 3x faster than per-request cacheblend to all first tokens",
+                "passed": value >= 3,
+                "value": value,
+            }
+        )
+    if at8["round"] and at8["full_prefill"]:
+        value = at8["full_prefill"]["all_first_tokens_s"] / at8["round"]["all_first_tokens_s"]
+        checks.append(
+            {
+                "claim": "N = 8: the round >= 10x faster than full prefill to all first tokens",
+                "passed": value >= 10,
+                "value": value,
+            }
+        )
+    if fidelity["cases"]:
+        gap = fidelity["kl_round"] - fidelity["kl_per_request"]
+        checks.append(
+            {
+                "claim": "round first-token KL <= per-request cacheblend's + 0.01",
+                "passed": gap <= 0.01,
+                "value": gap,
+            }
+        )
+        agree = fidelity["agree_round"]
+        checks.append(
+            {"claim": "round first-token agreement >= 0.95", "passed": agree >= 0.95, "value": agree}
+        )
+    return checks
+
+
+def render_round(page, section: dict[str, Any]) -> list[str]:
+    """The section's tables (its renderer, beside its runner)."""
+    timing, levels = section["timing"], section["levels"]
+    labels = {
+        "full_prefill": "(a) full prefill",
+        "per_request": "(b) per-request cacheblend, batched fusion",
+        "round": "(c) round",
+        "per_request_own_order": "(b) per-request, each agent's own chunk order",
+        "round_own_order": "(c) round, each agent's own chunk order",
+    }
+    rows = []
+    for label, title in labels.items():
+        for n in levels:
+            row = timing.get(label, {}).get(str(n))
+            if row is None:
+                continue
+            rows.append(
+                [
+                    title,
+                    n,
+                    fmt(row["all_first_tokens_s"], 2),
+                    fmt(row["requests_per_s"], 3),
+                    f"{row['peak_kv_bytes'] / 2**20:.0f}",
+                    row["round_requests"],
+                ]
+            )
+    fidelity = section["fidelity"]
+    sizes = ", ".join(map(str, section["chunk_tokens"]))
+    per, shared = fidelity.get("kl_per_request"), fidelity.get("kl_round")
+    lines = [
+        f"{section['chunks']} MuSiQue chunks ({sizes} tokens) shared by every agent, each with its own "
+        f"role (system message) and question; cacheblend at r = {section['ratio']:g}; "
+        f"{section['max_new_tokens']} new tokens each; all agents submitted at once to one scheduler; "
+        "median of the repeats. Peak KV: the decode batch's KV buffer (each agent keeps its own copy of "
+        "the blended chunks).",
+        "",
+        table(
+            ["runner", "agents", "all first tokens (s)", "requests/s", "peak KV (MiB)", "round size"], rows
+        ),
+        "",
+        f"Fidelity against each agent's own full prefill, {fidelity['cases']} held-out MuSiQue rounds x "
+        f"{fidelity['agents']} agents: first-token KL per-request {fmt(per, 4)} vs round {fmt(shared, 4)}; "
+        f"first-token agreement {fmt(fidelity.get('agree_per_request'), 3)} vs "
+        f"{fmt(fidelity.get('agree_round'), 3)}.",
+        "",
+        checks_list(section["checks"]),
+    ]
+    return lines
