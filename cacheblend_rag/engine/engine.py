@@ -147,15 +147,15 @@ class Engine(PromptSegments):
         found = self.store.get(key)
         if found is not None:
             return found
-        kv = self.precompute(token_ids, context)
+        # Serve what the store holds (its codec, decoded), so a first answer equals every later one.
+        stored = self.store.encode(key, self.precompute(token_ids, context))
         try:
-            self.store.put(key, kv, pinned=False)  # request traffic: evictable in a remote tier
+            self.store.put(key, stored, pinned=False)  # request traffic: evictable in a remote tier
         except StoreError as exc:
             # A store that cannot keep the chunk (read-only, disk full) costs a recompute next time, not
             # this answer.
             log.warning("chunk KV %s… was computed but not stored: %s", key[:16], exc)
-        # Serve what the store holds (its dtype), so a first answer equals every later one.
-        return kv.to(self.store.kv_dtype)
+        return stored
 
     def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
         """Precompute and store a chunk's KV unless present (locally or in the remote tier) as corpus KV;
