@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -104,6 +104,12 @@ class Codec:
             math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             for shape, dtype in self.parts(heads, n, head_dim).values()
         )
+
+    def for_head_dim(self, head_dim: int) -> Codec:
+        """This codec for heads of ``head_dim`` channels: value groups no wider than a head."""
+        if self.quantized and self.value_group > head_dim:
+            return replace(self, value_group=head_dim)
+        return self
 
     def check_shape(self, head_dim: int) -> None:
         """Raise ValueError unless this codec can store heads of ``head_dim`` channels."""

@@ -255,7 +255,7 @@ def encode(
 ) -> EncodedChunk:
     """``kv`` in ``codec`` (a codec or its name/float dtype) under ``key`` (raises StoreError when it
     does not fit the model)."""
-    codec = codec if isinstance(codec, Codec) else get_codec(codec)
+    codec = (codec if isinstance(codec, Codec) else get_codec(codec)).for_head_dim(shape.head_dim)
     if kv.fingerprint != fingerprint:
         raise StoreError(
             f"chunk KV of model {kv.fingerprint[:16]}… cannot go into the store of model {fingerprint[:16]}…"
