@@ -29,7 +29,7 @@ def upgrade_format(
     now stale KV keys."""
     db = ChunkDB(corpus_dir / DB_NAME)
     try:
-        kv_dtype = get_settings().kv_dtype
+        kv_dtype = manifest.kv_dtype or get_settings().kv_dtype
         stale = db.rekey_kv(lambda ids: chunk_key(manifest.model_fingerprint, kv_dtype, ids, context.key))
     finally:
         db.close()

@@ -39,6 +39,9 @@ class CorpusManifest:
     created_at: float = field(default_factory=time.time)
     # token ids chunks are prefilled behind when their KV is precomputed (empty: alone)
     chunk_context: tuple[int, ...] = ()
+    # the codec its chunk KV is stored in (part of every KV key; ``store recode`` changes it); '': made
+    # before codecs were recorded, stored in whatever the kv_dtype setting says
+    kv_dtype: str = ""
 
     @classmethod
     def load(cls, corpus_dir: Path) -> CorpusManifest | None:

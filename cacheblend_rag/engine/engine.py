@@ -66,6 +66,7 @@ class Engine(PromptSegments):
         store: KVStore | str | Path | None = None,
         prompt_builder: PromptBuilder | None = None,
         chunk_context: ChunkContext | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         settings = get_settings()
         # A model named (or the default) is the process's shared copy (one load per model and device),
@@ -82,7 +83,8 @@ class Engine(PromptSegments):
         self._heads_lock = threading.Lock()
         if not isinstance(store, KVStore):
             root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
-            store = KVStore(root, self.model.fingerprint, self.model.shape)
+            # a corpus passes the codec it records (kv_dtype); else the kv_dtype setting
+            store = KVStore(root, self.model.fingerprint, self.model.shape, kv_dtype)
         self.store = store
         self.fusor = Fusor(self.model)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
