@@ -30,6 +30,8 @@ def section_codec(ctx: BenchContext) -> dict[str, Any]:
     config = ctx.config
     model = ctx.model
     sample = sample_corpus_chunks(ctx, config.chunk_tokens)
+    if config.quick:  # a smoke test: a few chunks of the sample corpus
+        sample = sample[: config.num_chunks]
     long_chunks = ctx.chunk_ids(config.num_chunks, config.chunk_tokens)
     stores = {c: KVStore(ctx.work_dir / f"codec-{c}", model.fingerprint, model.shape, c) for c in CODECS}
     try:
