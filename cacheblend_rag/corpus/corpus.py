@@ -41,6 +41,7 @@ from .manifest import (
     check_compatible,
     check_embedder,
     check_new_corpus_dir,
+    format_for,
 )
 from .vectors import CorpusVectors
 
@@ -175,6 +176,7 @@ class Corpus:
                 index_type=index_type or get_settings().index_type,
                 chunk_context=new_chunk_context(model).token_ids,
                 kv_dtype=get_settings().kv_dtype,
+                format_version=format_for(get_settings().kv_dtype),
             )
             ChunkDB(corpus_dir / DB_NAME).close()
             manifest.save(corpus_dir)  # last: a folder with a manifest is a complete, empty corpus

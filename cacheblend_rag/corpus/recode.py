@@ -26,7 +26,7 @@ from ..errors import CorruptKVError, StoreError
 from ..store.keys import chunk_key, resolve_codec
 from ..store.kvstore import KVStore
 from .chunkdb import DB_NAME, ChunkDB
-from .manifest import KV_DIR_NAME, CorpusManifest
+from .manifest import KV_DIR_NAME, CorpusManifest, format_for
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,10 @@ def recode_corpus(
             ):
                 keys = [_convert(row, source, dest, context, report) for row in rows]
             db.set_kv_keys(keys)
-            replace(manifest, kv_dtype=target).save(corpus_dir)
+            recorded = replace(
+                manifest, kv_dtype=target, format_version=format_for(target, manifest.format_version)
+            )
+            recorded.save(corpus_dir)
             log.info("corpus %s now stores chunk KV in %s (was %s)", corpus_dir, target, old)
         # step 3, also what finishes a run killed after step 2: KV of this model in any other codec goes
         report.old_files_removed = _sweep(root, fingerprint, target, rows, context, remote or "")

@@ -142,7 +142,7 @@ def ingest(
     else:
         check_new_corpus_dir(corpus_dir)
     # an older corpus is upgraded to the current chunk context when opened for writing below
-    current = manifest is not None and manifest.format_version == FORMAT_VERSION
+    current = manifest is not None and manifest.format_version >= FORMAT_VERSION
     context = ChunkContext(manifest.chunk_context) if current else new_chunk_context(tokenizer)
     if engine is not None and engine.chunk_context != context:
         raise StoreError(

@@ -89,7 +89,8 @@ def test_recode_converts_in_place_and_stats_show_the_codec(corpus):
     report = json.loads(result.output)
     assert report["converted"] == len(before) and report["old_files_removed"] == len(before)
     assert report["new_bytes"] <= 0.55 * report["old_bytes"]  # 128-token chunks: a whole key group each
-    assert CorpusManifest.load(corpus).kv_dtype == "int8"
+    manifest = CorpusManifest.load(corpus)
+    assert (manifest.kv_dtype, manifest.format_version) == ("int8", 3)  # a build before codecs refuses it
     stats = json.loads(invoke("store", "stats", "--corpus", corpus, "--json").output)
     assert stats["kv_dtype"] == "int8" and list(stats["disk"]["by_codec"]) == ["int8"]
     assert stats["disk"]["by_codec"]["int8"]["entries"] == len(before)
@@ -105,6 +106,12 @@ def test_recode_converts_in_place_and_stats_show_the_codec(corpus):
     assert invoke("store", "verify", "--corpus", corpus).exit_code == 0
     again = json.loads(invoke("store", "recode", "--kv-dtype", "int8", "--corpus", corpus, "--json").output)
     assert again["converted"] == 0
+    back = json.loads(invoke("store", "recode", "--kv-dtype", "float16", "--corpus", corpus, "--json").output)
+    assert back["converted"] == len(before) and back["old_files_removed"] == len(before)
+    assert (CorpusManifest.load(corpus).kv_dtype, CorpusManifest.load(corpus).format_version) == (
+        "float16",
+        2,
+    )
 
 
 def store_context(corpus: Path) -> str:
