@@ -18,7 +18,8 @@ def selection(config: dict[str, Any]) -> str:
 def eval_section_name(results: dict[str, Any]) -> str:
     config = results["config"]
     tokens = config.get("chunk_tokens", 512)
-    return f"eval-{config['dataset']}" + (f"-{tokens}" if tokens != 512 else "")
+    codecs = "-codecs" if len(config.get("kv_dtypes") or []) > 1 else ""  # beside the plain run's section
+    return f"eval-{config['dataset']}" + (f"-{tokens}" if tokens != 512 else "") + codecs
 
 
 def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = None) -> str:
