@@ -111,6 +111,7 @@ class CacheBlendRAG:
                 model or recorded,
                 store=self.corpus.kv_dir,
                 chunk_context=self.corpus.chunk_context,
+                kv_dtype=self.corpus.kv_dtype,
             )
         self.engine = engine
         if manifest.model_fingerprint != self.engine.model.fingerprint:

@@ -38,8 +38,10 @@ class Settings(BaseSettings):
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto' (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16."
     )
-    kv_dtype: Literal["float16", "bfloat16", "float32"] = Field(
-        "float16", description="Storage dtype of chunk KV: float16, bfloat16 or float32."
+    kv_dtype: Literal["float16", "bfloat16", "float32", "int8", "int4"] = Field(
+        "float16",
+        description="Storage codec of chunk KV: float16, bfloat16, float32, or int8 / int4 (quantized, "
+        "decoded to float16; see docs/store.md). A corpus records its own (manifest.json).",
     )
     threads: int = Field(0, ge=0, le=1024, description="Torch intra-op threads; 0 means one per core.")
     # 16: the chunker's floor (a chunk must reach a character boundary); 32768: beyond any context we run

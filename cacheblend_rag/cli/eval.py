@@ -103,6 +103,14 @@ def eval_command(
         typer.Option("--kv-dir", help="Chunk KV store kept across runs (default: settings home)."),
     ] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model name or local HF folder.")] = None,
+    kv_dtypes: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-dtypes",
+            help="Compare chunk KV codecs, e.g. float16,int8,int4: every method (but full_recompute, "
+            "computed once per case) once per codec; the first is the baseline of the deltas table.",
+        ),
+    ] = None,
 ) -> None:
     """Answer each case with every method; score against the gold answers and the full_recompute answer."""
     from ..blend.spec import split_specs
@@ -137,6 +145,7 @@ def eval_command(
                 "--max-new-tokens": max_new_tokens,
                 "--task": task if task != "auto" else None,
                 "--model": model,
+                "--kv-dtypes": kv_dtypes,
                 "--json": json_path,
                 "--markdown": markdown,
                 "--plot": plot,
@@ -158,6 +167,7 @@ def eval_command(
             command=command,
             skip=skip,
             chunk_context=chunk_context,
+            kv_dtypes=tuple(parse_list(kv_dtypes, str, "--kv-dtypes")) if kv_dtypes else (),
         )
 
         def progress(done: int, total: int, record: dict) -> None:

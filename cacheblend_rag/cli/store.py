@@ -30,14 +30,17 @@ def open_kv_store(corpus_dir: Path):
     kv_root = corpus_dir / "kv"
     if not (kv_root / INDEX_NAME).is_file():
         raise StoreError(f"no KV store at {kv_root}: ingest documents into {corpus_dir} first")
-    fingerprint = None
+    fingerprint, options = None, {}
     manifest = corpus_dir / "manifest.json"
     if manifest.is_file():
         try:
-            fingerprint = json.loads(manifest.read_text()).get("model_fingerprint")
+            recorded = json.loads(manifest.read_text())
+            fingerprint = recorded.get("model_fingerprint")
+            if recorded.get("kv_dtype"):  # the codec the corpus stores its KV in
+                options["kv_dtype"] = recorded["kv_dtype"]
         except (ValueError, AttributeError) as exc:
             raise StoreError(f"unreadable corpus manifest {manifest}: {exc}") from exc
-    return KVStore.open_existing(kv_root, fingerprint)
+    return KVStore.open_existing(kv_root, fingerprint, **options)
 
 
 def _run(corpus_dir: Path, action, kv_remote: str | None = None):
@@ -95,9 +98,15 @@ def stats(
         console.print(f"remote tier {remote['url']} prefix {remote['prefix']}{state}", highlight=False)
     read_only = "  [yellow](read-only)[/yellow]" if data["read_only"] else ""
     console.print(
-        f"model {data['model_fingerprint'][:16]}…  kv dtype {data['kv_dtype']}  "
+        f"model {data['model_fingerprint'][:16]}…  codec {data['kv_dtype']}  "
         f"layout v{data['layout_version']}  models in store {data['disk']['models']}{read_only}"
     )
+    for codec, row in data["disk"]["by_codec"].items():
+        console.print(
+            f"  {codec}: {row['entries']} chunks, {row['tokens']:,} tokens, {row['bytes']:,} bytes, "
+            f"{row['bytes_per_token']:,.0f} bytes per token (file bytes, metadata included)",
+            highlight=False,
+        )
 
 
 def _verify(store, repair: bool):
@@ -181,3 +190,39 @@ def clear(
         typer.confirm(f"Remove all cached KV in {corpus / 'kv'}?", abort=True)
     removed = _run(corpus, lambda s: s.clear())
     console.print(f"removed {removed} chunk files")
+
+
+@store_app.command("recode")
+def recode(
+    corpus: Path = CORPUS_OPTION,
+    kv_dtype: str = typer.Option(
+        ..., "--kv-dtype", help="The new codec: float16, bfloat16, float32, int8, int4."
+    ),
+    as_json: bool = JSON_OPTION,
+    kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
+) -> None:
+    """Convert the corpus's chunk KV to another codec in place (crash-safe: run it again after a crash
+    to finish); with a remote tier, its values too."""
+    from ..corpus.recode import recode_corpus
+    from ..settings import get_settings
+
+    try:
+        use_kv_remote(kv_remote)
+        settings = get_settings()
+        report = recode_corpus(corpus, kv_dtype, settings.kv_dtype, settings.kv_remote)
+    except (CacheBlendError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    if as_json:
+        _print_json(report.as_dict())
+        return
+    console.print(
+        f"{report.old_codec} -> {report.new_codec}: {report.converted} chunks converted, "
+        f"{report.already_done} already done, {report.not_stored} not computed yet, "
+        f"{len(report.unreadable)} unreadable (to recompute), {report.old_files_removed} old files removed",
+        highlight=False,
+    )
+    if report.old_bytes:
+        console.print(
+            f"bytes {report.old_bytes:,} -> {report.new_bytes:,} ({report.new_bytes / report.old_bytes:.3f}x)"
+        )

@@ -349,6 +349,22 @@ class ChunkDB(ChunkReads):
                 )
             return [old for _, _, old, ready in rows if ready]
 
+    def kv_rows(self) -> list[tuple[int, tuple[int, ...], str, bool]]:
+        """(row id, token ids, KV key, whether its KV is stored) of every chunk."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT id, token_ids, kv_key, kv_ready FROM chunks ORDER BY id"
+            ).fetchall()
+        return [(row, unpack_token_ids(ids), key, bool(ready)) for row, ids, key, ready in rows]
+
+    def set_kv_keys(self, keys: Sequence[tuple[int, str, bool]]) -> None:
+        """Give chunks (row id, KV key, whether its KV is stored) in one transaction (``store recode``)."""
+        with self._lock, self._transaction():
+            self._conn.executemany(
+                "UPDATE chunks SET kv_key = ?, kv_ready = ? WHERE id = ?",
+                [(key, int(ready), row) for row, key, ready in keys],
+            )
+
     def mark_kv_ready(self, chunk_id: str, kv_key: str) -> None:
         """Record that the KV store holds this chunk's KV under ``kv_key``."""
         with self._lock:

@@ -11,7 +11,7 @@ from ..models.tokenizer import ModelTokenizer, chunk_context_ids
 from ..settings import get_settings
 from ..store.keys import chunk_key
 from .chunkdb import DB_NAME, ChunkDB
-from .manifest import FORMAT_VERSION, CorpusManifest
+from .manifest import FORMAT_VERSION, CorpusManifest, format_for
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,13 @@ def upgrade_format(
     now stale KV keys."""
     db = ChunkDB(corpus_dir / DB_NAME)
     try:
-        kv_dtype = get_settings().kv_dtype
+        kv_dtype = manifest.kv_dtype or get_settings().kv_dtype
         stale = db.rekey_kv(lambda ids: chunk_key(manifest.model_fingerprint, kv_dtype, ids, context.key))
     finally:
         db.close()
-    upgraded = replace(manifest, format_version=FORMAT_VERSION, chunk_context=context.token_ids)
+    upgraded = replace(
+        manifest, format_version=format_for(manifest.kv_dtype), chunk_context=context.token_ids
+    )
     upgraded.save(corpus_dir)
     log.info(
         "corpus %s upgraded from format %d to %d: chunk KV is recomputed behind the %d-token chunk context",

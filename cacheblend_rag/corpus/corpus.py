@@ -41,6 +41,7 @@ from .manifest import (
     check_compatible,
     check_embedder,
     check_new_corpus_dir,
+    format_for,
 )
 from .vectors import CorpusVectors
 
@@ -174,6 +175,8 @@ class Corpus:
                 chunk_tokens=chunk_tokens or get_settings().chunk_tokens,
                 index_type=index_type or get_settings().index_type,
                 chunk_context=new_chunk_context(model).token_ids,
+                kv_dtype=get_settings().kv_dtype,
+                format_version=format_for(get_settings().kv_dtype),
             )
             ChunkDB(corpus_dir / DB_NAME).close()
             manifest.save(corpus_dir)  # last: a folder with a manifest is a complete, empty corpus
@@ -199,6 +202,12 @@ class Corpus:
         """What this corpus's chunks are prefilled behind when their KV is precomputed (engines serving
         the corpus must use it: it is part of every chunk's KV key)."""
         return ChunkContext(self.manifest.chunk_context)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The codec this corpus's chunk KV is stored in (part of every KV key): the manifest's record,
+        else (a corpus made before codecs were recorded) the kv_dtype setting."""
+        return self.manifest.kv_dtype or get_settings().kv_dtype
 
     @property
     def kv_dir(self) -> Path:
@@ -362,7 +371,7 @@ class Corpus:
                 new_vectors.update(zip(batch, embedded, strict=True))
                 if on_embedded is not None:
                     on_embedded(len(batch))
-            fingerprint, kv_dtype = self.manifest.model_fingerprint, get_settings().kv_dtype
+            fingerprint, kv_dtype = self.manifest.model_fingerprint, self.kv_dtype
             before = self.db.version()
             changes = self.db.replace_documents(
                 documents,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import StoreError
+from ..store.codec import get_codec
 
 if TYPE_CHECKING:
     from ..models.tokenizer import ModelTokenizer
@@ -19,7 +20,11 @@ if TYPE_CHECKING:
 # 2: chunk KV is precomputed behind the chunk context the manifest records (part of each KV key).
 # A format-1 corpus (chunks prefilled alone) is read as having no context, and upgraded by ingest.
 FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+# 3: format 2 with quantized chunk KV (kv_dtype int8/int4): a build from before codecs refuses such a
+# corpus rather than serving it in float16. Written only for quantized codecs, so a float16 corpus stays
+# readable by older builds.
+QUANTIZED_FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 KV_DIR_NAME = "kv"
 
@@ -39,6 +44,9 @@ class CorpusManifest:
     created_at: float = field(default_factory=time.time)
     # token ids chunks are prefilled behind when their KV is precomputed (empty: alone)
     chunk_context: tuple[int, ...] = ()
+    # the codec its chunk KV is stored in (part of every KV key; ``store recode`` changes it); '': made
+    # before codecs were recorded, stored in whatever the kv_dtype setting says
+    kv_dtype: str = ""
 
     @classmethod
     def load(cls, corpus_dir: Path) -> CorpusManifest | None:
@@ -66,6 +74,15 @@ class CorpusManifest:
         tmp.write_text(json.dumps(asdict(self), indent=2) + "\n", encoding="utf-8")
         tmp.chmod(0o644)  # never world-writable, whatever the umask
         os.replace(tmp, path)
+
+
+def format_for(kv_dtype: str, current: int = FORMAT_VERSION) -> int:
+    """The format a corpus of format ``current`` (1 is upgraded first, and stays 1) records for codec
+    ``kv_dtype``: 3 for a quantized codec, else 2."""
+    if current < FORMAT_VERSION:
+        return current
+    quantized = bool(kv_dtype) and get_codec(kv_dtype).quantized
+    return QUANTIZED_FORMAT_VERSION if quantized else FORMAT_VERSION
 
 
 def check_new_corpus_dir(corpus_dir: Path) -> None:

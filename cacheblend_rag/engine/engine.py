@@ -67,6 +67,7 @@ class Engine(PromptSegments):
         store: KVStore | str | Path | None = None,
         prompt_builder: PromptBuilder | None = None,
         chunk_context: ChunkContext | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         settings = get_settings()
         # A model named (or the default) is the process's shared copy (one load per model and device),
@@ -83,7 +84,8 @@ class Engine(PromptSegments):
         self._heads_lock = threading.Lock()
         if not isinstance(store, KVStore):
             root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
-            store = KVStore(root, self.model.fingerprint, self.model.shape)
+            # a corpus passes the codec it records (kv_dtype); else the kv_dtype setting
+            store = KVStore(root, self.model.fingerprint, self.model.shape, kv_dtype)
         self.store = store
         self.fusor = Fusor(self.model)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
@@ -148,15 +150,15 @@ class Engine(PromptSegments):
         found = self.store.get(key)
         if found is not None:
             return found
-        kv = self.precompute(token_ids, context)
+        # Serve what the store holds (its codec, decoded), so a first answer equals every later one.
+        stored = self.store.encode(key, self.precompute(token_ids, context))
         try:
-            self.store.put(key, kv, pinned=False)  # request traffic: evictable in a remote tier
+            self.store.put(key, stored, pinned=False)  # request traffic: evictable in a remote tier
         except StoreError as exc:
             # A store that cannot keep the chunk (read-only, disk full) costs a recompute next time, not
             # this answer.
             log.warning("chunk KV %s… was computed but not stored: %s", key[:16], exc)
-        # Serve what the store holds (its dtype), so a first answer equals every later one.
-        return kv.to(self.store.kv_dtype)
+        return stored
 
     def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
         """Precompute and store a chunk's KV unless present (locally or in the remote tier) as corpus KV;

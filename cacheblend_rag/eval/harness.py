@@ -36,6 +36,8 @@ from ..errors import EvalDataError
 from ..models.runtime import LayerwiseModel
 from ..models.tokenizer import chunk_context_ids
 from ..settings import get_settings
+from ..store.keys import dtype_name
+from ..store.kvstore import KVStore
 from ..text.chunker import Chunker
 from .datasets import Dataset, EvalCase, load_dataset, select_cases
 from .metrics import continuation_nll, kl_divergence, qa_f1, rouge_l
@@ -152,6 +154,7 @@ class EvalConfig:
     command: str = ""
     skip: int = 0  # cases of the seeded order left out before --limit (a held-out set)
     chunk_context: str | None = None  # the chunk context of variants that name none (default: settings)
+    kv_dtypes: Sequence[str] = ()  # chunk KV codecs to compare, the first the run's own (default: settings)
 
 
 @dataclass
@@ -162,7 +165,7 @@ class EvalRun:
     task: str
     specs: list[Variant]
     engine: RecordingEngine  # the run's chunk context
-    engines: dict[str, RecordingEngine]  # by chunk context name, sharing the model and the KV store
+    engines: dict[str, RecordingEngine]  # by engine_name(): chunk context [/codec], sharing the model
     chunker: Chunker
     embedder: Embedder | None
     sampling: SamplingParams
@@ -179,16 +182,25 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
         raise ValueError(f"unknown task {config.task!r}: use auto, qa or summary")
     if config.top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {config.top_k}")
-    specs = method_variants(config.methods, config.ratios)
+    codecs = [dtype_name(c) for c in config.kv_dtypes] or [dtype_name(get_settings().kv_dtype)]
+    specs = method_variants(config.methods, config.ratios, codecs)
     model = model or load_model(config.model)
     kv_dir = Path(config.kv_dir) if config.kv_dir is not None else default_kv_dir(model)
     context = config.chunk_context or get_settings().chunk_context
     engines: dict[str, RecordingEngine] = {}
-    for name in dict.fromkeys([context, *(v.context for v in specs if v.context)]):
-        store = engines[context].store if engines else kv_dir
-        chunk_context = ChunkContext(chunk_context_ids(model.tokenizer, name))
-        engines[name] = RecordingEngine(model, store, prompt_builder(model.tokenizer, task), chunk_context)
-    engine = engines[context]
+    stores: dict[str, KVStore] = {}  # one per codec, shared by the chunk contexts
+    for variant in [Variant(REFERENCE, specs[0].spec), *specs]:
+        name = engine_name(variant, context, codecs[0])
+        if name in engines:
+            continue
+        codec = variant.kv_dtype or codecs[0]
+        if codec not in stores:
+            stores[codec] = KVStore(kv_dir, model.fingerprint, model.shape, codec)
+        chunk_context = ChunkContext(chunk_context_ids(model.tokenizer, variant.context or context))
+        engines[name] = RecordingEngine(
+            model, stores[codec], prompt_builder(model.tokenizer, task), chunk_context
+        )
+    engine = engines[engine_name(Variant(REFERENCE, specs[0].spec), context, codecs[0])]
     max_new = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task]
     builder = engine.prompts
     run_config = {
@@ -206,6 +218,7 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
         "model_fingerprint": model.fingerprint,
         "compute_dtype": str(model.dtype).removeprefix("torch."),
         "kv_dtype": engine.store.kv_dtype_name,
+        "kv_dtypes": codecs,
         "chunk_context": context,
         "skip": config.skip,
         "kv_dir": str(kv_dir),
@@ -229,6 +242,12 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
     )
 
 
+def engine_name(variant: Variant, context: str, codec: str) -> str:
+    """The engine a variant runs on: its chunk context, and its codec when not the run's own."""
+    chunk_context = variant.context or context
+    return chunk_context if variant.kv_dtype in (None, codec) else f"{chunk_context}/{variant.kv_dtype}"
+
+
 def store_in_ram(engine: Engine, question: str, refs: Sequence[ChunkRef]) -> None:
     """Compute and store whatever KV the methods will reuse (the chunks, and the prompt's prefix), and
     bring it into the RAM tier, so every method's TTFT is measured with its KV in RAM."""
@@ -249,7 +268,8 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dic
     retrieved, total_chunks = retrieve_chunks(case, run.chunker, run.embedder, top_k, task)
     refs = [ChunkRef(r.token_ids) for r in retrieved]
     started = time.perf_counter()
-    for name in dict.fromkeys(v.context or run.config["chunk_context"] for v in specs):
+    context, codec = run.config["chunk_context"], run.config["kv_dtypes"][0]
+    for name in dict.fromkeys(engine_name(v, context, codec) for v in specs):
         store_in_ram(run.engines[name], question, refs)
     precompute_s = time.perf_counter() - started
 
@@ -260,7 +280,7 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dic
     methods: dict[str, dict[str, Any]] = {}
     prompt_tokens = 0
     for variant in specs:
-        engine = run.engines[variant.context or run.config["chunk_context"]]
+        engine = run.engines[engine_name(variant, context, codec)]
         t0 = time.perf_counter()
         segments = engine.rag_segments(question, refs, variant.spec)
         segments_s = time.perf_counter() - t0

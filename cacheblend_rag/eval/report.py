@@ -18,7 +18,8 @@ def selection(config: dict[str, Any]) -> str:
 def eval_section_name(results: dict[str, Any]) -> str:
     config = results["config"]
     tokens = config.get("chunk_tokens", 512)
-    return f"eval-{config['dataset']}" + (f"-{tokens}" if tokens != 512 else "")
+    codecs = "-codecs" if len(config.get("kv_dtypes") or []) > 1 else ""  # beside the plain run's section
+    return f"eval-{config['dataset']}" + (f"-{tokens}" if tokens != 512 else "") + codecs
 
 
 def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = None) -> str:
@@ -105,11 +106,58 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
                 ],
             ),
         ]
+    codecs = config.get("kv_dtypes") or []
+    if len(codecs) > 1:
+        parts += ["", *codec_deltas(summary["methods"], codecs)]
     if summary.get("checks"):
         parts += ["", "Claims of issue 13 on these numbers:", "", checks_list(summary["checks"])]
     if plot is not None:
         parts += ["", f"![quality vs TTFT, {config['dataset']}]({relative_link(plot, markdown)})"]
     return "\n".join(parts)
+
+
+def codec_deltas(methods: dict[str, Any], codecs: list[str]) -> list[str]:
+    """Per codec and method: first-token KL and agreement F1 against the same method on the baseline
+    codec (``codecs[0]``; issue 22). Variants of codec c are labelled ``c:<method>``."""
+    rows = []
+    for label, e in methods.items():
+        codec, colon, base = label.partition(":")
+        if not colon or codec not in codecs[1:] or base not in methods:
+            continue
+        ref = methods[base]
+        rows.append(
+            [
+                codec,
+                f"`{base}`",
+                fmt(e.get("kl_first_token"), 4),
+                _delta(e, ref, "kl_first_token", 4),
+                fmt(e.get("agreement_f1")),
+                _delta(e, ref, "agreement_f1", 3),
+                fmt(e.get("first_token_agreement"), 2),
+            ]
+        )
+    return [
+        f"Chunk KV codecs against {codecs[0]} (same cases, same full prefill reference):",
+        "",
+        table(
+            [
+                "codec",
+                "method",
+                "KL first token",
+                f"Δ KL vs {codecs[0]}",
+                "agreement F1",
+                "Δ F1",
+                "1st token",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _delta(e: dict[str, Any], ref: dict[str, Any], key: str, digits: int) -> str:
+    if e.get(key) is None or ref.get(key) is None:
+        return "–"
+    return f"{e[key] - ref[key]:+.{digits}f}"
 
 
 def plot_quality_vs_ttft(results: dict[str, Any], path: Path) -> Path:

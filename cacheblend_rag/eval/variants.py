@@ -21,6 +21,7 @@ class Variant:
     label: str
     spec: MethodSpec
     context: str | None = None
+    kv_dtype: str | None = None  # the chunk KV codec (None: the run's own); labelled ``int8:...``
 
     @property
     def options(self) -> dict:
@@ -41,9 +42,13 @@ def parse_variant(text: str) -> Variant:
     return Variant(spec.label, spec)
 
 
-def method_variants(methods: Sequence[str], ratios: Sequence[float]) -> list[Variant]:
+def method_variants(
+    methods: Sequence[str], ratios: Sequence[float], kv_dtypes: Sequence[str] = ()
+) -> list[Variant]:
     """Expand ``methods`` into variants, the reference first: a plain method with a recompute ratio (e.g.
-    ``cacheblend`` or ``none:cacheblend``) once per ratio of ``ratios``."""
+    ``cacheblend`` or ``none:cacheblend``) once per ratio of ``ratios``; with ``kv_dtypes`` (codecs, the
+    first the run's own), every variant but the reference once more per other codec, labelled
+    ``int8:cacheblend@0.15`` (the reference, full prefill, reuses no KV: computed once per case)."""
     variants: list[Variant] = []
     for text in methods:
         variant = parse_variant(text)
@@ -56,6 +61,12 @@ def method_variants(methods: Sequence[str], ratios: Sequence[float]) -> list[Var
         else:
             variants.append(variant)
     variants = list({v.label: v for v in variants}.values())
+    for codec in kv_dtypes[1:]:
+        variants += [
+            Variant(f"{codec}:{v.label}", v.spec, v.context, codec)
+            for v in list(variants)
+            if v.label != REFERENCE and v.kv_dtype is None
+        ]
     if not any(v.label == REFERENCE for v in variants):
         variants.insert(0, Variant(REFERENCE, MethodSpec(REFERENCE, REFERENCE)))
     return sorted(variants, key=lambda v: v.label != REFERENCE)

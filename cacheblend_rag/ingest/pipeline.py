@@ -142,12 +142,19 @@ def ingest(
     else:
         check_new_corpus_dir(corpus_dir)
     # an older corpus is upgraded to the current chunk context when opened for writing below
-    current = manifest is not None and manifest.format_version == FORMAT_VERSION
+    current = manifest is not None and manifest.format_version >= FORMAT_VERSION
     context = ChunkContext(manifest.chunk_context) if current else new_chunk_context(tokenizer)
     if engine is not None and engine.chunk_context != context:
         raise StoreError(
             f"the engine given for the KV stage prefills chunks behind another chunk context than corpus "
             f"{corpus_dir} uses; create it with chunk_context=Corpus.open(...).chunk_context"
+        )
+    codec = (manifest.kv_dtype if manifest is not None else "") or get_settings().kv_dtype
+    if engine is not None and engine.store.kv_dtype_name != codec:
+        raise StoreError(
+            f"the engine given for the KV stage stores chunk KV in {engine.store.kv_dtype_name}, corpus "
+            f"{corpus_dir} in {codec}; create it with kv_dtype=Corpus.open(...).kv_dtype (or run "
+            "cacheblend-rag store recode)"
         )
     chunker = Chunker(tokenizer.tokenizer, chunk_tokens or get_settings().chunk_tokens)
     summary = IngestSummary(corpus_dir=str(corpus_dir), files=len(files))
@@ -326,7 +333,11 @@ def _kv_stage(
     if pending and engine is None:
         loading = time.perf_counter()
         engine = owned = create_engine(
-            "torch", model=model_path, store=corpus.kv_dir, chunk_context=corpus.chunk_context
+            "torch",
+            model=model_path,
+            store=corpus.kv_dir,
+            chunk_context=corpus.chunk_context,
+            kv_dtype=corpus.kv_dtype,
         )
         loaded = time.perf_counter() - loading
         summary.stage_seconds["load"] += loaded

@@ -23,24 +23,24 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 from filelock import FileLock
 from filelock import Timeout as LockTimeout
 
 from ..blend.segments import ChunkKV
 from ..errors import CorruptKVError, StoreError
 from ..models.runtime import ModelShape
+from .codec import Codec
 from .fileformat import (
     EncodedChunk,
     FileMeta,
     InvalidKVFile,
+    Parts,
     check_model,
     encode,
     open_file,
-    read_layer,
+    read_parts,
 )
 from .index import KVIndex
-from .keys import kv_bytes_per_token
 from .tier import StoredChunkKV
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,11 @@ LOCK_TIMEOUT_S = 120.0
 
 
 class DiskChunkKV(StoredChunkKV):
-    """A stored chunk served from its memory-mapped file, one verified layer at a time.
+    """A stored chunk served from its memory-mapped file, one verified, decoded layer at a time.
 
-    With ``promote``, each layer read is kept (as an owned copy) and, once every layer has been read, the
-    whole chunk is handed to ``promote`` (the RAM tier); a layer asked for again is served from that copy.
+    With ``promote``, each layer's encoded parts are kept (as an owned copy) and, once every layer has
+    been read, the whole chunk is handed to ``promote`` (the RAM tier, which keeps it encoded); a layer
+    asked for again is decoded from that copy.
     """
 
     tier = "disk"
@@ -62,29 +63,30 @@ class DiskChunkKV(StoredChunkKV):
     def __init__(
         self, disk: DiskTier, key: str, handle, meta: FileMeta, stat: os.stat_result, promote
     ) -> None:
-        super().__init__(key, meta.model_fingerprint, meta.num_tokens, meta.num_layers, promote)
+        super().__init__(key, meta, handle.metadata() or {}, promote)
         self._disk = disk
         self._handle = handle
         self._meta = meta
         self._stat = stat
 
-    def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, layer: int) -> Parts:
         try:
-            k, v = read_layer(self._handle, self._meta, layer)
+            parts = read_parts(self._handle, self._meta, layer)
         except InvalidKVFile as exc:
             self._disk.discard(self.key, str(exc), self._stat)
             raise CorruptKVError(
                 self.key, f"stored KV of chunk {self.key[:16]}… is corrupt: {exc}; it was removed", layer
             ) from None
-        self._disk.on_layer_read(self.key, k.nbytes + v.nbytes)
-        return k, v
+        self._disk.on_layer_read(self.key, sum(t.nbytes for t in parts.values()))
+        return parts
 
-    def _own(self, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv[0].clone(), kv[1].clone()  # memory-mapped: kept copies must not depend on the file
+    def _own(self, parts: Parts) -> Parts:
+        # memory-mapped: kept copies must not depend on the file
+        return {name: t.clone() for name, t in parts.items()}
 
 
 class DiskTier:
-    """The disk tier of one store root for one model and storage dtype (a :class:`~.tier.KVTier`).
+    """The disk tier of one store root for one model and storage codec (a :class:`~.tier.KVTier`).
 
     ``count(**deltas)`` and ``on_layer_read(key, nbytes)`` report to the store's counters; ``forget(key)``
     is told when a key leaves the disk (so faster tiers drop it too)."""
@@ -97,7 +99,7 @@ class DiskTier:
         index: KVIndex,
         fingerprint: str,
         shape: ModelShape,
-        kv_dtype: torch.dtype,
+        codec: Codec,
         budget_bytes: int,
         count: Callable[..., None],
         on_layer_read: Callable[[str, int], None],
@@ -107,8 +109,8 @@ class DiskTier:
         self.index = index
         self.fingerprint = fingerprint
         self.shape = shape
-        self.kv_dtype = kv_dtype
-        self.kv_dtype_name = str(kv_dtype).removeprefix("torch.")
+        self.codec = codec
+        self.kv_dtype_name = codec.name
         self.budget_bytes = budget_bytes
         self.count = count
         self.on_layer_read = on_layer_read
@@ -146,7 +148,7 @@ class DiskTier:
         return self.path_for(key).is_file()
 
     def get(
-        self, key: str, promote: Callable[[str, ChunkKV], None] | None = None, promote_max_bytes: int = 0
+        self, key: str, promote: Callable[[str, EncodedChunk], None] | None = None, promote_max_bytes: int = 0
     ) -> DiskChunkKV | None:
         """The chunk's file, its metadata checked, or None. A truncated, corrupt or foreign file is logged,
         removed and reported as a miss. ``promote`` receives the whole chunk once every layer was read, if
@@ -168,7 +170,7 @@ class DiskTier:
             return None
         self.count(disk_hits=1)
         self.index.touch(key, adopt=(meta, stat.st_size))
-        small = meta.num_tokens * kv_bytes_per_token(self.shape, self.kv_dtype) <= promote_max_bytes
+        small = meta.layer_nbytes * meta.num_layers <= promote_max_bytes  # the RAM tier keeps it encoded
         source = DiskChunkKV(self, key, handle, meta, stat, promote if small else None)
         self._live[key] = source
         return source
@@ -186,7 +188,7 @@ class DiskTier:
     # -- writes --------------------------------------------------------------------------------------
 
     def put(self, key: str, kv: ChunkKV) -> int:
-        return self.write(key, encode(key, kv, self.fingerprint, self.shape, self.kv_dtype))
+        return self.write(key, encode(key, kv, self.fingerprint, self.shape, self.codec))
 
     def write(self, key: str, encoded: EncodedChunk) -> int:
         """Store ``encoded`` under ``key`` atomically and index it. Returns the bytes written: 0 when

@@ -1,14 +1,18 @@
 """The chunk KV file format: one chunk's per-layer K/V as safetensors, with self-describing metadata.
 
-Tensors ``layers.<i>.keys`` / ``layers.<i>.values`` ([Hkv, n, head_dim] in the storage dtype); metadata
-carries the key, model fingerprint, storage dtype, layout version, shape, a crc32 per layer (over that
-layer's K then V bytes) and a crc32 of the metadata itself. Checking the metadata needs no tensor bytes;
-each layer is checked against its crc when read, so one layer can be loaded alone and still be verified.
+Tensors ``layers.<i>.<part>``, the parts of the chunk's codec (:mod:`.codec`): ``keys`` / ``values``
+([Hkv, n, head_dim] in the storage dtype) for a float codec (layout version 1, as every file before
+codecs); codes and float16 scales for int8/int4 (layout version 2, with the codec's parameters, the scale
+layout, in the metadata). Metadata carries the key, model fingerprint, codec (``kv_dtype``), layout
+version, shape, a crc32 per layer (over that layer's encoded parts' bytes, in order) and a crc32 of the
+metadata itself. Checking the metadata needs no tensor bytes; each layer is checked against its crc when
+read, so one layer can be loaded alone and still be verified. A file of a layout or codec this build does
+not know is refused by name, never misread.
 
 :func:`encode` / :func:`decode` work on bytes (for any tier that keeps whole chunks, on disk or remote);
-:func:`open_file` / :func:`read_layer` read a memory-mapped file layer by layer. A tier that keeps a chunk's
+:func:`open_file` / :func:`read_parts` read a memory-mapped file layer by layer. A tier that keeps a chunk's
 layers apart (the remote tier: one hash field per layer) stores the same metadata, checked by
-:func:`parse_metadata`, beside each layer's :func:`layer_bytes`, read back by :func:`decode_layer`.
+:func:`parse_metadata`, beside each layer's :func:`layer_bytes`, read back by :func:`parts_from_bytes`.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from safetensors.torch import save as save_safetensors
 from ..blend.segments import ChunkKV
 from ..errors import StoreError
 from ..models.runtime import ModelShape
-from .keys import KV_DTYPES, LAYOUT_VERSION
+from .codec import CODECS, SAFETENSORS_DTYPES, Codec, get_codec
+from .keys import LAYOUT_VERSIONS
 
 FILE_FORMAT = "cacheblend-kv"
-SAFETENSORS_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+Parts = dict[str, torch.Tensor]
 
 
 class InvalidKVFile(Exception):
@@ -45,13 +50,15 @@ class FileMeta:
 
     key: str
     model_fingerprint: str
-    kv_dtype: str
+    kv_dtype: str  # the codec's name
     num_tokens: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
     layer_crc32: tuple[int, ...]
     checksum: str  # crc32 of the metadata, which covers every layer's crc: identifies the content
+    codec: Codec = CODECS["float16"]  # as recorded (a quantized file's own group sizes)
+    layout_version: int = 1
 
     @property
     def layer_shape(self) -> tuple[int, int, int]:
@@ -60,22 +67,48 @@ class FileMeta:
 
     @property
     def layer_nbytes(self) -> int:
-        """Bytes of one layer's K and V together in the storage dtype."""
-        itemsize = torch.empty((), dtype=KV_DTYPES[self.kv_dtype]).element_size()
-        return 2 * self.num_kv_heads * self.num_tokens * self.head_dim * itemsize
+        """Bytes of one layer's encoded parts together."""
+        return self.codec.layer_nbytes(*self.layer_shape)
+
+    def part_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return self.codec.parts(*self.layer_shape)
 
 
-@dataclass(frozen=True)
 class EncodedChunk:
-    """A chunk ready for the file format: its storage-dtype tensors (``kv``, what a RAM tier keeps) and
-    metadata; :meth:`data` serialises them (only when a tier writes them)."""
+    """A chunk in its codec: each layer's parts (what the RAM tier keeps, what files and remote values
+    hold) and the metadata. A ``ChunkKVSource``: :meth:`layer` decodes one layer (float codecs: the
+    stored tensors as they are). :meth:`data` serialises it (only when a tier writes it)."""
 
-    kv: ChunkKV
-    tensors: dict[str, torch.Tensor]
-    metadata: dict[str, str]
+    tier = "ram"
+
+    def __init__(
+        self, codec: Codec, layers: list[Parts], fingerprint: str, num_tokens: int, metadata: dict[str, str]
+    ) -> None:
+        self.codec = codec
+        self.layers = layers
+        self.fingerprint = fingerprint
+        self.num_tokens = num_tokens
+        self.num_layers = len(layers)
+        self.metadata = metadata
+
+    @property
+    def nbytes(self) -> int:
+        """Encoded bytes (what a RAM budget counts)."""
+        return sum(t.numel() * t.element_size() for parts in self.layers for t in parts.values())
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.codec.decode(self.layers[layer])
+
+    def decoded(self) -> ChunkKV:
+        """Every layer decoded."""
+        layers = [self.layer(i) for i in range(self.num_layers)]
+        return ChunkKV([k for k, _ in layers], [v for _, v in layers], self.fingerprint)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"layers.{i}.{name}": t for i, parts in enumerate(self.layers) for name, t in parts.items()}
 
     def data(self) -> bytes:
-        return save_safetensors(self.tensors, metadata=self.metadata)
+        return save_safetensors(self.tensors(), metadata=self.metadata)
 
 
 def layer_tensor_names(layer: int) -> tuple[str, str]:
@@ -87,26 +120,37 @@ def tensor_crc32(tensor: torch.Tensor, crc: int = 0) -> int:
     return zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
 
 
+def parts_crc32(parts: Mapping[str, torch.Tensor], order: Sequence[str]) -> int:
+    """crc32 of one layer's parts' bytes in ``order`` (for a float codec: K then V, as in layout 1)."""
+    crc = 0
+    for name in order:
+        crc = tensor_crc32(parts[name], crc)
+    return crc
+
+
 def metadata_crc(fields: Mapping[str, str]) -> str:
     canonical = json.dumps(dict(fields), sort_keys=True, separators=(",", ":")).encode()
     return f"{zlib.crc32(canonical):08x}"
 
 
 def build_metadata(
-    key: str, fingerprint: str, kv_dtype: str, shape: ModelShape, n: int, crcs: Sequence[int]
+    key: str, fingerprint: str, codec: Codec | str, shape: ModelShape, n: int, crcs: Sequence[int]
 ) -> dict[str, str]:
+    codec = codec if isinstance(codec, Codec) else get_codec(codec)
     fields = {
         "format": FILE_FORMAT,
-        "layout_version": str(LAYOUT_VERSION),
+        "layout_version": str(codec.layout_version),
         "key": key,
         "model_fingerprint": fingerprint,
-        "kv_dtype": kv_dtype,
+        "kv_dtype": codec.name,
         "num_tokens": str(n),
         "num_layers": str(shape.num_layers),
         "num_kv_heads": str(shape.num_kv_heads),
         "head_dim": str(shape.head_dim),
         "layer_crc32": ",".join(f"{c:08x}" for c in crcs),
     }
+    if codec.quantized:  # a float codec's metadata stays exactly what layout 1 wrote
+        fields["codec_params"] = codec.params
     return {**fields, "meta_crc32": metadata_crc(fields)}
 
 
@@ -117,12 +161,15 @@ def parse_metadata(meta: Mapping[str, str], key: str) -> FileMeta:
     fields = {k: v for k, v in meta.items() if k != "meta_crc32"}
     if meta.get("meta_crc32") != metadata_crc(fields):
         raise InvalidKVFile("metadata checksum mismatch")
-    if meta.get("layout_version") != str(LAYOUT_VERSION):
+    known = [str(v) for v in LAYOUT_VERSIONS]
+    if meta.get("layout_version") not in known:
         raise InvalidKVFile(
-            f"layout version {meta.get('layout_version')} (this build reads {LAYOUT_VERSION})"
+            f"layout version {meta.get('layout_version')} (this build reads {', '.join(known)})"
         )
     if meta.get("key") != key:
         raise InvalidKVFile(f"file holds key {str(meta.get('key'))[:16]}…, not the key it is stored under")
+    layout = int(meta["layout_version"])
+    codec = _recorded_codec(meta.get("kv_dtype"), layout, meta.get("codec_params"))
     try:
         parsed = FileMeta(
             key=key,
@@ -134,14 +181,38 @@ def parse_metadata(meta: Mapping[str, str], key: str) -> FileMeta:
             head_dim=int(meta["head_dim"]),
             layer_crc32=tuple(int(c, 16) for c in meta["layer_crc32"].split(",")),
             checksum=meta["meta_crc32"],
+            codec=codec,
+            layout_version=layout,
         )
     except (KeyError, ValueError) as exc:
         raise InvalidKVFile(f"malformed metadata ({exc})") from None
-    if parsed.kv_dtype not in SAFETENSORS_DTYPES:
-        raise InvalidKVFile(f"unknown storage dtype {parsed.kv_dtype!r}")
     if len(parsed.layer_crc32) != parsed.num_layers or parsed.num_tokens <= 0:
         raise InvalidKVFile("metadata and layer count disagree")
+    try:
+        codec.check_shape(parsed.head_dim)
+    except ValueError as exc:
+        raise InvalidKVFile(str(exc)) from None
     return parsed
+
+
+def _recorded_codec(name: str | None, layout: int, params: str | None) -> Codec:
+    """The codec a file records, with its own parameters; refuses one this build does not know."""
+    known = CODECS.get(name or "")
+    if known is None or known.layout_version != layout:
+        raise InvalidKVFile(
+            f"unknown codec {name!r} in layout version {layout} (this build reads {', '.join(CODECS)})"
+        )
+    if not known.quantized:
+        return known
+    try:
+        recorded = json.loads(params or "")
+        codec = Codec(known.name, known.bits, int(recorded["key_group"]), int(recorded["value_group"]))
+        same = recorded["bits"] == known.bits and recorded["scale_dtype"] == "float16"
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InvalidKVFile(f"codec {name} with unreadable parameters ({exc})") from None
+    if not same or codec.params != params or codec.key_group < 1 or codec.value_group < 1:
+        raise InvalidKVFile(f"codec {name} with parameters this build does not read: {params}")
+    return codec
 
 
 def check_metadata(
@@ -150,12 +221,15 @@ def check_metadata(
     """Check metadata and the tensor table (name -> (shape, safetensors dtype)) against each other and
     the key the chunk is stored under."""
     parsed = parse_metadata(meta, key)
-    expected_names = {name for i in range(parsed.num_layers) for name in layer_tensor_names(i)}
-    if set(tensors) != expected_names:
-        raise InvalidKVFile("tensor table does not match the layer count")
-    want_shape = list(parsed.layer_shape)
-    want_dtype = SAFETENSORS_DTYPES[parsed.kv_dtype]
-    for name in expected_names:
+    specs = parsed.part_specs()
+    expected = {
+        f"layers.{i}.{part}": (list(shape), SAFETENSORS_DTYPES[dtype])
+        for i in range(parsed.num_layers)
+        for part, (shape, dtype) in specs.items()
+    }
+    if set(tensors) != set(expected):
+        raise InvalidKVFile("tensor table does not match the codec and layer count")
+    for name, (want_shape, want_dtype) in expected.items():
         tensor_shape, dtype = tensors[name]
         if list(tensor_shape) != want_shape or dtype != want_dtype:
             raise InvalidKVFile(f"tensor {name} has shape {list(tensor_shape)} {dtype}")
@@ -165,7 +239,7 @@ def check_metadata(
 def check_model(
     meta: FileMeta, fingerprint: str, kv_dtype: str, shape: ModelShape, what: str = "file"
 ) -> None:
-    """Raise :class:`InvalidKVFile` unless ``meta`` is of this model, storage dtype and shape (``what``
+    """Raise :class:`InvalidKVFile` unless ``meta`` is of this model, codec and shape (``what``
     names the stored thing in the message: 'file', 'value')."""
     if meta.model_fingerprint != fingerprint:
         raise InvalidKVFile(f"foreign {what} of model {meta.model_fingerprint[:16]}…")
@@ -176,11 +250,12 @@ def check_model(
         raise InvalidKVFile(f"foreign {what} of shape {got}")
 
 
-def storage_tensors(
-    kv: ChunkKV, fingerprint: str, shape: ModelShape, kv_dtype: torch.dtype
-) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """Validate ``kv`` against the model and copy it into contiguous CPU tensors of the storage dtype;
-    returns them by name, and each layer's crc32."""
+def encode(
+    key: str, kv: ChunkKV, fingerprint: str, shape: ModelShape, codec: Codec | torch.dtype | str
+) -> EncodedChunk:
+    """``kv`` in ``codec`` (a codec or its name/float dtype) under ``key`` (raises StoreError when it
+    does not fit the model)."""
+    codec = (codec if isinstance(codec, Codec) else get_codec(codec)).for_head_dim(shape.head_dim)
     if kv.fingerprint != fingerprint:
         raise StoreError(
             f"chunk KV of model {kv.fingerprint[:16]}… cannot go into the store of model {fingerprint[:16]}…"
@@ -191,36 +266,26 @@ def storage_tensors(
     want = (shape.num_kv_heads, n, shape.head_dim)
     if n <= 0:
         raise StoreError("cannot store the KV of an empty chunk")
-    tensors: dict[str, torch.Tensor] = {}
-    crcs = []
+    try:
+        codec.check_shape(shape.head_dim)
+    except ValueError as exc:
+        raise StoreError(str(exc)) from None
+    order = list(codec.parts(*want))
+    layers, crcs = [], []
     for i in range(shape.num_layers):
         k, v = kv.layer(i)
         if tuple(k.shape) != want or tuple(v.shape) != want:
             raise StoreError(f"layer {i} K/V shapes {tuple(k.shape)}/{tuple(v.shape)}; expected {want}")
-        k_out = torch.empty(want, dtype=kv_dtype).copy_(k)
-        v_out = torch.empty(want, dtype=kv_dtype).copy_(v)
-        k_name, v_name = layer_tensor_names(i)
-        tensors[k_name], tensors[v_name] = k_out, v_out
-        crcs.append(tensor_crc32(v_out, tensor_crc32(k_out)))
-    return tensors, crcs
-
-
-def encode(key: str, kv: ChunkKV, fingerprint: str, shape: ModelShape, kv_dtype: torch.dtype) -> EncodedChunk:
-    """``kv`` in the file format under ``key`` (raises StoreError when it does not fit the model)."""
-    tensors, crcs = storage_tensors(kv, fingerprint, shape, kv_dtype)
-    dtype = str(kv_dtype).removeprefix("torch.")
-    metadata = build_metadata(key, fingerprint, dtype, shape, kv.num_tokens, crcs)
-    stored = ChunkKV(
-        [tensors[layer_tensor_names(i)[0]] for i in range(shape.num_layers)],
-        [tensors[layer_tensor_names(i)[1]] for i in range(shape.num_layers)],
-        fingerprint,
-    )
-    return EncodedChunk(stored, tensors, metadata)
+        parts = codec.encode(k, v)
+        layers.append(parts)
+        crcs.append(parts_crc32(parts, order))
+    metadata = build_metadata(key, fingerprint, codec, shape, n, crcs)
+    return EncodedChunk(codec, layers, fingerprint, n, metadata)
 
 
 def decode(data: bytes, key: str) -> tuple[FileMeta, ChunkKV]:
-    """The chunk in ``data`` (:meth:`EncodedChunk.data`), its metadata and every layer checked; raises
-    :class:`InvalidKVFile` when anything does not match."""
+    """The chunk in ``data`` (:meth:`EncodedChunk.data`), its metadata and every layer checked, decoded;
+    raises :class:`InvalidKVFile` when anything does not match."""
     header = _header(data)
     meta = check_metadata(
         header.get("__metadata__") or {},
@@ -231,7 +296,10 @@ def decode(data: bytes, key: str) -> tuple[FileMeta, ChunkKV]:
         tensors = load_safetensors(data)
     except (SafetensorError, ValueError) as exc:
         raise InvalidKVFile(f"unreadable ({exc})") from None
-    layers = [_checked_layer(tensors, meta, i) for i in range(meta.num_layers)]
+    layers = []
+    for i in range(meta.num_layers):
+        parts = {name: tensors[f"layers.{i}.{name}"] for name in meta.part_specs()}
+        layers.append(meta.codec.decode(_checked(parts, meta, i)))
     return meta, ChunkKV([k for k, _ in layers], [v for _, v in layers], meta.model_fingerprint)
 
 
@@ -269,38 +337,47 @@ def open_file(path: Path, key: str):
     return handle, check_metadata(handle.metadata() or {}, tensors, key), stat
 
 
+def read_parts(handle, meta: FileMeta, layer: int) -> Parts:
+    """One layer's encoded parts from an open file (memory-mapped), checked against the layer's crc32."""
+    parts = {name: handle.get_tensor(f"layers.{layer}.{name}") for name in meta.part_specs()}
+    return _checked(parts, meta, layer)
+
+
 def read_layer(handle, meta: FileMeta, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K and V from an open file (memory-mapped), checked against the layer's crc32."""
-    k_name, v_name = layer_tensor_names(layer)
-    return _checked(handle.get_tensor(k_name), handle.get_tensor(v_name), meta, layer)
+    """One layer's K and V from an open file, checked and decoded."""
+    return meta.codec.decode(read_parts(handle, meta, layer))
 
 
-def _checked_layer(tensors: Mapping[str, torch.Tensor], meta: FileMeta, layer: int):
-    k_name, v_name = layer_tensor_names(layer)
-    return _checked(tensors[k_name], tensors[v_name], meta, layer)
-
-
-def _checked(
-    k: torch.Tensor, v: torch.Tensor, meta: FileMeta, layer: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if tensor_crc32(v, tensor_crc32(k)) != meta.layer_crc32[layer]:
+def _checked(parts: Parts, meta: FileMeta, layer: int) -> Parts:
+    if parts_crc32(parts, list(meta.part_specs())) != meta.layer_crc32[layer]:
         raise InvalidKVFile(f"layer {layer} checksum mismatch")
-    return k, v
+    return parts
 
 
-def layer_bytes(keys: torch.Tensor, values: torch.Tensor) -> bytes:
-    """One layer as a record of its own: its K bytes then its V bytes (contiguous, storage dtype), whose
+def layer_bytes(parts: Mapping[str, torch.Tensor]) -> bytes:
+    """One layer as a record of its own: its parts' bytes in order (for a float codec K then V), whose
     crc32 is the layer's recorded crc."""
-    return b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in (keys, values))
+    return b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes() for t in parts.values())
 
 
-def decode_layer(data: bytes, meta: FileMeta, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A :func:`layer_bytes` record as (K, V), checked against its length and crc; raises
+def parts_from_bytes(data: bytes, meta: FileMeta, layer: int) -> Parts:
+    """A :func:`layer_bytes` record as the layer's parts, checked against its length and crc; raises
     :class:`InvalidKVFile`. The tensors own their memory."""
     if len(data) != meta.layer_nbytes:
         raise InvalidKVFile(f"layer {layer} holds {len(data)} bytes, metadata says {meta.layer_nbytes}")
     if zlib.crc32(data) != meta.layer_crc32[layer]:
         raise InvalidKVFile(f"layer {layer} checksum mismatch")
-    flat = torch.frombuffer(bytearray(data), dtype=KV_DTYPES[meta.kv_dtype])
-    half = flat.numel() // 2
-    return flat[:half].view(meta.layer_shape), flat[half:].view(meta.layer_shape)
+    buffer = bytearray(data)
+    parts, offset = {}, 0
+    for name, (shape, dtype) in meta.part_specs().items():
+        count = 1
+        for dim in shape:
+            count *= dim
+        parts[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+        offset += count * torch.empty((), dtype=dtype).element_size()
+    return parts
+
+
+def decode_layer(data: bytes, meta: FileMeta, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A :func:`layer_bytes` record as (K, V), checked and decoded."""
+    return meta.codec.decode(parts_from_bytes(data, meta, layer))

@@ -18,7 +18,6 @@ from typing import Any
 from ..errors import StoreError
 from ..models.runtime import ModelShape
 from .fileformat import FileMeta
-from .keys import LAYOUT_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +91,7 @@ class KVIndex:
     def record(self, key: str, meta: FileMeta, size: int) -> None:
         """Insert or refresh ``key``'s row (also used to index a valid file whose writer died before)."""
         now = time.time()
-        row = (key, meta.model_fingerprint, meta.kv_dtype, LAYOUT_VERSION, meta.num_tokens, size)
+        row = (key, meta.model_fingerprint, meta.kv_dtype, meta.layout_version, meta.num_tokens, size)
         self.sql(
             "INSERT INTO chunks VALUES (?, ?, ?, ?, ?, ?, ?, 'disk', ?, ?) ON CONFLICT (key) DO UPDATE SET "
             "size_bytes = excluded.size_bytes, checksum = excluded.checksum, "

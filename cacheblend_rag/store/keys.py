@@ -14,36 +14,37 @@ import numpy as np
 import torch
 
 from ..models.runtime import ModelShape
+from .codec import CODECS, Codec, UnknownCodecError, get_codec
 
 # Bump when the file layout or the meaning of stored K/V changes (e.g. keys stored rotated differently);
-# entries of another version are treated as foreign and recomputed.
+# entries of another version are treated as foreign and recomputed. Layout 1: float codecs (K/V as they
+# are); layout 2: quantized codecs (codes and scales, see :mod:`.codec`). A key names its codec's layout.
 LAYOUT_VERSION = 1
+LAYOUT_VERSIONS = (1, 2)
 
-KV_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-}
+KV_DTYPES: dict[str, torch.dtype] = {name: codec.dtype for name, codec in CODECS.items()}
 _KEY_CHARS = frozenset("0123456789abcdef")
-_ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+
+
+def resolve_codec(dtype: torch.dtype | str) -> Codec:
+    """The storage codec named by ``dtype`` (float16/bfloat16/float32/int8/int4, short aliases, or a
+    torch float dtype); raises ValueError naming it."""
+    try:
+        return get_codec(dtype)
+    except UnknownCodecError:
+        raise ValueError(
+            f"unsupported KV storage dtype {dtype!r}: use float16, bfloat16, float32, int8 or int4"
+        ) from None
 
 
 def resolve_kv_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """The storage dtype named by ``dtype`` (a torch dtype or float16/bfloat16/float32 and short aliases)."""
-    if isinstance(dtype, torch.dtype):
-        if dtype in KV_DTYPES.values():
-            return dtype
-    elif isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        name = _ALIASES.get(name, name)
-        if name in KV_DTYPES:
-            return KV_DTYPES[name]
-    raise ValueError(f"unsupported KV storage dtype {dtype!r}: use float16, bfloat16 or float32")
+    """The dtype chunk KV stored as ``dtype`` is served in (float16 for the quantized codecs)."""
+    return resolve_codec(dtype).dtype
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
-    """Canonical name of a storage dtype ('float16', 'bfloat16', 'float32')."""
-    return str(resolve_kv_dtype(dtype)).removeprefix("torch.")
+    """Canonical name of a storage codec ('float16', 'bfloat16', 'float32', 'int8', 'int4')."""
+    return resolve_codec(dtype).name
 
 
 def chunk_key(
@@ -62,7 +63,8 @@ def chunk_key(
     if (ids < 0).any():
         raise ValueError("token ids must be non-negative")
     digest = hashlib.sha256()
-    fields = ("cacheblend-kv", model_fingerprint, dtype_name(kv_dtype), f"v{LAYOUT_VERSION}", f"n={ids.size}")
+    codec = resolve_codec(kv_dtype)  # two codecs never share a key (nor two layouts)
+    fields = ("cacheblend-kv", model_fingerprint, codec.name, f"v{codec.layout_version}", f"n={ids.size}")
     if context:  # keys of chunks prefilled alone are unchanged, so KV stored before contexts still hits
         fields += (f"ctx={context}",)
     header = "\0".join(fields) + "\0"
@@ -82,17 +84,21 @@ def check_key(key: object) -> None:
         raise ValueError(f"invalid KV key {key!r}: expected the 64 hex characters of KVStore.key_for()")
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_dtype: torch.dtype | str) -> int:
-    """Bytes of K and V of one token over all layers (23,040 for SmolLM2-135M in fp16)."""
-    return kv_bytes_per_token_per_layer(shape, kv_dtype) * shape.num_layers
+def kv_bytes_per_token(shape: ModelShape, kv_dtype: torch.dtype | str, num_tokens: int = 512) -> int:
+    """Bytes of K and V of one token over all layers (23,040 for SmolLM2-135M in fp16; for a quantized
+    codec, scales included, averaged over a chunk of ``num_tokens``)."""
+    return kv_bytes_per_token_per_layer(shape, kv_dtype, num_tokens) * shape.num_layers
 
 
-def kv_bytes_per_token_per_layer(shape: ModelShape, kv_dtype: torch.dtype | str) -> int:
-    """Bytes of K and V of one token in one layer."""
-    itemsize = torch.empty((), dtype=resolve_kv_dtype(kv_dtype)).element_size()
-    return 2 * shape.num_kv_heads * shape.head_dim * itemsize
+def kv_bytes_per_token_per_layer(
+    shape: ModelShape, kv_dtype: torch.dtype | str, num_tokens: int = 512
+) -> int:
+    """Bytes of K and V of one token in one layer (see :func:`kv_bytes_per_token`)."""
+    layer = resolve_codec(kv_dtype).layer_nbytes(shape.num_kv_heads, num_tokens, shape.head_dim)
+    return -(-layer // num_tokens)
 
 
 def chunk_payload_bytes(shape: ModelShape, kv_dtype: torch.dtype | str, num_tokens: int = 512) -> int:
     """Tensor bytes of one chunk's KV (a stored file adds a small JSON header on top)."""
-    return kv_bytes_per_token(shape, kv_dtype) * num_tokens
+    codec = resolve_codec(kv_dtype)
+    return codec.layer_nbytes(shape.num_kv_heads, num_tokens, shape.head_dim) * shape.num_layers

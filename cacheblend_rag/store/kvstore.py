@@ -36,7 +36,7 @@ from . import maintenance
 from .disk import LOCK_TIMEOUT_S, DiskChunkKV, DiskTier, make_dirs
 from .fileformat import EncodedChunk, encode
 from .index import INDEX_NAME, KVIndex, stored_models
-from .keys import LAYOUT_VERSION, check_key, chunk_key, dtype_name, resolve_kv_dtype
+from .keys import check_key, chunk_key, dtype_name, resolve_codec
 from .maintenance import VerifyReport
 from .ram import RamTier
 from .remote import RedisKVTier, connect_remote
@@ -71,12 +71,14 @@ class StoreCounters:
 
 
 class KVStore:
-    """Chunk KV of one model and storage dtype: RAM tier (LRU, byte budget) over disk files (LRU, budget),
+    """Chunk KV of one model and storage codec (``kv_dtype``: float16, bfloat16, float32, int8, int4; see
+    :mod:`.codec`): RAM tier (LRU, byte budget) over disk files (LRU, budget),
     over an optional shared remote tier (``remote``: a :class:`RedisKVTier` or its URL; None: the
     ``kv_remote`` setting; '': none).
 
     Safe for several threads and several processes on the same root. Returned sources implement
-    :class:`ChunkKVSource`; their tensors are in the storage dtype and must not be modified in place.
+    :class:`ChunkKVSource`; their tensors are in :attr:`kv_dtype` (the codec's decoded dtype: float16 for
+    int8/int4) and must not be modified in place. Every tier keeps the encoded bytes.
     """
 
     def __init__(
@@ -96,8 +98,9 @@ class KVStore:
         self.root = Path(root)
         self.fingerprint = model_fingerprint
         self.shape = shape
-        self.kv_dtype = resolve_kv_dtype(kv_dtype if kv_dtype is not None else settings.kv_dtype)
-        self.kv_dtype_name = dtype_name(self.kv_dtype)
+        self.codec = resolve_codec(kv_dtype if kv_dtype is not None else settings.kv_dtype)
+        self.kv_dtype = self.codec.dtype  # what sources serve
+        self.kv_dtype_name = self.codec.name
         disk_budget = settings.disk_budget_bytes if disk_budget_bytes is None else disk_budget_bytes
         ram_budget = settings.ram_budget_bytes if ram_budget_bytes is None else ram_budget_bytes
         if ram_budget < 0 or disk_budget < 0:
@@ -118,14 +121,14 @@ class KVStore:
             self.index,
             model_fingerprint,
             shape,
-            self.kv_dtype,
+            self.codec,
             disk_budget,
             count=self._count,
             on_layer_read=self._count_layer_read,
             forget=self.ram.delete,
         )
         self.remote = connect_remote(
-            settings.kv_remote if remote is None else remote, self.fingerprint, shape, self.kv_dtype
+            settings.kv_remote if remote is None else remote, self.fingerprint, shape, self.codec.name
         )
         self._owns_remote = not isinstance(remote, RedisKVTier)  # a tier given may serve other stores
         if not self.read_only:
@@ -188,7 +191,7 @@ class KVStore:
     def key_for(self, token_ids: Sequence[int], context: str = "") -> str:
         """The key of the chunk made of ``token_ids`` under this store's model and storage dtype,
         prefilled behind the chunk context whose ``ChunkContext.key`` is ``context``."""
-        return chunk_key(self.fingerprint, self.kv_dtype, token_ids, context)
+        return chunk_key(self.fingerprint, self.codec.name, token_ids, context)
 
     def path_for(self, key: str) -> Path:
         """Where the disk tier keeps ``key``'s file."""
@@ -234,39 +237,52 @@ class KVStore:
 
     # -- writes --------------------------------------------------------------------------------------
 
-    def put(self, key: str, kv: ChunkKV, ram: bool = True, pinned: bool = True) -> int:
-        """Store ``kv`` under ``key`` in the storage dtype, on disk (atomically) and in RAM, and write it
-        through to the remote tier if there is one (``pinned``: as corpus KV, never evicted there; else
-        as a request's KV, with a TTL).
+    def encode(self, key: str, kv: ChunkKV) -> EncodedChunk:
+        """``kv`` in this store's codec under ``key`` (a source serving exactly what the store will)."""
+        check_key(key)
+        return encode(key, kv, self.fingerprint, self.shape, self.codec)
+
+    def put(self, key: str, kv: ChunkKV | EncodedChunk, ram: bool = True, pinned: bool = True) -> int:
+        """Store ``kv`` (or a chunk :meth:`encode` made) under ``key`` in the store's codec, on disk
+        (atomically) and in RAM, and write it through to the remote tier if there is one (``pinned``: as
+        corpus KV, never evicted there; else as a request's KV, with a TTL).
 
         Returns the bytes written to disk: 0 when another writer had already stored a valid file.
         Raises StoreError when the store is read-only or the disk is full; nothing stored is changed.
         """
-        check_key(key)
-        encoded = encode(key, kv, self.fingerprint, self.shape, self.kv_dtype)
+        encoded = self._encoded(key, kv)
         written = self._put_local(key, encoded, ram)
         if self.remote is not None:
             self.remote.put(key, encoded, pinned)
         return written
 
-    def put_local(self, key: str, kv: ChunkKV, ram: bool = True) -> int:
+    def put_local(self, key: str, kv: ChunkKV | EncodedChunk, ram: bool = True) -> int:
         """:meth:`put` to the RAM and disk tiers only."""
+        return self._put_local(key, self._encoded(key, kv), ram)
+
+    def _encoded(self, key: str, kv: ChunkKV | EncodedChunk) -> EncodedChunk:
+        if not isinstance(kv, EncodedChunk):
+            return self.encode(key, kv)
         check_key(key)
-        return self._put_local(key, encode(key, kv, self.fingerprint, self.shape, self.kv_dtype), ram)
+        if kv.codec.name != self.codec.name or kv.fingerprint != self.fingerprint:
+            raise StoreError("the encoded chunk is of another model or codec than the store")
+        if kv.metadata.get("key") != key:
+            raise StoreError(f"the encoded chunk was made for another key than {key[:16]}…")
+        return kv
 
     def _put_local(self, key: str, encoded: EncodedChunk, ram: bool) -> int:
         written = self.disk.write(key, encoded)
         if ram:
-            self._count(ram_evictions=self.ram.put(key, encoded.kv))
+            self._count(ram_evictions=self.ram.put(key, encoded))
         self._count(puts=1)
         return written
 
-    def put_async(self, key: str, kv: ChunkKV, pinned: bool = False) -> Future[int]:
+    def put_async(self, key: str, kv: ChunkKV | EncodedChunk, pinned: bool = False) -> Future[int]:
         """:meth:`put` on a background thread (for write-back of chunks a request had to compute: by
         default request traffic, evictable in the remote tier)."""
         return self._in_background(self.put, key, kv, pinned=pinned)
 
-    def _in_background(self, put, key: str, kv: ChunkKV, **options: Any) -> Future[int]:
+    def _in_background(self, put, key: str, kv: ChunkKV | EncodedChunk, **options: Any) -> Future[int]:
         with self._mutex:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-writer")
@@ -348,11 +364,25 @@ class KVStore:
         (mine,) = self.index.sql(
             "SELECT count(*) FROM chunks WHERE model_fingerprint = ?", (self.fingerprint,)
         )[0]
+        by_codec = {
+            codec: {
+                "entries": n,
+                "bytes": nbytes,
+                "tokens": tokens,
+                "bytes_per_token": nbytes / max(tokens, 1),
+            }
+            for codec, n, nbytes, tokens in self.index.sql(
+                "SELECT kv_dtype, count(*), SUM(size_bytes), SUM(num_tokens) FROM chunks "
+                "WHERE model_fingerprint = ? GROUP BY kv_dtype",
+                (self.fingerprint,),
+            )
+        }
         return {
             "root": str(self.root),
             "model_fingerprint": self.fingerprint,
             "kv_dtype": self.kv_dtype_name,
-            "layout_version": LAYOUT_VERSION,
+            "codec": {"name": self.codec.name, "params": self.codec.params, "decoded": str(self.kv_dtype)},
+            "layout_version": self.codec.layout_version,
             "read_only": self.read_only,
             "ram": {"entries": len(self.ram), "bytes": self.ram.bytes, "budget_bytes": self.ram.budget},
             "disk": {
@@ -361,6 +391,7 @@ class KVStore:
                 "models": models,
                 "bytes": size,
                 "budget_bytes": self.disk_budget_bytes,
+                "by_codec": by_codec,  # this model's files: entries, bytes, tokens, file bytes per token
             },
             "counters": self.counters.as_dict(),
             "remote": self.remote.describe() if self.remote is not None else None,
@@ -380,20 +411,20 @@ class KVStore:
             self.counters.disk_layer_reads[key] += 1
             self.counters.disk_bytes_read += nbytes
 
-    def _promote(self, key: str, kv: ChunkKV) -> None:
+    def _promote(self, key: str, kv: EncodedChunk) -> None:
         self._count(ram_evictions=self.ram.put(key, kv))
 
     # -- remote tier (the logic is in store/remote/) ---------------------------------------------------
 
-    def _filled_from_remote(self, key: str, kv: ChunkKV) -> None:
+    def _filled_from_remote(self, key: str, kv: EncodedChunk) -> None:
         """Every layer of a remote chunk has been read: keep it in RAM and on local disk."""
         if self.promote_on_read:
             self._promote(key, kv)
         if not self.read_only:
             self._in_background(self.put_local, key, kv, ram=False)
 
-    def _local_kv(self, key: str) -> ChunkKV | None:
-        """The chunk's whole KV from RAM or the local disk (every layer checked), or None."""
+    def _local_kv(self, key: str) -> EncodedChunk | None:
+        """The chunk's whole encoded KV from RAM or the local disk (every layer checked), or None."""
         kv = self.ram.get(key)
         if kv is not None:
             return kv
@@ -401,11 +432,10 @@ class KVStore:
         if source is None:
             return None
         try:
-            layers = [source.layer(i) for i in range(source.num_layers)]
+            return source.encoded()
         except CorruptKVError as exc:  # removed by the disk tier; the caller recomputes it
             log.warning("chunk KV %s… not pushed to the remote tier: %s", key[:16], exc)
             return None
-        return ChunkKV([k for k, _ in layers], [v for _, v in layers], source.fingerprint)
 
 
 def _log_failed_put(future: Future[int]) -> None:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .disk import DiskTier
-from .fileformat import InvalidKVFile, open_file, read_layer
+from .fileformat import InvalidKVFile, open_file, read_parts
 
 
 @dataclass
@@ -47,7 +47,7 @@ def verify(disk: DiskTier, repair: bool = False) -> VerifyReport:
         try:
             handle, meta, stat = open_file(path, key)
             for layer in range(meta.num_layers):
-                read_layer(handle, meta, layer)
+                read_parts(handle, meta, layer)  # the crc covers the encoded bytes
         except FileNotFoundError:
             continue
         except InvalidKVFile as exc:

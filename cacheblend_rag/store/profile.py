@@ -101,7 +101,8 @@ def measure_tier_throughput(
         keys = list(stored)
         for key, kv in stored.items():
             store.put(key, kv)
-        nbytes = chunks * chunk_payload_bytes(shape, store.kv_dtype, tokens)
+        # encoded bytes: what kv_bytes_per_token_per_layer counts for the controller too
+        nbytes = chunks * chunk_payload_bytes(shape, store.codec.name, tokens)
         best = {"ram": math.inf, "disk_warm": math.inf, "disk": math.inf}
         for _ in range(repeats):
             best["ram"] = min(best["ram"], _timed_load(store, keys, compute_dtype, device))

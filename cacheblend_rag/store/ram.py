@@ -1,22 +1,24 @@
-"""The RAM tier: an LRU of whole chunks' KV within a byte budget."""
+"""The RAM tier: an LRU of whole chunks' KV, kept encoded in the store's codec, within a byte budget of
+encoded bytes (a chunk is decoded one layer at a time as it is read)."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 
-from ..blend.segments import ChunkKV
+from .fileformat import EncodedChunk
 
 
 class RamTier:
-    """LRU of :class:`ChunkKV` within ``budget`` bytes (a :class:`~.tier.KVTier`). Thread-safe."""
+    """LRU of :class:`EncodedChunk` within ``budget`` encoded bytes (a :class:`~.tier.KVTier`).
+    Thread-safe."""
 
     name = "ram"
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.bytes = 0
-        self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
+        self._entries: OrderedDict[str, EncodedChunk] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -29,14 +31,14 @@ class RamTier:
         """Whether a chunk of ``nbytes`` could be kept at all."""
         return nbytes <= self.budget
 
-    def get(self, key: str) -> ChunkKV | None:
+    def get(self, key: str) -> EncodedChunk | None:
         with self._lock:
             kv = self._entries.get(key)
             if kv is not None:
                 self._entries.move_to_end(key)
             return kv
 
-    def put(self, key: str, kv: ChunkKV) -> int:
+    def put(self, key: str, kv: EncodedChunk) -> int:
         """Insert (or refresh) ``kv``; returns how many entries were evicted to make room."""
         size = kv.nbytes
         evicted = 0

@@ -110,3 +110,20 @@ def test_bench_quick_runs_every_section(tmp_path):
 
     bad = CliRunner().invoke(app, ["bench", "--quick", "--out", str(out), "--only", "nope"])
     assert bad.exit_code == 1 and "unknown bench section" in bad.output
+
+
+def test_bench_codec_section_compares_codecs(tmp_path, monkeypatch):
+    monkeypatch.delenv("CACHEBLEND_KV_REMOTE", raising=False)
+    out, kv = tmp_path / "out", tmp_path / "kv"
+    args = ["bench", "--quick", "--only", "codec", "--out", str(out), "--kv-dir", str(kv)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    section = json.loads((out / "results" / "bench.json").read_text())["sections"]["codec"]
+    assert section["codecs"] == ["float16", "int8", "int4"]
+    for where in section["bytes_per_token"].values():
+        assert where["float16"]["vs_float16"] == 1.0
+        assert where["int4"]["file_bytes"] < where["int8"]["file_bytes"] < where["float16"]["file_bytes"]
+    assert all(section["ttft"]["median_s"][c]["disk"] > 0 for c in section["codecs"])
+    assert all(section["ingest"][c]["tokens_per_s"] > 0 for c in section["codecs"])
+    assert "no remote tier configured" in section["remote"]["skipped"]
+    assert "Chunk KV codecs" in (out / "BENCHMARKS.md").read_text()

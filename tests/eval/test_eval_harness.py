@@ -139,3 +139,32 @@ def test_eval_cli_summary_task_writes_json_markdown_and_plot(tmp_path):
 
     bad = CliRunner().invoke(app, ["eval", "--data", str(tmp_path / "missing.json")])
     assert bad.exit_code == 1 and "no data set" in bad.output
+
+
+def test_eval_compares_codecs_against_float16_with_one_full_prefill_per_case(tmp_path):
+    data = tiny_data(tmp_path, "musique", cases=2, contexts=2, chars=300)
+    out, markdown = tmp_path / "codecs.json", tmp_path / "BENCH.md"
+    args = [
+        "eval", "--data", str(data), "--methods", "full_recompute,full_reuse,cacheblend", "--ratios", "0.15",
+        "--kv-dtypes", "float16,int8,int4", "--limit", "2", "--top-k", "2", "--chunk-tokens", "48",
+        "--max-new-tokens", "4", "--json", str(out), "--markdown", str(markdown),
+        "--kv-dir", str(tmp_path / "kv"),
+    ]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    results = json.loads(out.read_text())
+    assert results["config"]["kv_dtypes"] == ["float16", "int8", "int4"]
+    labels = set(results["summary"]["methods"])
+    assert labels == {
+        "full_recompute",
+        *(f"{prefix}{m}" for prefix in ("", "int8:", "int4:") for m in ("full_reuse", "cacheblend@0.15")),
+    }
+    for case in results["cases"]:
+        methods = case["methods"]
+        assert methods["full_recompute"]["kl_first_token"] == 0.0
+        assert methods["int8:full_reuse"]["kl_first_token"] >= 0.0
+    stored = {p.name.split(".")[0] for p in (tmp_path / "kv" / "chunks").glob("??/*.safetensors")}
+    assert len(stored) % 3 == 0  # every chunk once per codec, under its own key
+    text = markdown.read_text()
+    assert "Chunk KV codecs against float16" in text and "| int4 | `cacheblend@0.15` |" in text
+    assert "<!-- BEGIN eval-musique-48-codecs -->" in text  # beside, not over, the plain run's section

@@ -23,7 +23,7 @@ def _fresh_settings():
         ("CACHEBLEND_RATIO", "15", "less than or equal to 1"),
         ("CACHEBLEND_ENGINE", "vlm", "'torch' or 'vllm'"),
         ("CACHEBLEND_INDEX_TYPE", "annoy", "'flat', 'ivf' or 'hnsw'"),
-        ("CACHEBLEND_KV_DTYPE", "int8", "'float16', 'bfloat16' or 'float32'"),
+        ("CACHEBLEND_KV_DTYPE", "int3", "'float32', 'int8' or 'int4'"),
         ("CACHEBLEND_TOP_K", "0", "greater than or equal to 1"),
         ("CACHEBLEND_CHUNK_TOKENS", "8", "greater than or equal to 16"),
         ("CACHEBLEND_DEVICE", "gpu", "should match pattern"),

@@ -83,10 +83,35 @@ def _ready_then_wait(sync: Path) -> None:
     wait_for(sync / "go")
 
 
+def _recode_and_stall(corpus: Path, sync: Path, codec: str, files: int) -> None:
+    """Recode ``corpus`` to ``codec``; after ``files`` whole files, write half of the next one, create
+    SYNC/stalled and hang until killed."""
+    from cacheblend_rag.corpus.recode import recode_corpus
+
+    written = []
+
+    def stalling_write(fd: int, data: bytes) -> None:
+        if len(written) < files:
+            written.append(len(data))
+            disk_write(fd, data)
+            return
+        os.write(fd, data[: len(data) // 2])
+        os.fsync(fd)
+        (sync / "stalled").touch()
+        time.sleep(600)
+
+    disk_write, disk._write_all = disk._write_all, stalling_write
+    recode_corpus(corpus, codec, "float16")
+
+
 def main(argv: list[str]) -> None:
     """put-same N: store the N-token chunk, print the bytes written. put-many FIRST COUNT: store COUNT
-    chunks. put-and-stall N: write half of the file, create SYNC/halfway, then hang until killed."""
+    chunks. put-and-stall N: write half of the file, create SYNC/halfway, then hang until killed.
+    recode-and-stall CODEC FILES: recode the corpus ROOT, killed by the parent during file FILES + 1."""
     command, root, sync = argv[0], Path(argv[1]), Path(argv[2])
+    if command == "recode-and-stall":
+        _recode_and_stall(root, sync, argv[3], int(argv[4]))
+        return
     store = KVStore(root, FINGERPRINT, BIG_SHAPE)
     if command == "put-same":
         n = int(argv[3])

@@ -33,7 +33,7 @@ def test_key_depends_on_model_dtype_and_tokens():
         (("", "float16", [1]), "fingerprint"),
         ((FP, "float16", []), "non-empty"),
         ((FP, "float16", [1, -2]), "non-negative"),
-        ((FP, "int8", [1]), "unsupported KV storage dtype"),
+        ((FP, "int3", [1]), "unsupported KV storage dtype"),
         ((FP, torch.int64, [1]), "unsupported KV storage dtype"),
     ],
 )

@@ -101,6 +101,7 @@ class VLLMEngine(PromptSegments):
         llm_options: dict[str, Any] | None = None,
         chunk_context: ChunkContext | None = None,
         share_weights: bool = True,
+        kv_dtype: str | None = None,
     ) -> None:
         vllm = import_vllm()
         from transformers import AutoConfig
@@ -122,7 +123,7 @@ class VLLMEngine(PromptSegments):
             root, kv_dtype = store.root, store.kv_dtype_name
         else:
             root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
-            kv_dtype = dtype_name(settings.kv_dtype)
+            kv_dtype = dtype_name(kv_dtype or settings.kv_dtype)  # a corpus passes the codec it records
         options: dict[str, Any] = {
             "model": str(path),
             "tokenizer": str(path),

@@ -15,7 +15,7 @@ BENCH_FORMAT = "cacheblend-rag-bench/1"
 # Run by default, in this order; each can be run alone with --only.
 SECTIONS = ("ttft", "prefill", "store", "deviation", "ingest", "throughput", "round", "serve")
 # Run only when named with --only: they need an optional install (vllm: the [vllm] extra).
-OPTIONAL_SECTIONS = ("vllm",)
+OPTIONAL_SECTIONS = ("vllm", "codec")  # run with --only
 ALL_SECTIONS = SECTIONS + OPTIONAL_SECTIONS
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..markdown import checks_list, fmt, machine_line, relative_link, table
+from .codec import render_codec
 from .config import ALL_SECTIONS
 from .round import render_round
 from .vllm import BLEND, FULL
@@ -440,4 +441,5 @@ RENDERERS: dict[str, tuple[str, Callable[[Page, dict[str, Any]], list[str]]]] = 
     "round": ("Rounds: N agents over the same chunks (issue 21)", render_round),
     "serve": ("Serving: concurrent clients through `cacheblend-rag serve` (issue 17)", render_serve),
     "vllm": ("vLLM backend: full prefill vs CacheBlend inside vLLM (issue 8)", render_vllm),
+    "codec": ("Chunk KV codecs: bytes, TTFT, ingest, remote reads (issue 22)", render_codec),
 }

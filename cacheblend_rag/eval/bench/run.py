@@ -11,6 +11,7 @@ from typing import Any
 
 from ...models.loader import load_model
 from ...models.runtime import LayerwiseModel
+from .codec import section_codec
 from .config import BenchConfig, BenchContext, make_context
 from .deviation import section_deviation
 from .ingest import section_ingest
@@ -35,6 +36,7 @@ SECTION_FUNCTIONS: dict[str, Callable[[BenchContext], dict[str, Any]]] = {
     "round": section_round,
     "serve": section_serve,
     "vllm": section_vllm,
+    "codec": section_codec,
 }
 
 

@@ -44,15 +44,15 @@ def storage_cost(shape: ModelShape, num_tokens: int = 512) -> dict[str, dict[str
     size of the stored file (payload plus its safetensors header with the per-layer checksums)."""
     fingerprint = "0" * 64
     out = {}
-    for name, dtype in KV_DTYPES.items():
+    for name, dtype in KV_DTYPES.items():  # codec name -> the dtype it decodes to
         with tempfile.TemporaryDirectory() as root:
-            store = KVStore(root, fingerprint, shape, dtype, ram_budget_bytes=0)
+            store = KVStore(root, fingerprint, shape, name, ram_budget_bytes=0)
             kv = synthetic_chunk(shape, num_tokens, dtype, fingerprint, seed=0)
             file_bytes = store.put(store.key_for(range(num_tokens)), kv)
             store.close()
         out[name] = {
-            "bytes_per_token": kv_bytes_per_token(shape, dtype),
-            "payload_bytes": chunk_payload_bytes(shape, dtype, num_tokens),
+            "bytes_per_token": kv_bytes_per_token(shape, name, num_tokens),
+            "payload_bytes": chunk_payload_bytes(shape, name, num_tokens),
             "file_bytes": file_bytes,
         }
     return out

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import StoreError
-from ..fileformat import InvalidKVFile, decode_layer, parse_metadata
+from ..fileformat import InvalidKVFile, parse_metadata, parts_from_bytes
 from ..keys import is_chunk_key
 from .source import META_FIELD, decode_meta
 
@@ -113,7 +113,7 @@ def _verify_one(tier: RedisKVTier, name: bytes, report: RemoteVerifyReport, repa
             data = client.hget(name, str(layer))
             if data is None:
                 raise InvalidKVFile(f"layer {layer} is missing")
-            decode_layer(data, meta, layer)
+            parts_from_bytes(data, meta, layer)  # the crc covers the encoded bytes
     except (InvalidKVFile, tier.connection.errors.ResponseError) as exc:
         report.corrupt.append({"key": key, "reason": str(exc)})
         if repair:

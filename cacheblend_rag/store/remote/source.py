@@ -8,8 +8,8 @@ import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from ..fileformat import FileMeta, InvalidKVFile
-from ..tier import LayerKV, OnComplete, StoredChunkKV
+from ..fileformat import FileMeta, InvalidKVFile, Parts
+from ..tier import OnComplete, StoredChunkKV
 
 if TYPE_CHECKING:
     from .tier import RedisKVTier
@@ -29,57 +29,63 @@ def decode_meta(raw: bytes) -> dict[str, str]:
 
 
 class LayerCache:
-    """LRU of fetched layers, (key, layer) -> (K, V), within a byte budget. Thread-safe."""
+    """LRU of fetched layers' encoded parts, (key, layer) -> parts, within a byte budget. Thread-safe."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.bytes = 0
-        self._entries: OrderedDict[tuple[str, int], LayerKV] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int], Parts] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: str, layer: int) -> LayerKV | None:
+    def get(self, key: str, layer: int) -> Parts | None:
         with self._lock:
             kv = self._entries.get((key, layer))
             if kv is not None:
                 self._entries.move_to_end((key, layer))
             return kv
 
-    def put(self, key: str, layer: int, kv: LayerKV) -> None:
-        size = kv[0].nbytes + kv[1].nbytes
+    def put(self, key: str, layer: int, kv: Parts) -> None:
+        size = _nbytes(kv)
         with self._lock:
             if size > self.budget or (key, layer) in self._entries:
                 return
             while self.bytes + size > self.budget:
-                _, (k, v) = self._entries.popitem(last=False)
-                self.bytes -= k.nbytes + v.nbytes
+                _, dropped = self._entries.popitem(last=False)
+                self.bytes -= _nbytes(dropped)
             self._entries[key, layer] = kv
             self.bytes += size
 
     def drop(self, key: str) -> None:
         with self._lock:
             for name in [name for name in self._entries if name[0] == key]:
-                k, v = self._entries.pop(name)
-                self.bytes -= k.nbytes + v.nbytes
+                self.bytes -= _nbytes(self._entries.pop(name))
 
 
 class RemoteChunkKV(StoredChunkKV):
     """A chunk served from the remote tier, one verified layer at a time (a ``ChunkKVSource``).
 
     With ``on_complete`` every layer read is kept, and once all have been read the whole chunk is handed
-    to ``on_complete(key, ChunkKV)`` (the KV store keeps it in RAM and writes it to local disk). A layer
+    to ``on_complete(key, EncodedChunk)`` (the KV store keeps it in RAM and writes it to local disk, as
+    the encoded bytes it fetched). A layer
     that is gone or fails its crc raises ``CorruptKVError``, the server going down
     ``RemoteKVUnavailableError`` (a subclass); the engine then recomputes the chunk.
     """
 
     tier = "remote"
 
-    def __init__(self, remote: RedisKVTier, meta: FileMeta, on_complete: OnComplete | None) -> None:
-        super().__init__(meta.key, meta.model_fingerprint, meta.num_tokens, meta.num_layers, on_complete)
+    def __init__(
+        self, remote: RedisKVTier, meta: FileMeta, metadata: dict[str, str], on_complete: OnComplete | None
+    ) -> None:
+        super().__init__(meta.key, meta, metadata, on_complete)
         self._remote = remote
         self._meta = meta
 
-    def _read(self, layer: int) -> LayerKV:
-        return self._remote.read_layer(self._meta, layer)
+    def _read(self, layer: int) -> Parts:
+        return self._remote.read_parts(self._meta, layer)
+
+
+def _nbytes(parts: Parts) -> int:
+    return sum(t.nbytes for t in parts.values())

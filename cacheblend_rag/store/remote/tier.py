@@ -1,4 +1,4 @@
-"""The remote KV tier: chunk KV of one model and storage dtype on a Redis/Valkey server."""
+"""The remote KV tier: chunk KV of one model and storage codec on a Redis/Valkey server (encoded bytes)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from ..fileformat import (
     EncodedChunk,
     FileMeta,
     InvalidKVFile,
+    Parts,
     check_model,
-    decode_layer,
     encode,
     layer_bytes,
     parse_metadata,
+    parts_from_bytes,
 )
-from ..keys import check_key, dtype_name, resolve_kv_dtype
+from ..keys import check_key, resolve_codec
 from . import admin
 from .connection import UNAVAILABLE, RemoteConnection, RemoteCounters
 from .source import META_FIELD, LayerCache, OnComplete, RemoteChunkKV, decode_meta
@@ -63,8 +64,9 @@ class RedisKVTier:
         self.url = self.connection.url
         self.fingerprint = model_fingerprint
         self.shape = shape
-        self.kv_dtype = resolve_kv_dtype(kv_dtype)
-        self.kv_dtype_name = dtype_name(self.kv_dtype)
+        self.codec = resolve_codec(kv_dtype)
+        self.kv_dtype = self.codec.dtype
+        self.kv_dtype_name = self.codec.name
         self.prefix = prefix or options.get("prefix", DEFAULT_PREFIX)
         try:
             self.adhoc_ttl_s = int(adhoc_ttl_s or options.get("adhoc_ttl", DEFAULT_ADHOC_TTL_S))
@@ -122,7 +124,8 @@ class RedisKVTier:
             self.connection.count(misses=1)
             return None
         try:
-            meta = parse_metadata(decode_meta(raw), key)
+            metadata = decode_meta(raw)
+            meta = parse_metadata(metadata, key)
             check_model(meta, self.fingerprint, self.kv_dtype_name, self.shape, what="value")
             if fields != meta.num_layers + 1:
                 raise InvalidKVFile(f"{fields - 1} layers stored, metadata says {meta.num_layers}")
@@ -132,11 +135,12 @@ class RedisKVTier:
         with self._live_lock:
             source = self._live.get(key)
             if source is None:
-                source = self._live[key] = RemoteChunkKV(self, meta, on_complete)
+                source = self._live[key] = RemoteChunkKV(self, meta, metadata, on_complete)
         return source
 
-    def read_layer(self, meta: FileMeta, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer of a chunk found by :meth:`get`: from the local LRU, else fetched and checked."""
+    def read_parts(self, meta: FileMeta, layer: int) -> Parts:
+        """One layer's encoded parts of a chunk found by :meth:`get`: from the local LRU, else fetched and
+        checked."""
         cached = self.cache.get(meta.key, layer)
         if cached is not None:
             self.connection.count(cache_hits=1)
@@ -152,7 +156,7 @@ class RedisKVTier:
                 raise InvalidKVFile(f"layer {layer} unreadable ({data})")
             if data is None:
                 raise InvalidKVFile(f"layer {layer} is gone (evicted or deleted since the chunk was found)")
-            kv = decode_layer(data, meta, layer)
+            kv = parts_from_bytes(data, meta, layer)
         except InvalidKVFile as exc:
             self._bad(meta.key, str(exc))
             message = f"remote KV of chunk {meta.key[:16]}… is unusable: {exc}; it was removed"
@@ -175,8 +179,8 @@ class RedisKVTier:
         return self._held(key, pinned=True) is True
 
     def put(self, key: str, kv: ChunkKV | EncodedChunk, pinned: bool = True) -> int:
-        """Store ``kv`` (checked, converted to the storage dtype; or a chunk the KV store already
-        encoded for its other tiers) unless the server already holds the chunk.
+        """Store ``kv`` (checked, encoded in the tier's codec; or a chunk the KV store already encoded
+        for its other tiers, whose encoded bytes are sent as they are) unless the server already holds it.
 
         ``pinned``: corpus KV, never given a TTL (an ad-hoc copy already there is made permanent); else a
         request's KV with the ad-hoc TTL. Returns the bytes written: 0 when present, down or refused.
@@ -186,11 +190,11 @@ class RedisKVTier:
         if self._held(key, pinned) is not False:
             return 0
         if not isinstance(kv, EncodedChunk):
-            kv = encode(key, kv, self.fingerprint, self.shape, self.kv_dtype)
-        elif kv.metadata.get("kv_dtype") != self.kv_dtype_name or kv.kv.fingerprint != self.fingerprint:
-            raise StoreError("the encoded chunk is of another model or storage dtype than the remote tier")
+            kv = encode(key, kv, self.fingerprint, self.shape, self.codec)
+        elif kv.metadata.get("kv_dtype") != self.kv_dtype_name or kv.fingerprint != self.fingerprint:
+            raise StoreError("the encoded chunk is of another model or storage codec than the remote tier")
         values: dict[bytes | str, bytes] = {META_FIELD: json.dumps(kv.metadata).encode()}
-        values.update({str(i): layer_bytes(*kv.kv.layer(i)) for i in range(kv.kv.num_layers)})
+        values.update({str(i): layer_bytes(parts) for i, parts in enumerate(kv.layers)})
         size = sum(len(value) for value in values.values())
         written = self.connection.call(lambda client: self._write(client, self.name_for(key), values, pinned))
         if written is UNAVAILABLE:
@@ -291,14 +295,14 @@ class RedisKVTier:
 
 
 def connect_remote(
-    remote: RedisKVTier | str | None, model_fingerprint: str, shape: ModelShape, kv_dtype: torch.dtype
+    remote: RedisKVTier | str | None, model_fingerprint: str, shape: ModelShape, kv_dtype: torch.dtype | str
 ) -> RedisKVTier | None:
     """The remote tier of a KV store: the tier given (checked to match), one opened from a URL, or None
     for None or ''."""
     if not remote:
         return None
     if isinstance(remote, RedisKVTier):
-        if (remote.fingerprint, remote.kv_dtype) != (model_fingerprint, kv_dtype):
-            raise StoreError("the remote KV tier given is for another model or storage dtype")
+        if (remote.fingerprint, remote.kv_dtype_name) != (model_fingerprint, resolve_codec(kv_dtype).name):
+            raise StoreError("the remote KV tier given is for another model or storage codec")
         return remote
     return RedisKVTier(remote, model_fingerprint, shape, kv_dtype)
