@@ -179,6 +179,18 @@ class CacheBlend(RecomputeMethod):
         description="query only: rank by the attention the question pays a token, or by that attention "
         "times the token's value norm (its contribution to the attention output)",
     )
+    budget: Literal["fixed", "auto"] = Field(
+        "fixed",
+        description="query only: 'fixed' recomputes the ratio share of cached tokens; 'auto' the fewest "
+        "tokens whose contribution covers 'target' of the question's attention to the cached tokens, "
+        "between min_ratio and ratio of them",
+    )
+    target: float = Field(
+        0.5, gt=0.0, le=1.0, description="budget=auto: share of the question's attention to cover"
+    )
+    min_ratio: float = Field(
+        0.02, ge=0.0, le=1.0, description="budget=auto: fewest cached tokens recomputed, as a share"
+    )
     signal: Literal["k", "v", "kv"] = Field(
         "k", description="hkvd only: deviation of K, V or both (each normalised)"
     )
@@ -212,10 +224,24 @@ class CacheBlend(RecomputeMethod):
         budget = min(_budget(self.ratio, plan), cached.numel())
         score = plan.query_attention if self.score == "attention" else plan.query_contribution
         if budget and score is not None:
-            keep[cached[torch.topk(score[cached], budget).indices]] = True
+            ranked = torch.sort(score[cached], descending=True)
+            if self.budget == "auto":
+                budget = self._covering(ranked.values, budget, plan)
+            keep[cached[ranked.indices[:budget]]] = True
         elif budget:  # no probe ran (nothing cached to look at): every candidate is recomputed
             keep[cached] = True
         return keep.nonzero().squeeze(1)
+
+    def _covering(self, ranked: torch.Tensor, most: int, plan: FusionPlan) -> int:
+        """budget=auto: how many of the best-ranked cached tokens cover ``target`` of the question's
+        attention to all of them, within min_ratio and ``most`` (ratio's budget)."""
+        least = min(most, math.floor(self.min_ratio * plan.num_cached + 1e-9))
+        total = float(ranked.sum())
+        if total <= 0:
+            return least
+        covered = torch.cumsum(ranked, 0) / total
+        needed = int(torch.searchsorted(covered, torch.tensor(self.target, dtype=covered.dtype))) + 1
+        return max(least, min(most, needed))
 
     def check_layers(self, plan: FusionPlan) -> tuple[int, ...]:
         if self.selection == "query":

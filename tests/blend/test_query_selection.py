@@ -122,3 +122,28 @@ def test_no_cached_chunk_means_no_probe(model):
     fused = Fusor(model).fuse([Segment.fresh(ids)], CacheBlend())
     assert fused.probe_token_layers == 0
     assert fused.plan.query_attention is None
+
+
+def test_auto_budget_covers_the_target_share_within_its_bounds():
+    from cacheblend_rag.blend import get_method
+    from cacheblend_rag.blend.plan import FusionPlan
+
+    segments = [Segment.cached(range(1, 101), object()), Segment.fresh([7, 8, 9])]
+    plan = FusionPlan.from_segments(segments)
+    scores = torch.zeros(plan.num_tokens)
+    scores[:100] = torch.tensor([50.0, 30.0, 10.0] + [10.0 / 97] * 97)  # three tokens hold 90 %
+    plan.query_attention = plan.query_contribution = scores
+
+    def chosen(**options) -> int:
+        picked = get_method("cacheblend", budget="auto", **options).layer0_positions(plan)
+        return int(plan.cached_mask[picked].sum())
+
+    assert chosen(target=0.5, min_ratio=0.0) == 1  # the first token alone holds 50 %
+    assert chosen(target=0.8, min_ratio=0.0) == 2
+    assert chosen(target=0.9, min_ratio=0.0) == 3
+    assert chosen(target=0.5, min_ratio=0.05) == 5  # at least 5 % of the 100 cached tokens
+    assert chosen(target=1.0, ratio=0.2) == 20  # never more than ratio's budget
+    # spread attention needs more tokens for the same target
+    plan.query_attention = plan.query_contribution = torch.ones(plan.num_tokens)
+    assert chosen(target=0.5, min_ratio=0.0, ratio=1.0) == 50
+    assert get_method("cacheblend").budget == "fixed"  # the default is unchanged
