@@ -30,6 +30,7 @@ import torch
 from ..blend.fusor import FusionResult
 from ..blend.methods import Reuse
 from ..blend.segments import ChunkContext
+from ..blend.spec import reuse_of
 from ..corpus.embedder import Embedder
 from ..engine import ChunkRef, Engine, PromptBuilder, SamplingParams
 from ..errors import EvalDataError
@@ -248,14 +249,34 @@ def engine_name(variant: Variant, context: str, codec: str) -> str:
     return chunk_context if variant.kv_dtype in (None, codec) else f"{chunk_context}/{variant.kv_dtype}"
 
 
-def store_in_ram(engine: Engine, question: str, refs: Sequence[ChunkRef]) -> None:
-    """Compute and store whatever KV the methods will reuse (the chunks, and the prompt's prefix), and
-    bring it into the RAM tier, so every method's TTFT is measured with its KV in RAM."""
-    for reuse in (Reuse.CHUNKS, Reuse.PREFIX):
+def store_in_ram(
+    engine: Engine,
+    question: str,
+    refs: Sequence[ChunkRef],
+    reuses: Sequence[Reuse] = (Reuse.CHUNKS, Reuse.PREFIX),
+) -> None:
+    """Compute and store whatever KV the methods will reuse (the chunks, and the prompt's prefix: those
+    of ``reuses``), and bring it into the RAM tier, so every method's TTFT is measured with its KV in RAM."""
+    for reuse in reuses:
         for segment in engine.rag_segments(question, refs, reuse):
             if segment.kv is not None:
                 for layer in range(segment.kv.num_layers):  # a chunk read in full is promoted to RAM
                     segment.kv.layer(layer)
+
+
+def _encode_once(engines: Sequence[Engine], refs: Sequence[ChunkRef]) -> None:
+    """Engines of one chunk context over other codecs take the chunk KV the first of them computes,
+    each encoding it in its own codec: a chunk is prefilled once per case, not once per codec."""
+    groups: dict[ChunkContext, list[Engine]] = {}
+    for engine in engines:
+        groups.setdefault(engine.chunk_context, []).append(engine)
+    for first, *others in groups.values():
+        for ref in refs:
+            missing = [e for e in others if not e.store.contains(e.chunk_key(ref.token_ids))]
+            if missing:
+                kv = first.precompute(ref.token_ids)
+                for engine in missing:
+                    engine.store.put(engine.chunk_key(ref.token_ids), kv)
 
 
 def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dict[str, Any]:
@@ -269,8 +290,12 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dic
     refs = [ChunkRef(r.token_ids) for r in retrieved]
     started = time.perf_counter()
     context, codec = run.config["chunk_context"], run.config["kv_dtypes"][0]
-    for name in dict.fromkeys(engine_name(v, context, codec) for v in specs):
-        store_in_ram(run.engines[name], question, refs)
+    needs: dict[str, set[Reuse]] = {}
+    for variant in specs:
+        needs.setdefault(engine_name(variant, context, codec), set()).add(reuse_of(variant.spec))
+    _encode_once([run.engines[name] for name in needs], refs)
+    for name, reuses in needs.items():
+        store_in_ram(run.engines[name], question, refs, sorted(reuses - {Reuse.NOTHING}))
     precompute_s = time.perf_counter() - started
 
     chunk_mask = chunk_positions(engine.prompts, question, refs)
