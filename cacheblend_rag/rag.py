@@ -6,6 +6,7 @@ import time
 from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .blend.spec import MethodSpec
 from .corpus.corpus import Corpus, RetrievedChunk
@@ -21,6 +22,9 @@ from .engine import (
 )
 from .errors import StoreError
 from .settings import get_settings
+
+if TYPE_CHECKING:
+    from .check import CheckReport
 
 
 @dataclass
@@ -207,6 +211,28 @@ class CacheBlendRAG:
         prepared = [self._prepare(question, top_k, shared, spec) for question in questions]
         generated = self.engine.generate_round([BatchRequest(p.segments, spec, sampling) for p in prepared])
         return [p.result(result) for p, result in zip(prepared, generated, strict=True)]
+
+    def check(
+        self,
+        questions: Sequence[str] | None = None,
+        ratios: Sequence[float | None] | None = None,
+        method: str | None = None,
+        target_agreement: float | None = None,
+        max_new_tokens: int = 32,
+        sample: int = 20,
+        top_k: int | None = None,
+    ) -> CheckReport:
+        """Evidence on this model and corpus before turning KV reuse on: answer each question (retrieved
+        for as :meth:`query` does) by full prefill and by ``method`` (default: the settings') at each of
+        ``ratios`` (default: the ``ratio`` setting), side by side, and report per method the first-token
+        agreement, mean first-token KL and agreement F1 against full prefill (``eval``'s metrics), median
+        TTFT and the median speed-up, and the lowest ratio whose first-token agreement reaches
+        ``target_agreement``. Without ``questions``, ``sample`` questions are derived from the corpus's
+        chunks (:func:`~cacheblend_rag.check.sample_questions` gives the rule). Needs the PyTorch
+        engine."""
+        from .check import run_check
+
+        return run_check(self, questions, ratios, method, target_agreement, max_new_tokens, sample, top_k)
 
     def _prepare(
         self, question: str, top_k: int | None, chunk_ids: Sequence[str] | None, method: MethodSpec

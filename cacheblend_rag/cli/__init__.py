@@ -8,6 +8,7 @@ import typer
 
 from ..settings import SettingsError, get_settings
 from .bench import bench_command
+from .check import check_command
 from .eval import eval_command
 from .ingest import ingest
 from .models import models_app
@@ -28,6 +29,7 @@ app.command("query")(query)
 app.command("eval")(eval_command)
 app.command("bench")(bench_command)
 app.command("tune")(tune_command)
+app.command("check")(check_command)
 app.command("serve")(serve)
 
 

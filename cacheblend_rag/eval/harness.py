@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..blend.fusor import FusionResult
 from ..blend.methods import Reuse
@@ -33,6 +32,12 @@ from ..blend.segments import ChunkContext
 from ..blend.spec import reuse_of
 from ..corpus.embedder import Embedder
 from ..engine import ChunkRef, Engine, PromptBuilder, SamplingParams
+from ..engine.fidelity import (
+    MethodRun,
+    RecordingEngine,
+    compare_methods,
+    store_in_ram,
+)
 from ..errors import EvalDataError
 from ..models.runtime import LayerwiseModel
 from ..models.tokenizer import chunk_context_ids
@@ -41,7 +46,7 @@ from ..store.keys import dtype_name
 from ..store.kvstore import KVStore
 from ..text.chunker import Chunker
 from .datasets import Dataset, EvalCase, load_dataset, select_cases
-from .metrics import continuation_nll, kl_divergence, qa_f1, rouge_l
+from .metrics import continuation_nll, qa_f1, rouge_l
 from .results import machine_info, write_json_atomic
 from .summary import REFERENCE, summarize
 from .variants import Variant, method_variants
@@ -70,17 +75,6 @@ _RESUME_KEYS = (
     "prompt",
     "chunk_context",
 )
-
-
-class RecordingEngine(Engine):
-    """The engine, keeping the last :class:`FusionResult` so its cache and logits can be scored after
-    generation (generation writes only past the prompt's slots)."""
-
-    last_fusion: FusionResult | None = None
-
-    def fuse(self, segments, method, extra_capacity=0, observer=None) -> FusionResult:
-        self.last_fusion = super().fuse(segments, method, extra_capacity, observer)
-        return self.last_fusion
 
 
 def default_kv_dir(model: LayerwiseModel) -> Path:
@@ -249,21 +243,6 @@ def engine_name(variant: Variant, context: str, codec: str) -> str:
     return chunk_context if variant.kv_dtype in (None, codec) else f"{chunk_context}/{variant.kv_dtype}"
 
 
-def store_in_ram(
-    engine: Engine,
-    question: str,
-    refs: Sequence[ChunkRef],
-    reuses: Sequence[Reuse] = (Reuse.CHUNKS, Reuse.PREFIX),
-) -> None:
-    """Compute and store whatever KV the methods will reuse (the chunks, and the prompt's prefix: those
-    of ``reuses``), and bring it into the RAM tier, so every method's TTFT is measured with its KV in RAM."""
-    for reuse in reuses:
-        for segment in engine.rag_segments(question, refs, reuse):
-            if segment.kv is not None:
-                for layer in range(segment.kv.num_layers):  # a chunk read in full is promoted to RAM
-                    segment.kv.layer(layer)
-
-
 def _encode_once(engines: Sequence[Engine], refs: Sequence[ChunkRef]) -> None:
     """Engines of one chunk context over other codecs take the chunk KV the first of them computes,
     each encoding it in its own codec: a chunk is prefilled once per case, not once per codec."""
@@ -281,8 +260,6 @@ def _encode_once(engines: Sequence[Engine], refs: Sequence[ChunkRef]) -> None:
 
 def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dict[str, Any]:
     """Retrieve, precompute and answer ``case`` with each of ``specs`` (the reference must be first)."""
-    if not specs or specs[0].label != REFERENCE:
-        raise ValueError(f"{REFERENCE} must be the first method: it is the reference of the others")
     engine, task = run.engine, run.task
     question = task_question(case, task)
     top_k = run.config["top_k"]
@@ -295,30 +272,27 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dic
         needs.setdefault(engine_name(variant, context, codec), set()).add(reuse_of(variant.spec))
     _encode_once([run.engines[name] for name in needs], refs)
     for name, reuses in needs.items():
-        store_in_ram(run.engines[name], question, refs, sorted(reuses - {Reuse.NOTHING}))
+        if reuses - {Reuse.NOTHING}:
+            store_in_ram(run.engines[name], question, refs, sorted(reuses - {Reuse.NOTHING}))
     precompute_s = time.perf_counter() - started
 
-    chunk_mask = chunk_positions(engine.prompts, question, refs)
     tokenizer = engine.model.tokenizer
     gold_ids = tokenizer(case.answers[0], add_special_tokens=False)["input_ids"]
-    reference: dict[str, Any] = {}
-    methods: dict[str, dict[str, Any]] = {}
-    prompt_tokens = 0
-    for variant in specs:
-        engine = run.engines[engine_name(variant, context, codec)]
-        t0 = time.perf_counter()
-        segments = engine.rag_segments(question, refs, variant.spec)
-        segments_s = time.perf_counter() - t0
-        result = engine.generate(segments, variant.spec.build(), run.sampling)
-        fusion = engine.last_fusion
-        assert fusion is not None
-        prompt_tokens = fusion.num_tokens
-        if variant.label == REFERENCE:
-            reference = {"text": result.text, "ids": result.token_ids, "logits": fusion.logits}
-        methods[variant.label] = _score(
-            run, case, variant, result, fusion, segments_s, gold_ids, reference, chunk_mask
-        )
-        engine.last_fusion = None
+    runs = [MethodRun(v.label, v.spec, run.engines[engine_name(v, context, codec)]) for v in specs]
+
+    def gold(method: MethodRun, result, fusion: FusionResult) -> dict[str, Any]:
+        return {
+            "gold": gold_score(task, result.text, case.answers),
+            "nll_gold": continuation_nll(
+                engine.model, fusion.cache, fusion.num_tokens, fusion.logits, gold_ids
+            ),
+        }
+
+    methods, prompt_tokens = compare_methods(runs, question, refs, run.sampling, gold)
+    if task == "summary":
+        reference = methods[REFERENCE]["answer"]
+        for record in methods.values():
+            record["agreement_rouge_l"] = rouge_l(record["answer"], [reference])
     return {
         "id": case.case_id,
         "question": case.question,
@@ -338,68 +312,6 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dic
 def gold_score(task: str, answer: str, answers: Sequence[str]) -> float:
     """Rouge-L for summaries, LongBench QA F1 otherwise."""
     return rouge_l(answer, answers) if task == "summary" else qa_f1(answer, answers)
-
-
-def chunk_positions(builder: PromptBuilder, question: str, refs: Sequence[ChunkRef]) -> torch.Tensor:
-    """Bool mask over the RAG prompt's positions: True where a retrieved chunk's tokens sit. The layout
-    is the same whichever method builds the segments (prefix_cache only regroups them)."""
-    prefix, separator, suffix = builder.rag_frame(question)
-    mask = [False] * len(prefix)
-    for i, ref in enumerate(refs):
-        mask += [False] * (len(separator) if i else 0) + [True] * len(ref.token_ids)
-    return torch.tensor(mask + [False] * len(suffix))
-
-
-def chunk_recompute_ratio(fusion: FusionResult, chunk_mask: torch.Tensor) -> float:
-    """Share of the retrieved chunks' tokens recomputed at the last layer (comparable across methods:
-    ``recompute_ratio`` counts only segments a method treats as cached, e.g. just the prefix for
-    prefix_cache)."""
-    if chunk_mask.numel() != fusion.num_tokens:
-        raise ValueError(f"chunk mask covers {chunk_mask.numel()} positions, the prompt {fusion.num_tokens}")
-    return float(chunk_mask[fusion.selected].sum()) / max(1, int(chunk_mask.sum()))
-
-
-def _score(
-    run: EvalRun,
-    case: EvalCase,
-    spec: Variant,
-    result,
-    fusion: FusionResult,
-    segments_s: float,
-    gold_ids: list[int],
-    reference: dict[str, Any],
-    chunk_mask: torch.Tensor,
-) -> dict[str, Any]:
-    model = run.engine.model
-    n = fusion.num_tokens
-    first_token = int(fusion.logits.argmax())
-    record = {
-        "answer": result.text,
-        "answer_tokens": result.token_ids,
-        "finish_reason": result.finish_reason,
-        "ttft_s": segments_s + result.ttft_s,
-        "segments_s": segments_s,
-        "fusion_s": fusion.seconds,
-        "load_wait_s": fusion.load_wait_s,
-        "total_s": segments_s + result.total_s,
-        "recompute_ratio": fusion.recompute_ratio,
-        "chunk_recompute_ratio": chunk_recompute_ratio(fusion, chunk_mask),
-        "compute_fraction": fusion.compute_fraction,
-        "reused_tokens": fusion.reused_tokens,
-        "computed_tokens": fusion.computed_tokens,
-        "first_token": first_token,
-        "gold": gold_score(run.task, result.text, case.answers),
-        "agreement_f1": qa_f1(result.text, [reference["text"]]),
-        "first_token_agreement": first_token == int(reference["logits"].argmax()),
-        "kl_first_token": kl_divergence(reference["logits"], fusion.logits),
-        "nll_gold": continuation_nll(model, fusion.cache, n, fusion.logits, gold_ids),
-        "nll_reference": continuation_nll(model, fusion.cache, n, fusion.logits, reference["ids"]),
-    }
-    if run.task == "summary":
-        record["agreement_rouge_l"] = rouge_l(result.text, [reference["text"]])
-    if spec.options:
-        record["options"] = dict(spec.options)
-    return record
 
 
 def run_eval(

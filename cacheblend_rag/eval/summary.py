@@ -4,26 +4,14 @@ evaluated on them."""
 from __future__ import annotations
 
 import itertools
-import statistics
 from collections.abc import Sequence
 from typing import Any
 
-REFERENCE = "full_recompute"  # the column every other method is scored against
+from ..engine.fidelity import REFERENCE, method_table
+
+__all__ = ["REFERENCE", "default_label", "summarize"]
 
 # -- summary -----------------------------------------------------------------------------------------
-
-_MEAN_FIELDS = (
-    "gold",
-    "agreement_f1",
-    "agreement_rouge_l",
-    "first_token_agreement",
-    "kl_first_token",
-    "nll_gold",
-    "nll_reference",
-    "recompute_ratio",
-    "chunk_recompute_ratio",
-    "compute_fraction",
-)
 
 
 def summarize(
@@ -33,29 +21,7 @@ def summarize(
     cases = [c for c in results["cases"] if case_ids is None or c["id"] in case_ids]
     if labels is None:
         labels = list(dict.fromkeys(label for c in cases for label in c["methods"]))
-    table: dict[str, dict[str, Any]] = {}
-    for label in labels:
-        rows = [c["methods"][label] for c in cases if label in c["methods"]]
-        if not rows:
-            continue
-        entry: dict[str, Any] = {"cases": len(rows)}
-        for name in _MEAN_FIELDS:
-            values = [float(r[name]) for r in rows if r.get(name) is not None]
-            if values:
-                entry[name] = statistics.fmean(values)
-        entry["ttft_median_s"] = statistics.median(r["ttft_s"] for r in rows)
-        entry["ttft_mean_s"] = statistics.fmean(r["ttft_s"] for r in rows)
-        speedups = [
-            c["methods"][REFERENCE]["ttft_s"] / c["methods"][label]["ttft_s"]
-            for c in cases
-            if label in c["methods"] and REFERENCE in c["methods"]
-        ]
-        if speedups:
-            entry["speedup_median"] = statistics.median(speedups)
-        options = rows[0].get("options")
-        if options:
-            entry["options"] = options
-        table[label] = entry
+    table = method_table(cases, labels)
     return {"cases": len(cases), "methods": table, "checks": _checks(table, results["config"]["task"])}
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
+from ..check import CheckReport
 from ..corpus.chunkdb import FileChanges, StoredDocument
 from ..corpus.corpus import Corpus
 from ..corpus.documents import DocumentHit
@@ -134,6 +135,14 @@ class DocumentCollection:
     def ids(self, where: Mapping[str, Any] | Filter | None = None) -> list[str]:
         """Ids of the documents whose metadata matches ``where`` (all without it)."""
         return self.corpus.documents.keys_where(where)
+
+    def check(self, questions: Sequence[str] | None = None, **options: Any) -> CheckReport:
+        """:meth:`CacheBlendRAG.check <cacheblend_rag.rag.CacheBlendRAG.check>` on this corpus, through
+        the process's shared engine over it (``options``: ratios, method, target_agreement,
+        max_new_tokens, sample, top_k)."""
+        rag = self.frontend.rag
+        assert rag is not None  # a collection's frontend always reads its corpus
+        return rag.check(questions, **options)
 
     def search(
         self,

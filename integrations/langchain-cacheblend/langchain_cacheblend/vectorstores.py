@@ -15,6 +15,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 from langchain_core.vectorstores.utils import maximal_marginal_relevance
 
+from cacheblend_rag.check import CheckReport
 from cacheblend_rag.corpus import DocumentHit, ExternalEmbedder
 from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
 
@@ -116,6 +117,11 @@ class CacheBlendVectorStore(VectorStore):
         return True
 
     # -- reading -------------------------------------------------------------------------------------
+
+    def check(self, questions: Sequence[str] | None = None, **options: Any) -> CheckReport:
+        """Full prefill against KV reuse on this store's documents: see ``CacheBlendRAG.check`` (the
+        options: ratios, method, target_agreement, max_new_tokens, sample, top_k)."""
+        return self._documents.check(questions, **options)
 
     def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
         """The documents with these ids, as added; unknown ids are left out."""

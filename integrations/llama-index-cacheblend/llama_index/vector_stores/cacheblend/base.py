@@ -23,6 +23,7 @@ from llama_index.core.vector_stores.types import (
 )
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
+from cacheblend_rag.check import CheckReport
 from cacheblend_rag.corpus import AllOf, AnyOf, Condition, ExternalEmbedder, Filter, KeyIn, Not
 from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
 
@@ -137,6 +138,11 @@ class CacheBlendVectorStore(BasePydanticVectorStore):
         self._documents.delete(self._documents.ids())
 
     # -- reading -------------------------------------------------------------------------------------
+
+    def check(self, questions: Sequence[str] | None = None, **options: Any) -> CheckReport:
+        """Full prefill against KV reuse on this store's documents: see ``CacheBlendRAG.check`` (the
+        options: ratios, method, target_agreement, max_new_tokens, sample, top_k)."""
+        return self._documents.check(questions, **options)
 
     def get_nodes(
         self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None
