@@ -41,9 +41,18 @@ class QueryResult:
     finish_reason: str
     method_options: dict
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+    # where the prompt's KV came from (docs/accounting.md)
+    cache_read_exact_tokens: int = 0
+    cache_read_blended_tokens: int = 0
+    kv_computed_tokens: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was read from a cache (never KV computed for this request)."""
+        return self.cache_read_exact_tokens + self.cache_read_blended_tokens
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "cached_tokens": self.cached_tokens}
 
 
 @dataclass
@@ -69,6 +78,9 @@ class _Prepared:
             finish_reason=generated.finish_reason,
             method_options=generated.method_options,
             controller=generated.controller,
+            cache_read_exact_tokens=generated.cache_read_exact_tokens,
+            cache_read_blended_tokens=generated.cache_read_blended_tokens,
+            kv_computed_tokens=generated.kv_computed_tokens,
         )
 
 

@@ -103,6 +103,12 @@ def query(
     table.add_row("method", result.method)
     table.add_row("TTFT", f"{result.ttft_s * 1000:.0f} ms")
     table.add_row("total", f"{result.total_s:.2f} s")
-    table.add_row("reused / computed", f"{result.reused_tokens} / {result.computed_tokens} tokens")
+    table.add_row(
+        "read from cache",
+        f"{result.cached_tokens} tokens ({result.cache_read_exact_tokens} exact prefix, "
+        f"{result.cache_read_blended_tokens} blended)",
+    )
+    table.add_row("recomputed", f"{result.computed_tokens} tokens")
+    table.add_row("chunk KV computed now", f"{result.kv_computed_tokens} tokens")
     table.add_row("chunks", ", ".join(result.chunk_ids))
     err_console.print(table)

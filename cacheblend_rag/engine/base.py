@@ -51,16 +51,52 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FusionStats:
-    """What fusing a prompt cost, as results report it."""
+    """What fusing a prompt cost, as results report it. ``kept_per_segment``: per segment, the tokens
+    whose cached KV was kept (empty when the fusion is not known per segment)."""
 
     reused_tokens: int
     computed_tokens: int
     recompute_ratio: float
     load_wait_s: float = 0.0
+    kept_per_segment: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, fusion: FusionResult) -> FusionStats:
-        return cls(fusion.reused_tokens, fusion.computed_tokens, fusion.recompute_ratio, fusion.load_wait_s)
+        return cls(
+            fusion.reused_tokens,
+            fusion.computed_tokens,
+            fusion.recompute_ratio,
+            fusion.load_wait_s,
+            fusion.kept_per_segment,
+        )
+
+
+@dataclass(frozen=True)
+class CacheAccounting:
+    """Where a prompt's KV came from (docs/accounting.md): read from a cache tier (exact-prefix hits and
+    blended chunks, apart), and chunk KV no tier held, computed for this request. Recomputed tokens are
+    the result's ``computed_tokens``."""
+
+    read_exact_tokens: int = 0
+    read_blended_tokens: int = 0
+    kv_computed_tokens: int = 0
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment], fusion: FusionStats) -> CacheAccounting:
+        """From the segments (which say whose KV was computed for this request) and what the fusion kept
+        of each; without per-segment counts, the reused tokens count as exact reads (a prefix cache's)."""
+        computed = sum(len(s) for s in segments if s.is_cached and s.computed)
+        if len(fusion.kept_per_segment) != len(segments):
+            return cls(read_exact_tokens=fusion.reused_tokens, kv_computed_tokens=computed)
+        exact = blended = 0
+        for segment, kept in zip(segments, fusion.kept_per_segment, strict=True):
+            if not segment.is_cached or segment.computed:
+                continue
+            if segment.exact:
+                exact += kept
+            else:
+                blended += kept
+        return cls(exact, blended, computed)
 
 
 @dataclass
@@ -81,6 +117,16 @@ class GenerationResult:
     method_options: dict = field(default_factory=dict)
     load_wait_s: float = 0.0
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+    # where the prompt's KV came from (CacheAccounting; docs/accounting.md)
+    cache_read_exact_tokens: int = 0  # exact-prefix KV read from a cache (kept whole)
+    cache_read_blended_tokens: int = 0  # chunk KV read from a cache tier and kept by the blend
+    kv_computed_tokens: int = 0  # chunk KV no tier held, computed for this request (then stored)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was read from a cache and kept (what OpenAI's ``cached_tokens`` and
+        LangChain's ``cache_read`` report): never KV computed for this request."""
+        return self.cache_read_exact_tokens + self.cache_read_blended_tokens
 
     @classmethod
     def build(
@@ -97,6 +143,7 @@ class GenerationResult:
         **extra: Any,
     ) -> Self:
         """The result of answering ``segments`` with ``resolved``; ``extra`` fills a subclass's fields."""
+        accounting = CacheAccounting.of(segments, fusion)
         return cls(
             text=text,
             token_ids=list(token_ids),
@@ -112,11 +159,14 @@ class GenerationResult:
             method_options=resolved.method.describe(),
             load_wait_s=fusion.load_wait_s,
             controller=resolved.controller,
+            cache_read_exact_tokens=accounting.read_exact_tokens,
+            cache_read_blended_tokens=accounting.read_blended_tokens,
+            kv_computed_tokens=accounting.kv_computed_tokens,
             **extra,
         )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "cached_tokens": self.cached_tokens}
 
 
 @dataclass

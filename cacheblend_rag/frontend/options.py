@@ -208,11 +208,17 @@ class GenerationOptions(BaseModel):
 
 @dataclass(frozen=True)
 class TokenUsage:
-    """Token counts of one answer; ``cached`` counts the prompt tokens whose KV was reused."""
+    """Token counts of one answer (docs/accounting.md): ``cached`` counts the prompt tokens whose KV was
+    read from a cache and kept (``cached_exact`` + ``cached_blended``), ``recomputed`` those computed
+    while answering, ``kv_computed`` the chunk KV no tier held, computed for this request."""
 
     input: int
     output: int
     cached: int
+    cached_exact: int = 0
+    cached_blended: int = 0
+    recomputed: int = 0
+    kv_computed: int = 0
 
     @property
     def total(self) -> int:
@@ -220,7 +226,24 @@ class TokenUsage:
 
     @classmethod
     def of(cls, result: GenerationResult) -> TokenUsage:
-        return cls(result.prompt_tokens, len(result.token_ids), result.reused_tokens)
+        return cls(
+            result.prompt_tokens,
+            len(result.token_ids),
+            result.cached_tokens,
+            result.cache_read_exact_tokens,
+            result.cache_read_blended_tokens,
+            result.computed_tokens,
+            result.kv_computed_tokens,
+        )
+
+    def details(self) -> dict[str, int]:
+        """The split, as the integrations and the server report it beside ``cached_tokens``."""
+        return {
+            "cache_read_exact_tokens": self.cached_exact,
+            "cache_read_blended_tokens": self.cached_blended,
+            "recomputed_tokens": self.recomputed,
+            "kv_computed_tokens": self.kv_computed,
+        }
 
 
 def answer_report(result: GenerationResult) -> dict[str, Any]:

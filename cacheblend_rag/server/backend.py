@@ -107,6 +107,10 @@ class RunningRequest:
             "recompute_ratio": result.recompute_ratio,
             "reused_tokens": result.reused_tokens,
             "computed_tokens": result.computed_tokens,
+            "cached_tokens": result.cached_tokens,  # read from a cache: the two below
+            "cache_read_exact_tokens": result.cache_read_exact_tokens,
+            "cache_read_blended_tokens": result.cache_read_blended_tokens,
+            "kv_computed_tokens": result.kv_computed_tokens,
             "chunk_ids": list(result.chunk_ids),
             "load_wait_s": result.load_wait_s,
             "engine": self.engine,
@@ -116,7 +120,7 @@ class RunningRequest:
             finish_reason=result.finish_reason,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=len(result.token_ids),
-            cached_tokens=result.reused_tokens,
+            cached_tokens=result.cached_tokens,
             details=details,
         )
 

@@ -213,7 +213,7 @@ def new_id(prefix: str) -> str:
 
 def usage(answer: Answer) -> dict[str, Any]:
     """Token counts as OpenAI reports them; ``prompt_tokens_details.cached_tokens``: prompt tokens whose
-    KV was reused (not recomputed)."""
+    KV was read from a cache and kept, never KV computed for this request (docs/accounting.md)."""
     return {
         "prompt_tokens": answer.prompt_tokens,
         "completion_tokens": answer.completion_tokens,

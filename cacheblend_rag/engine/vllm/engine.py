@@ -264,7 +264,7 @@ class VLLMEngine(PromptSegments):
         the store, precomputed by the worker (all missing chunks in one call) first; the other methods
         are served by vLLM itself (its prefill, its prefix cache) and need no KV."""
         if reuse_of(method) is not Reuse.CHUNKS:
-            return layout_segments(parts, Reuse.NOTHING, self.chunk_kv)
+            return layout_segments(parts, Reuse.NOTHING, lambda ids: (self.chunk_kv(ids), False))
         missing = [
             list(p.token_ids)
             for p in parts
@@ -274,7 +274,8 @@ class VLLMEngine(PromptSegments):
         ]
         if missing:
             self._rpc("cacheblend_ensure_chunks", missing)
-        return layout_segments(parts, Reuse.CHUNKS, self.chunk_kv)
+        computed = {tuple(ids) for ids in missing}  # computed for this request: no tier held them
+        return layout_segments(parts, Reuse.CHUNKS, lambda ids: (self.chunk_kv(ids), tuple(ids) in computed))
 
     # -- generation ----------------------------------------------------------------------------------
 

@@ -137,6 +137,7 @@ def build_result(
             int(stats["computed_tokens"]),
             float(stats["recompute_ratio"]),
             float(stats.get("load_wait_s", 0.0)),
+            tuple(int(n) for n in stats.get("kept_per_segment", ())),
         )
         claimed = int(stats["claimed_tokens"])
     else:
