@@ -19,6 +19,7 @@ from .engine import (
     TokenStream,
     create_engine,
 )
+from .engine.bounds import check_request
 from .errors import StoreError
 from .settings import get_settings
 
@@ -138,7 +139,8 @@ class CacheBlendRAG:
             self.engine.close()
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:
-        return self.corpus.search(question, top_k or get_settings().top_k)
+        """The ``top_k`` chunks nearest ``question`` (None: the ``top_k`` setting; 0 is refused)."""
+        return self.corpus.search(question, top_k)
 
     def query(
         self,
@@ -162,7 +164,7 @@ class CacheBlendRAG:
         sampling: SamplingParams | None = None,
     ) -> TokenStream[QueryResult]:
         """Like :meth:`query`; iterate the handle for tokens as they come, then ``.result()``."""
-        spec = _spec(method, ratio)
+        spec = _spec(method, ratio, question, top_k)
         prepared = self._prepare(question, top_k, chunk_ids, spec)
         handle = self.engine.stream(prepared.segments, spec, sampling)
 
@@ -183,7 +185,9 @@ class CacheBlendRAG:
     ) -> list[QueryResult]:
         """Retrieve for every question, then answer them all together through the engine's
         ``generate_batch``; results in question order, equal to :meth:`query`'s (greedy)."""
-        spec = _spec(method, ratio)
+        spec = _spec(method, ratio, None, top_k)
+        for question in questions:
+            check_request(spec, question=question)
         prepared = [self._prepare(question, top_k, chunk_ids, spec) for question in questions]
         generated = self.engine.generate_batch([BatchRequest(p.segments, spec, sampling) for p in prepared])
         return [p.result(result) for p, result in zip(prepared, generated, strict=True)]
@@ -200,5 +204,5 @@ class CacheBlendRAG:
         return _Prepared(chunks, self.engine.rag_segments(question, refs, method), retrieval_s)
 
 
-def _spec(method: str | None, ratio: float | None) -> MethodSpec:
-    return MethodSpec.parse(method or get_settings().method).with_ratio(ratio)
+def _spec(method: str | None, ratio: float | None, question: str | None, top_k: int | None) -> MethodSpec:
+    return check_request(method or get_settings().method, ratio=ratio, question=question, top_k=top_k)

@@ -60,11 +60,22 @@ def query(
 ) -> None:
     """Retrieve the top chunks, blend their cached KV and answer."""
     from ..engine import SamplingParams
+    from ..engine.bounds import check_request
     from ..rag import CacheBlendRAG
+    from ..settings import get_settings
 
     try:
         use_kv_remote(kv_remote)
-    except CacheBlendError as exc:
+        # every bound before the model loads (seconds), worded as every other entry point words it
+        check_request(
+            method or get_settings().method,
+            ratio=ratio,
+            question=question,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            temperature=temperature,
+        )
+    except (CacheBlendError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     if (question is None) == (batch is None):

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import AliasChoices, BaseModel, Field, PrivateAttr, field_validator
+from pydantic import AliasChoices, BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from ..blend.spec import MethodSpec
 from ..corpus.manifest import CorpusManifest
 from ..engine import ENGINE_KINDS, GenerationResult, StreamHandle
+from ..engine.bounds import check_request
 from ..settings import get_settings
+from .collection import ensure_corpus
 from .structured import constraint_of
 from .text import DocumentRef, PromptFrontend, TextRequest, acquire_frontend, release_frontend, text_request
 
@@ -104,6 +106,11 @@ class GenerationOptions(BaseModel):
         MethodSpec.parse(value)  # an unknown method or a bad option is refused here, naming the problem
         return value
 
+    @model_validator(mode="after")
+    def _ratio_taken(self) -> GenerationOptions:
+        check_request(self.method, ratio=self.ratio)  # a method without a ratio refuses one, by name
+        return self
+
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str | None) -> str | None:
@@ -121,6 +128,9 @@ class GenerationOptions(BaseModel):
         """The shared frontend for this corpus, model and engine kind (the engine is loaded on first use,
         and held until :meth:`close`)."""
         if self._frontend is None or self._frontend.closed:
+            if self.corpus_dir is not None:
+                # an empty or missing folder becomes a corpus, as for the vector stores
+                ensure_corpus(Path(self.corpus_dir).expanduser(), self.model)
             self._frontend = acquire_frontend(self.corpus_dir, self.model, self.engine)
         return self._frontend
 
