@@ -32,7 +32,7 @@ from ..blend.fusor import FusionResult
 from ..blend.methods import RecomputeMethod, Reuse
 from ..blend.segments import ChunkContext, ChunkKVSource, Segment
 from ..blend.spec import MethodSpec, ResolvedMethod
-from ..errors import ContextLengthError, FusionInputError
+from ..errors import ContextLengthError, FusionInputError, MaxTokensError
 from ..store.kvstore import KVStore
 from .prompt import ChunkRef, PromptBuilder, PromptPart
 from .sampling import SamplingParams
@@ -319,15 +319,23 @@ class EngineProtocol(Protocol):
     def close(self) -> None: ...
 
 
-def generation_budget(prompt_tokens: int, max_new_tokens: int, context: int, where: str) -> int:
+def generation_budget(
+    prompt_tokens: int, max_new_tokens: int, context: int, where: str, strict: bool = False
+) -> int:
     """How many tokens a prompt of ``prompt_tokens`` may generate within ``context`` tokens (``where``
-    names that limit in the error raised when the prompt leaves no room)."""
+    names that limit in the error raised when the prompt leaves no room). ``strict``: more than fits is
+    refused (:class:`MaxTokensError`) instead of cut to what fits."""
     if prompt_tokens == 0:
         raise FusionInputError("nothing to generate from: the prompt has no tokens")
     room = context - prompt_tokens
     if room < 1:
         raise ContextLengthError(
             f"prompt of {prompt_tokens} tokens leaves no room to generate within {where} of {context} tokens"
+        )
+    if strict and max_new_tokens > room:
+        raise MaxTokensError(
+            f"max_tokens {max_new_tokens} does not fit: the prompt's {prompt_tokens} tokens leave {room} of "
+            f"{where} of {context} tokens; ask for at most {room}"
         )
     return min(max_new_tokens, room)
 

@@ -94,6 +94,7 @@ def text_request(
     seed: int | None = None,
     stop: Sequence[str] | None = None,
     constraint: JsonConstraint | None = None,
+    strict_max_tokens: bool = False,
 ) -> TextRequest:
     """A :class:`TextRequest` from the usual generation options. ``method`` (a name or spec such as
     ``cacheblend@0.3``) defaults to the settings'; ``ratio`` sets the recompute ratio of a method that has
@@ -107,6 +108,7 @@ def text_request(
         seed=seed,
         stop=tuple(stop or ()),
         constraint=constraint,
+        strict_max_tokens=strict_max_tokens,
     )
     return TextRequest(text, tuple(documents), spec, sampling)
 

@@ -26,6 +26,7 @@ from ..errors import (
     ChunkNotFoundError,
     ContextLengthError,
     InvalidChunkIdError,
+    MaxTokensError,
     MethodOptionError,
     RequestCancelledError,
     StructuredOutputError,
@@ -187,6 +188,7 @@ class EngineBackend:
                 top_p=spec.top_p,
                 seed=spec.seed,
                 stop=spec.stop,
+                strict_max_tokens=spec.max_tokens_given,
                 constraint=constraint,
             )
 
@@ -249,6 +251,8 @@ def _client_errors(param: str) -> Iterator[None]:
         yield
     except (APIError, RequestCancelledError):
         raise
+    except MaxTokensError as exc:
+        raise APIError.bad_request(str(exc), "max_tokens", "context_length_exceeded") from exc
     except ContextLengthError as exc:
         raise APIError.bad_request(str(exc), param, "context_length_exceeded") from exc
     except AdmissionError as exc:

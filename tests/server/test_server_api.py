@@ -349,6 +349,11 @@ def test_errors_are_openai_error_bodies(server, client, model_id):
             "response_format",
             "unsupported_schema",
         ),
+        # more than the context holds beside the prompt: refused, not generated until EOS (issue 25, 3)
+        ({**chat, "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded"),
+        ({**chat, "max_completion_tokens": 10**6}, 400, "max_tokens", "context_length_exceeded"),
+        # a ratio the method does not take (issue 25, 4)
+        ({**chat, "method": "full_recompute", "ratio": 0.3}, 400, "method", "invalid_value"),
     ]
     for body, status, param, code in cases:
         response = post(server, "/chat/completions", body)
