@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from .blend.spec import MethodSpec
 from .corpus.corpus import Corpus, RetrievedChunk
+from .corpus.pinning import pin_corpus
 from .engine import (
     BatchRequest,
     ChunkRef,
@@ -22,6 +24,8 @@ from .engine import (
 from .engine.bounds import check_request
 from .errors import StoreError
 from .settings import get_settings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,6 +135,19 @@ class CacheBlendRAG:
                 f"context, the engine behind a {len(self.engine.chunk_context)}-token one; create the engine "
                 "with chunk_context=Corpus.open(...).chunk_context (or re-run ingest to upgrade the corpus)"
             )
+
+        remote = getattr(self.engine.store, "remote", None)
+        if remote is not None:
+            # a tier restarted without persistence lost the pins: put this corpus's back
+            remote.on_pins_lost(self._repin)
+
+    def _repin(self) -> None:
+        try:
+            pinned = pin_corpus(self.corpus, self.engine.store)
+        except Exception as exc:  # a background thread's failure is logged, never raised into a request
+            log.warning("re-pinning corpus %s in the remote KV tier failed: %s", self.corpus.corpus_dir, exc)
+            return
+        log.warning("re-pinned %d chunks of corpus %s in the remote KV tier", pinned, self.corpus.corpus_dir)
 
     def close(self) -> None:
         """Close the engine this object built (its KV store, its hold on the shared model)."""

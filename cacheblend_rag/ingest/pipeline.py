@@ -39,6 +39,7 @@ from ..corpus.corpus import Corpus
 from ..corpus.embedder import get_embedder
 from ..corpus.index import check_index_type
 from ..corpus.manifest import FORMAT_VERSION, CorpusManifest, check_compatible, check_new_corpus_dir
+from ..corpus.pinning import pin_corpus
 from ..engine import create_engine
 from ..errors import IngestError, StoreError
 from ..models.tokenizer import load_model_tokenizer
@@ -54,7 +55,6 @@ STAGES = ("read", "embed", "index", "kv")
 ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total)
 _LOCK_NAME = ".ingest.lock"
 _LOCK_TIMEOUT_S = 30.0
-_PIN_BATCH = 1000  # chunk rows read at a time when pinning the corpus in the remote tier
 
 
 @dataclass
@@ -395,8 +395,4 @@ def _pin_remote(corpus: Corpus, store: KVStore | None, summary: IngestSummary) -
     store where the tier lacks it), so that chunks ingested before the tier existed are shared too."""
     if store is None or store.remote is None:
         return
-    ids = list(corpus.db.iter_chunk_ids())
-    summary.kv_remote_pinned = 0
-    for first in range(0, len(ids), _PIN_BATCH):
-        rows = corpus.db.chunks_by_ids(ids[first : first + _PIN_BATCH]).values()
-        summary.kv_remote_pinned += sum(store.pin(row.kv_key) for row in rows if row.kv_ready)
+    summary.kv_remote_pinned = pin_corpus(corpus, store)
