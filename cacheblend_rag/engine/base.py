@@ -319,12 +319,11 @@ class EngineProtocol(Protocol):
     def close(self) -> None: ...
 
 
-def generation_budget(
-    prompt_tokens: int, max_new_tokens: int, context: int, where: str, strict: bool = False
-) -> int:
+def generation_budget(prompt_tokens: int, sampling: SamplingParams, context: int, where: str) -> int:
     """How many tokens a prompt of ``prompt_tokens`` may generate within ``context`` tokens (``where``
-    names that limit in the error raised when the prompt leaves no room). ``strict``: more than fits is
-    refused (:class:`MaxTokensError`) instead of cut to what fits."""
+    names that limit in the error raised when the prompt leaves no room): ``sampling.max_new_tokens``, cut
+    to what fits, or with ``sampling.strict_max_tokens`` refused (:class:`MaxTokensError`) if more."""
+    max_new_tokens = sampling.max_new_tokens
     if prompt_tokens == 0:
         raise FusionInputError("nothing to generate from: the prompt has no tokens")
     room = context - prompt_tokens
@@ -332,7 +331,7 @@ def generation_budget(
         raise ContextLengthError(
             f"prompt of {prompt_tokens} tokens leaves no room to generate within {where} of {context} tokens"
         )
-    if strict and max_new_tokens > room:
+    if sampling.strict_max_tokens and max_new_tokens > room:
         raise MaxTokensError(
             f"max_tokens {max_new_tokens} does not fit: the prompt's {prompt_tokens} tokens leave {room} of "
             f"{where} of {context} tokens; ask for at most {room}"

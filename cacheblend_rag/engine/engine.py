@@ -275,11 +275,7 @@ class Engine(PromptSegments):
         resolved = resolve_method(method, segments, self.controller, method_options)
         prompt_tokens = sum(len(s) for s in segments)
         max_new = generation_budget(
-            prompt_tokens,
-            sampling.max_new_tokens,
-            self.model.shape.max_context,
-            "the model's context",
-            sampling.strict_max_tokens,
+            prompt_tokens, sampling, self.model.shape.max_context, "the model's context"
         )
         return TokenStream(self._generate(segments, resolved, sampling, max_new))
 

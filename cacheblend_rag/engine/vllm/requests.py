@@ -65,9 +65,7 @@ def prepare_request(
     resolved = resolve_method(method, segments, controller, method_options)
     recompute = resolved.method
     ids = [t for s in segments for t in s.token_ids]
-    max_new = generation_budget(
-        len(ids), sampling.max_new_tokens, max_model_len, "vLLM's max_model_len", sampling.strict_max_tokens
-    )
+    max_new = generation_budget(len(ids), sampling, max_model_len, "vLLM's max_model_len")
     key = uuid.uuid4().hex
     blend = None
     if recompute.reuses is Reuse.CHUNKS and any(s.is_cached for s in segments):
