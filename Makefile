@@ -32,7 +32,9 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS)) | $(PY)
 # What `make lint` checks: ruff, the import layers (import-linter, contract in pyproject.toml) and, with
 # pylint's duplicate-code check only, that no block of 6+ lines repeats in the package or integrations.
 PYLINT_PATHS := cacheblend_rag integrations/langchain-cacheblend/langchain_cacheblend \
-	integrations/llama-index-cacheblend/llama_index
+	integrations/llama-index-llms-cacheblend/llama_index/llms/cacheblend \
+	integrations/llama-index-retrievers-cacheblend/llama_index/retrievers/cacheblend \
+	integrations/llama-index-vector-stores-cacheblend/llama_index/vector_stores/cacheblend
 
 test: install
 	$(VENV)/bin/ruff check .
@@ -63,7 +65,8 @@ $(VLLM_STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS))
 	$(VLLM_PY) -m pip install --quiet torch==2.13.0
 	$(VLLM_PY) -m pip install --quiet -e '.[vllm,langchain]' -e integrations/langchain-cacheblend \
 		'pytest>=8' 'pytest-asyncio>=0.23'
-	$(VLLM_PY) -m pip install --quiet --no-deps 'llama-index-core>=0.14,<0.15' -e integrations/llama-index-cacheblend
+	$(VLLM_PY) -m pip install --quiet --no-deps 'llama-index-core>=0.14,<0.15' \
+		$(addprefix -e ,$(filter integrations/llama-index-%,$(INTEGRATIONS)))
 	$(VLLM_PY) -c "from importlib.metadata import requires; \
 		print('\n'.join(r for r in requires('llama-index-core') if not r.startswith('setuptools') and ';' not in r))" \
 		> $(VLLM_VENV)/llama-index-requirements.txt

@@ -17,6 +17,10 @@ class ContextLengthError(CacheBlendError, ValueError):
     """A prompt (or prompt plus generation budget) does not fit the model's context window."""
 
 
+class MaxTokensError(ContextLengthError):
+    """``max_tokens``, asked for outright, does not fit the context beside the prompt."""
+
+
 class FusionInputError(CacheBlendError, ValueError):
     """The segments handed to the fusor are inconsistent (wrong KV shape, foreign model, empty...)."""
 

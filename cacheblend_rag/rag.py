@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from .blend.spec import MethodSpec
 from .corpus.corpus import Corpus, RetrievedChunk
+from .corpus.pinning import pin_corpus
 from .engine import (
     BatchRequest,
     ChunkRef,
@@ -20,11 +22,14 @@ from .engine import (
     TokenStream,
     create_engine,
 )
+from .engine.bounds import check_request
 from .errors import StoreError
 from .settings import get_settings
 
 if TYPE_CHECKING:
     from .check import CheckReport
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,13 +50,23 @@ class QueryResult:
     finish_reason: str
     method_options: dict
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+    # where the prompt's KV came from (docs/accounting.md)
+    cache_read_exact_tokens: int = 0
+    cache_read_blended_tokens: int = 0
+    kv_computed_tokens: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was read from a cache (never KV computed for this request)."""
+        return self.cache_read_exact_tokens + self.cache_read_blended_tokens
+
     # the round this answer's chunks were blended in, when it shared one (GenerationResult's fields)
     round_requests: int = 0
     round_shared_tokens: int = 0
     round_recomputed_tokens: int = 0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "cached_tokens": self.cached_tokens}
 
 
 @dataclass
@@ -77,6 +92,9 @@ class _Prepared:
             finish_reason=generated.finish_reason,
             method_options=generated.method_options,
             controller=generated.controller,
+            cache_read_exact_tokens=generated.cache_read_exact_tokens,
+            cache_read_blended_tokens=generated.cache_read_blended_tokens,
+            kv_computed_tokens=generated.kv_computed_tokens,
             round_requests=generated.round_requests,
             round_shared_tokens=generated.round_shared_tokens,
             round_recomputed_tokens=generated.round_recomputed_tokens,
@@ -131,6 +149,19 @@ class CacheBlendRAG:
                 "with chunk_context=Corpus.open(...).chunk_context (or re-run ingest to upgrade the corpus)"
             )
 
+        remote = getattr(self.engine.store, "remote", None)
+        if remote is not None:
+            # a tier restarted without persistence lost the pins: put this corpus's back
+            remote.on_pins_lost(self._repin)
+
+    def _repin(self) -> None:
+        try:
+            pinned = pin_corpus(self.corpus, self.engine.store)
+        except Exception as exc:  # a background thread's failure is logged, never raised into a request
+            log.warning("re-pinning corpus %s in the remote KV tier failed: %s", self.corpus.corpus_dir, exc)
+            return
+        log.warning("re-pinned %d chunks of corpus %s in the remote KV tier", pinned, self.corpus.corpus_dir)
+
     def close(self) -> None:
         """Close the engine this object built (its KV store, its hold on the shared model)."""
         if self._owned_engine:
@@ -138,7 +169,8 @@ class CacheBlendRAG:
             self.engine.close()
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:
-        return self.corpus.search(question, top_k or get_settings().top_k)
+        """The ``top_k`` chunks nearest ``question`` (None: the ``top_k`` setting; 0 is refused)."""
+        return self.corpus.search(question, top_k)
 
     def query(
         self,
@@ -162,7 +194,7 @@ class CacheBlendRAG:
         sampling: SamplingParams | None = None,
     ) -> TokenStream[QueryResult]:
         """Like :meth:`query`; iterate the handle for tokens as they come, then ``.result()``."""
-        spec = _spec(method, ratio)
+        spec = _spec(method, ratio, question, top_k)
         prepared = self._prepare(question, top_k, chunk_ids, spec)
         handle = self.engine.stream(prepared.segments, spec, sampling)
 
@@ -185,7 +217,9 @@ class CacheBlendRAG:
         ``generate_batch``; results in question order. Questions admitted together whose chunks are the
         same share one blend of them (a round, the ``batch_rounds`` setting); the others' greedy answers
         equal :meth:`query`'s."""
-        spec = _spec(method, ratio)
+        spec = _spec(method, ratio, None, top_k)
+        for question in questions:
+            check_request(spec, question=question)
         prepared = [self._prepare(question, top_k, chunk_ids, spec) for question in questions]
         generated = self.engine.generate_batch([BatchRequest(p.segments, spec, sampling) for p in prepared])
         return [p.result(result) for p, result in zip(prepared, generated, strict=True)]
@@ -246,5 +280,5 @@ class CacheBlendRAG:
         return _Prepared(chunks, self.engine.rag_segments(question, refs, method), retrieval_s)
 
 
-def _spec(method: str | None, ratio: float | None) -> MethodSpec:
-    return MethodSpec.parse(method or get_settings().method).with_ratio(ratio)
+def _spec(method: str | None, ratio: float | None, question: str | None, top_k: int | None) -> MethodSpec:
+    return check_request(method or get_settings().method, ratio=ratio, question=question, top_k=top_k)

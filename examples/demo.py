@@ -1,5 +1,10 @@
 """`make demo`: ingest the sample corpus (once), answer its questions with full prefill and with CacheBlend,
-and print a table of TTFTs and the speed-up, then the answers (readable in an 80-column terminal).
+and print a table of TTFTs, the speed-up and whether each answer is right (it holds the gold answer) and
+CacheBlend's equals full prefill's, then the answers (readable in an 80-column terminal).
+
+The questions (data/demo_questions.json) are single-hop ones the default 135M model answers right with
+full prefill, so the table shows whether CacheBlend kept the answer; data/questions.json holds the
+multi-hop MuSiQue questions of the same corpus, beyond a model this small.
 
 The corpus lives under the cache dir (``CACHEBLEND_HOME``), so later runs skip ingestion and KV precompute.
 """
@@ -7,6 +12,7 @@ The corpus lives under the cache dir (``CACHEBLEND_HOME``), so later runs skip i
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -32,7 +38,7 @@ def main() -> None:
         f"{summary.kv_bytes / 1e6:.1f} MB of KV written, {summary.seconds:.1f} s"
     )
     rag = CacheBlendRAG(corpus, engine=engine)
-    questions = json.loads((DATA / "questions.json").read_text())
+    questions = json.loads((DATA / "demo_questions.json").read_text())
     sampling = SamplingParams(max_new_tokens=32)
     rag.query(
         questions[0]["question"], method="cacheblend", sampling=SamplingParams(max_new_tokens=1)
@@ -45,21 +51,49 @@ def main() -> None:
     render(console, results)
 
 
+def _words(text: str) -> str:
+    return " " + " ".join(re.sub(r"[^0-9a-z]+", " ", text.lower()).split()) + " "
+
+
+def matches(answer: str, gold: list[str]) -> bool:
+    """Whether ``answer`` holds one of the ``gold`` answers as whole words (case and punctuation aside)."""
+    return any(_words(g) in _words(answer) for g in gold)
+
+
+def yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
 def render(console: Console, results: list[tuple[dict, QueryResult, QueryResult]]) -> None:
-    """The TTFT table (numbers only, so it fits an 80-column terminal), then each question with the gold
-    answer and both answers as wrapped lines."""
-    table = Table(title="CacheBlend vs full prefill (top-6 chunks, greedy)")
-    for column in ("#", "TTFT full", "TTFT CacheBlend", "speed-up", "reused tokens"):
+    """The table (TTFTs, speed-up, reused tokens, whether each answer is right and whether CacheBlend's
+    equals full prefill's; short cells, so it fits an 80-column terminal), then each question with the
+    gold answer and both answers as wrapped lines."""
+    table = Table(
+        title="CacheBlend (CB) vs full prefill (top-6 chunks, greedy)",
+        caption="ok: the answer holds the gold one; CB=full: CacheBlend's answer is full prefill's",
+    )
+    for column in ("#", "TTFT full", "TTFT CB", "speed", "reused", "full ok", "CB ok", "CB=full"):
         table.add_column(column, justify="right", no_wrap=True)
     speedups = []
-    for number, (_, full, blend) in enumerate(results, start=1):
+    right = {"full": 0, "blend": 0, "same": 0}
+    for number, (item, full, blend) in enumerate(results, start=1):
         speedups.append(full.ttft_s / blend.ttft_s)
+        checks = {
+            "full": matches(full.answer, item["answers"]),
+            "blend": matches(blend.answer, item["answers"]),
+            "same": blend.answer == full.answer,
+        }
+        for key, flag in checks.items():
+            right[key] += flag
         table.add_row(
             str(number),
             f"{full.ttft_s * 1000:,.0f} ms",
             f"{blend.ttft_s * 1000:,.0f} ms",
             f"{speedups[-1]:.1f}x",
             f"{blend.reused_tokens:,}/{blend.prompt_tokens:,}",
+            yes(checks["full"]),
+            yes(checks["blend"]),
+            yes(checks["same"]),
         )
     console.print(table)
     for number, (item, full, blend) in enumerate(results, start=1):
@@ -67,7 +101,12 @@ def render(console: Console, results: list[tuple[dict, QueryResult, QueryResult]
         console.print(f"\n[bold]{number}. {escape(item['question'])}[/bold]  (gold: {gold})")
         console.print(f"   full prefill: {escape(full.answer)}")
         console.print(f"   CacheBlend:   {escape(blend.answer)}")
-    console.print(f"\nmedian TTFT speed-up: [bold]{statistics.median(speedups):.1f}x[/bold]")
+    n = len(results)
+    console.print(
+        f"\nright: full prefill {right['full']}/{n}, CacheBlend {right['blend']}/{n}; CacheBlend's answer "
+        f"equals full prefill's on {right['same']}/{n}"
+    )
+    console.print(f"median TTFT speed-up: [bold]{statistics.median(speedups):.1f}x[/bold]")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,13 @@ class FusionResult:
         return self.plan.num_tokens - self.reused_tokens
 
     @property
+    def kept_per_segment(self) -> tuple[int, ...]:
+        """Per segment, its tokens whose cached KV was kept at the last layer (0 for fresh text)."""
+        kept = self.plan.cached_mask.clone()
+        kept[self.selected] = False
+        return tuple(int(kept[s:e].sum()) for s, e in self.plan.spans)
+
+    @property
     def recompute_ratio(self) -> float:
         """Share of the cached tokens that are worth recomputing (not exact) recomputed at the last layer."""
         blended = self.plan.cached_mask & ~self.plan.exact_mask

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -161,7 +162,7 @@ def _member(
     """A request of the round with its chunks' KV replaced by the round's blend (exact: not recomputed
     again), and its share of the round."""
     segments = [
-        s if key is None else Segment.cached(s.token_ids, blended[key], s.chunk_id, exact=True)
+        s if key is None else replace(s, kv=blended[key], exact=True)
         for s, key in zip(request.segments, _occurrences(request.segments), strict=True)
     ]
     shared = sum(len(s) for s in request.segments if _is_chunk(s))

@@ -91,12 +91,16 @@ class Segment:
     text (chat template, separators, the question) that is computed at every layer.
 
     ``exact``: the KV is this prompt's own KV at these positions (the prompt's head, prefilled from
-    position 0, as a prefix cache holds it), so no method needs to recompute any of it."""
+    position 0, as a prefix cache holds it), so no method needs to recompute any of it.
+
+    ``computed``: no cache tier held the KV; it was computed for this request (and stored for the next),
+    so results count it apart from KV read from a tier (docs/accounting.md)."""
 
     token_ids: tuple[int, ...]
     kv: ChunkKVSource | None = field(default=None, compare=False)
     chunk_id: str | None = None
     exact: bool = False
+    computed: bool = field(default=False, compare=False)
 
     @classmethod
     def fresh(cls, token_ids: Sequence[int]) -> Segment:
@@ -104,9 +108,14 @@ class Segment:
 
     @classmethod
     def cached(
-        cls, token_ids: Sequence[int], kv: ChunkKVSource, chunk_id: str | None = None, exact: bool = False
+        cls,
+        token_ids: Sequence[int],
+        kv: ChunkKVSource,
+        chunk_id: str | None = None,
+        exact: bool = False,
+        computed: bool = False,
     ) -> Segment:
-        return cls(tuple(token_ids), kv, chunk_id, exact)
+        return cls(tuple(token_ids), kv, chunk_id, exact, computed)
 
     @property
     def is_cached(self) -> bool:

@@ -55,12 +55,20 @@ class MethodSpec:
     def build(self) -> RecomputeMethod:
         return get_method(self.name, **dict(self.options))
 
-    def with_ratio(self, ratio: float | None) -> MethodSpec:
-        """This spec with its recompute ratio set to ``ratio``; unchanged when ``ratio`` is None or the
-        method has no ratio (a ratio is a setting for the methods that take one, as ``--ratio`` is)."""
+    def with_ratio(self, ratio: float | None, *, where_taken: bool = False) -> MethodSpec:
+        """This spec with its recompute ratio set to ``ratio`` (unchanged when it is None). A method
+        without a ratio refuses one by name, unless ``where_taken`` (a sweep applying one ratio to every
+        method it runs: those without one run as they are)."""
         option = self.method_class.ratio_option
-        if ratio is None or option is None:
+        if ratio is None:
             return self
+        if option is None:
+            if where_taken:
+                return self
+            raise MethodOptionError(
+                f"method {self.name!r} takes no ratio (ratio {ratio:g} given); "
+                f"{options_help(self.method_class)}"
+            )
         options = {**dict(self.options), option: ratio}
         get_method(self.name, **options)  # refuses a ratio outside the method's bounds
         items = tuple(options.items())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import typer
 
@@ -38,6 +39,9 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log at INF
     from rich.console import Console
     from rich.logging import RichHandler
 
+    # The hub's and transformers' progress bars ("Loading weights", once per model the process loads)
+    # say nothing a user of this command needs; read when those libraries load, inherited by children.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
         # logs go to stderr: stdout holds what a command prints (query --json)

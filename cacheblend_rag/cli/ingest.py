@@ -42,9 +42,16 @@ def ingest(
         bool, typer.Option("--no-kv", help="Skip KV precompute (done on first use instead).")
     ] = False,
     kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict", help="Stop at the first file that cannot be read (default: skip it, ingest the rest)."
+        ),
+    ] = False,
 ) -> None:
     """Read, chunk, embed and index documents and precompute their chunks' KV. Unchanged files are skipped.
-    With a remote KV tier every chunk is pinned there (computed only if no tier holds it)."""
+    With a remote KV tier every chunk is pinned there (computed only if no tier holds it). A file that
+    cannot be read is left out (nothing of it stored) and named at the end, with exit code 1."""
     from transformers.utils import logging as hf_logging
 
     from ..ingest.pipeline import ingest as run_ingest
@@ -75,6 +82,7 @@ def ingest(
                 chunk_tokens=chunk_tokens,
                 index_type=index,
                 precompute_kv=not no_kv,
+                skip_unreadable=not strict,
             )
     except (CacheBlendError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}", highlight=False)
@@ -102,3 +110,12 @@ def ingest(
     table.add_row("chunks/s", f"{summary.chunks_per_s:.1f}")
     table.add_row("tokens/s", f"{summary.tokens_per_s:,.0f}")
     console.print(table)
+    if summary.skipped:
+        skipped = Table(title=f"{len(summary.skipped)} file(s) skipped (not ingested)")
+        skipped.add_column("file", overflow="fold")
+        skipped.add_column("why", overflow="fold")
+        for path, why in summary.skipped:
+            skipped.add_row(path, why)
+        err_console.print(skipped)
+        err_console.print("fix them and run the command again (--strict stops at the first instead)")
+        raise typer.Exit(1)

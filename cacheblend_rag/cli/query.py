@@ -60,11 +60,22 @@ def query(
 ) -> None:
     """Retrieve the top chunks, blend their cached KV and answer."""
     from ..engine import SamplingParams
+    from ..engine.bounds import check_request
     from ..rag import CacheBlendRAG
+    from ..settings import get_settings
 
     try:
         use_kv_remote(kv_remote)
-    except CacheBlendError as exc:
+        # every bound before the model loads (seconds), worded as every other entry point words it
+        check_request(
+            method or get_settings().method,
+            ratio=ratio,
+            question=question,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            temperature=temperature,
+        )
+    except (CacheBlendError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     if (question is None) == (batch is None):
@@ -103,6 +114,12 @@ def query(
     table.add_row("method", result.method)
     table.add_row("TTFT", f"{result.ttft_s * 1000:.0f} ms")
     table.add_row("total", f"{result.total_s:.2f} s")
-    table.add_row("reused / computed", f"{result.reused_tokens} / {result.computed_tokens} tokens")
+    table.add_row(
+        "read from cache",
+        f"{result.cached_tokens} tokens ({result.cache_read_exact_tokens} exact prefix, "
+        f"{result.cache_read_blended_tokens} blended)",
+    )
+    table.add_row("recomputed", f"{result.computed_tokens} tokens")
+    table.add_row("chunk KV computed now", f"{result.kv_computed_tokens} tokens")
     table.add_row("chunks", ", ".join(result.chunk_ids))
     err_console.print(table)

@@ -49,7 +49,17 @@ log = logging.getLogger(__name__)
 
 # importable from here, where ingest has always found them
 __all__ = ["Corpus", "CorpusStats", "RetrievedChunk", "check_compatible", "check_new_corpus_dir"]
-_MAX_TOP_K = 1000
+MAX_TOP_K = 1000
+
+
+def check_top_k(top_k: object) -> int:
+    """``top_k`` if it is a chunk count retrieval takes (1..MAX_TOP_K; 0 is refused, never "the
+    default"), else :class:`InvalidQueryError` naming it."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
+        raise InvalidQueryError(f"top_k must be an integer between 1 and {MAX_TOP_K}, got {top_k!r}")
+    return top_k
+
+
 _EMBED_BATCH = 64
 _CORPUS_DIR_MODE = 0o750  # never world-writable: a corpus's content ends up inside prompts
 
@@ -275,9 +285,7 @@ class Corpus:
             raise InvalidQueryError(
                 f"the question is not valid Unicode: lone surrogate at character {exc.start}"
             ) from None
-        top_k = get_settings().top_k if top_k is None else top_k
-        if not isinstance(top_k, int) or not 1 <= top_k <= _MAX_TOP_K:
-            raise InvalidQueryError(f"top_k must be an integer between 1 and {_MAX_TOP_K}, got {top_k!r}")
+        top_k = check_top_k(get_settings().top_k if top_k is None else top_k)
         query = self.embedder.embed_query(question)
         with self._lock:
             hits = vector_index.search(self.vectors.current(), query, top_k)

@@ -32,7 +32,7 @@ from ..blend.fusor import FusionResult
 from ..blend.methods import RecomputeMethod, Reuse
 from ..blend.segments import ChunkContext, ChunkKVSource, Segment
 from ..blend.spec import MethodSpec, ResolvedMethod
-from ..errors import ContextLengthError, FusionInputError
+from ..errors import ContextLengthError, FusionInputError, MaxTokensError
 from ..store.kvstore import KVStore
 from .prompt import ChunkRef, PromptBuilder, PromptPart
 from .sampling import SamplingParams
@@ -51,12 +51,14 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class FusionStats:
-    """What fusing a prompt cost, as results report it."""
+    """What fusing a prompt cost, as results report it. ``kept_per_segment``: per segment, the tokens
+    whose cached KV was kept (empty when the fusion is not known per segment)."""
 
     reused_tokens: int
     computed_tokens: int
     recompute_ratio: float
     load_wait_s: float = 0.0
+    kept_per_segment: tuple[int, ...] = ()
     round_requests: int = 0
     round_shared_tokens: int = 0
     round_recomputed_tokens: int = 0
@@ -69,10 +71,39 @@ class FusionStats:
             fusion.computed_tokens,
             fusion.recompute_ratio,
             fusion.load_wait_s,
+            fusion.kept_per_segment,
             share.requests if share else 0,
             share.shared_tokens if share else 0,
             share.round_recomputed_tokens if share else 0,
         )
+
+
+@dataclass(frozen=True)
+class CacheAccounting:
+    """Where a prompt's KV came from (docs/accounting.md): read from a cache tier (exact-prefix hits and
+    blended chunks, apart), and chunk KV no tier held, computed for this request. Recomputed tokens are
+    the result's ``computed_tokens``."""
+
+    read_exact_tokens: int = 0
+    read_blended_tokens: int = 0
+    kv_computed_tokens: int = 0
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment], fusion: FusionStats) -> CacheAccounting:
+        """From the segments (which say whose KV was computed for this request) and what the fusion kept
+        of each; without per-segment counts, the reused tokens count as exact reads (a prefix cache's)."""
+        computed = sum(len(s) for s in segments if s.is_cached and s.computed)
+        if len(fusion.kept_per_segment) != len(segments):
+            return cls(read_exact_tokens=fusion.reused_tokens, kv_computed_tokens=computed)
+        exact = blended = 0
+        for segment, kept in zip(segments, fusion.kept_per_segment, strict=True):
+            if not segment.is_cached or segment.computed:
+                continue
+            if segment.exact:
+                exact += kept
+            else:
+                blended += kept
+        return cls(exact, blended, computed)
 
 
 @dataclass
@@ -93,6 +124,17 @@ class GenerationResult:
     method_options: dict = field(default_factory=dict)
     load_wait_s: float = 0.0
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+    # where the prompt's KV came from (CacheAccounting; docs/accounting.md)
+    cache_read_exact_tokens: int = 0  # exact-prefix KV read from a cache (kept whole)
+    cache_read_blended_tokens: int = 0  # chunk KV read from a cache tier and kept by the blend
+    kv_computed_tokens: int = 0  # chunk KV no tier held, computed for this request (then stored)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was read from a cache and kept (what OpenAI's ``cached_tokens`` and
+        LangChain's ``cache_read`` report): never KV computed for this request."""
+        return self.cache_read_exact_tokens + self.cache_read_blended_tokens
+
     # A round (several requests reading the same chunks blended once for all of them): how many requests
     # shared it, this prompt's tokens whose KV came from its blend (counted in reused_tokens too), and
     # the cached tokens the round recomputed once for all of them (in no request's computed_tokens).
@@ -115,6 +157,7 @@ class GenerationResult:
         **extra: Any,
     ) -> Self:
         """The result of answering ``segments`` with ``resolved``; ``extra`` fills a subclass's fields."""
+        accounting = CacheAccounting.of(segments, fusion)
         return cls(
             text=text,
             token_ids=list(token_ids),
@@ -130,6 +173,9 @@ class GenerationResult:
             method_options=resolved.method.describe(),
             load_wait_s=fusion.load_wait_s,
             controller=resolved.controller,
+            cache_read_exact_tokens=accounting.read_exact_tokens,
+            cache_read_blended_tokens=accounting.read_blended_tokens,
+            kv_computed_tokens=accounting.kv_computed_tokens,
             round_requests=fusion.round_requests,
             round_shared_tokens=fusion.round_shared_tokens,
             round_recomputed_tokens=fusion.round_recomputed_tokens,
@@ -137,7 +183,7 @@ class GenerationResult:
         )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "cached_tokens": self.cached_tokens}
 
 
 @dataclass
@@ -295,15 +341,22 @@ class EngineProtocol(Protocol):
     def close(self) -> None: ...
 
 
-def generation_budget(prompt_tokens: int, max_new_tokens: int, context: int, where: str) -> int:
+def generation_budget(prompt_tokens: int, sampling: SamplingParams, context: int, where: str) -> int:
     """How many tokens a prompt of ``prompt_tokens`` may generate within ``context`` tokens (``where``
-    names that limit in the error raised when the prompt leaves no room)."""
+    names that limit in the error raised when the prompt leaves no room): ``sampling.max_new_tokens``, cut
+    to what fits, or with ``sampling.strict_max_tokens`` refused (:class:`MaxTokensError`) if more."""
+    max_new_tokens = sampling.max_new_tokens
     if prompt_tokens == 0:
         raise FusionInputError("nothing to generate from: the prompt has no tokens")
     room = context - prompt_tokens
     if room < 1:
         raise ContextLengthError(
             f"prompt of {prompt_tokens} tokens leaves no room to generate within {where} of {context} tokens"
+        )
+    if sampling.strict_max_tokens and max_new_tokens > room:
+        raise MaxTokensError(
+            f"max_tokens {max_new_tokens} does not fit: the prompt's {prompt_tokens} tokens leave {room} of "
+            f"{where} of {context} tokens; ask for at most {room}"
         )
     return min(max_new_tokens, room)
 

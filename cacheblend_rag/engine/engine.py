@@ -138,18 +138,25 @@ class Engine(PromptSegments):
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The chunk's KV from the store, computed and written back on a miss."""
-        return self._stored_kv(token_ids, self.chunk_context)
+        return self._stored_kv(token_ids, self.chunk_context)[0]
 
     def prefix_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The KV of a prompt's own prefix as a prefix cache holds it: prefilled alone from position 0
         (what ``prefix_cache`` reuses), from the store or computed and written back."""
+        return self._stored_kv(token_ids, NO_CONTEXT)[0]
+
+    def _chunk_lookup(self, token_ids: Sequence[int]) -> tuple[ChunkKVSource, bool]:
+        return self._stored_kv(token_ids, self.chunk_context)
+
+    def _prefix_lookup(self, token_ids: Sequence[int]) -> tuple[ChunkKVSource, bool]:
         return self._stored_kv(token_ids, NO_CONTEXT)
 
-    def _stored_kv(self, token_ids: Sequence[int], context: ChunkContext) -> ChunkKVSource:
+    def _stored_kv(self, token_ids: Sequence[int], context: ChunkContext) -> tuple[ChunkKVSource, bool]:
+        """The KV from the store, and whether it was computed here because no tier held it."""
         key = self.store.key_for(token_ids, context.key)
         found = self.store.get(key)
         if found is not None:
-            return found
+            return found, False
         # Serve what the store holds (its codec, decoded), so a first answer equals every later one.
         stored = self.store.encode(key, self.precompute(token_ids, context))
         try:
@@ -158,7 +165,7 @@ class Engine(PromptSegments):
             # A store that cannot keep the chunk (read-only, disk full) costs a recompute next time, not
             # this answer.
             log.warning("chunk KV %s… was computed but not stored: %s", key[:16], exc)
-        return stored
+        return stored, True
 
     def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
         """Precompute and store a chunk's KV unless present (locally or in the remote tier) as corpus KV;
@@ -176,8 +183,8 @@ class Engine(PromptSegments):
         (from the store, computed and stored on a miss)."""
         reuses = reuse_of(method)
         if reuses is Reuse.PREFIX:
-            return layout_segments(parts, reuses, self.prefix_kv)
-        segments = layout_segments(parts, reuses, self.chunk_kv)
+            return layout_segments(parts, reuses, self._prefix_lookup)
+        segments = layout_segments(parts, reuses, self._chunk_lookup)
         return self._exact_head(segments) if reuses is Reuse.CHUNKS else segments
 
     def _exact_head(self, segments: list[Segment]) -> list[Segment]:
@@ -190,6 +197,7 @@ class Engine(PromptSegments):
         ids = segments[0].token_ids
         with self._heads_lock:
             kv = self._heads.pop(ids, None)
+        computed = kv is None
         if kv is None:
             with self.forward_lock:
                 kv = prefill_chunk_kv(self.model, ids)
@@ -197,7 +205,7 @@ class Engine(PromptSegments):
             self._heads[ids] = kv
             while len(self._heads) > MAX_EXACT_HEADS:
                 self._heads.popitem(last=False)
-        return [Segment.cached(ids, kv, exact=True), *segments[1:]]
+        return [Segment.cached(ids, kv, exact=True, computed=computed), *segments[1:]]
 
     # -- fusion and generation -----------------------------------------------------------------------
 
@@ -283,7 +291,7 @@ class Engine(PromptSegments):
         resolved = resolve_method(method, segments, self.controller, method_options)
         prompt_tokens = sum(len(s) for s in segments)
         max_new = generation_budget(
-            prompt_tokens, sampling.max_new_tokens, self.model.shape.max_context, "the model's context"
+            prompt_tokens, sampling, self.model.shape.max_context, "the model's context"
         )
         return TokenStream(self._generate(segments, resolved, sampling, max_new))
 

@@ -37,10 +37,13 @@ def part_ids(part: PromptPart) -> tuple[int, ...]:
     return tuple(part.token_ids) if isinstance(part, ChunkRef) else part
 
 
-def layout_segments(
-    parts: Sequence[PromptPart], reuses: Reuse, kv_for: Callable[[Sequence[int]], ChunkKVSource]
-) -> list[Segment]:
-    """Segments of a prompt with the KV a method that ``reuses`` it needs, from ``kv_for(token_ids)``:
+# A chunk's KV by token ids, and whether it was computed for this request (no tier held it).
+KVLookup = Callable[[Sequence[int]], tuple[ChunkKVSource, bool]]
+
+
+def layout_segments(parts: Sequence[PromptPart], reuses: Reuse, kv_for: KVLookup) -> list[Segment]:
+    """Segments of a prompt with the KV a method that ``reuses`` it needs, from ``kv_for(token_ids)``
+    (each segment says whether its KV was computed for this request, ``Segment.computed``):
 
     - nothing: every part fresh (chunks keep their ids);
     - chunks: each chunk with its own KV (``ChunkRef.kv`` when given);
@@ -54,13 +57,15 @@ def layout_segments(
         end = sum(len(part_ids(p)) for p in parts[: first + 1])
         if end == 0:
             return [Segment.fresh(ids)]
-        return [Segment.cached(ids[:end], kv_for(ids[:end])), Segment.fresh(ids[end:])]
+        kv, computed = kv_for(ids[:end])
+        return [Segment.cached(ids[:end], kv, computed=computed), Segment.fresh(ids[end:])]
     segments = []
     for part in parts:
         if not isinstance(part, ChunkRef):
             segments.append(Segment.fresh(part))
         elif reuses is Reuse.CHUNKS:
-            segments.append(Segment.cached(part.token_ids, part.kv or kv_for(part.token_ids), part.chunk_id))
+            kv, computed = (part.kv, False) if part.kv is not None else kv_for(part.token_ids)
+            segments.append(Segment.cached(part.token_ids, kv, part.chunk_id, computed=computed))
         else:
             segments.append(Segment(tuple(part.token_ids), None, part.chunk_id))
     return segments

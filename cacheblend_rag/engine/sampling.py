@@ -14,7 +14,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class SamplingParams:
     """How to generate. ``temperature == 0`` is greedy; ``stop`` strings end generation (excluded);
-    ``constraint`` (a :class:`~cacheblend_rag.engine.constraints.JsonConstraint`) makes the output JSON."""
+    ``constraint`` (a :class:`~cacheblend_rag.engine.constraints.JsonConstraint`) makes the output JSON.
+    ``strict_max_tokens``: ``max_new_tokens`` was asked for outright (an API's ``max_tokens``), so a
+    prompt that leaves less room is refused (:class:`~cacheblend_rag.errors.MaxTokensError`) rather than
+    the answer cut at the context's end."""
 
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -22,6 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     constraint: JsonConstraint | None = None
+    strict_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

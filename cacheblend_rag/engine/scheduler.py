@@ -195,7 +195,7 @@ class BatchScheduler:
         self.engine.fusor.validate(segments)
         prompt_tokens = sum(len(s) for s in segments)
         max_new = generation_budget(
-            prompt_tokens, sampling.max_new_tokens, self.model.shape.max_context, "the model's context"
+            prompt_tokens, sampling, self.model.shape.max_context, "the model's context"
         )
         needed = (prompt_tokens + max_new) * self.kv_bytes_per_token
         if needed > self.kv_budget_bytes:

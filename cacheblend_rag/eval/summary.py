@@ -106,7 +106,7 @@ def default_label() -> str:
     from ..settings import get_settings
 
     settings = get_settings()
-    return parse_method(settings.method).with_ratio(settings.ratio).label
+    return parse_method(settings.method).with_ratio(settings.ratio, where_taken=True).label
 
 
 def _check(claim: str, passed: bool, detail: Any) -> dict[str, Any]:

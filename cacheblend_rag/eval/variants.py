@@ -55,7 +55,7 @@ def method_variants(
         spec = variant.spec
         if not spec.options and spec.method_class.ratio_option is not None:
             for ratio in ratios:
-                with_ratio = spec.with_ratio(ratio)
+                with_ratio = spec.with_ratio(ratio, where_taken=True)
                 prefix = f"{variant.context}:" if variant.context else ""
                 variants.append(Variant(prefix + with_ratio.label, with_ratio, variant.context))
         else:

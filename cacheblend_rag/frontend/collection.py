@@ -40,6 +40,24 @@ class CollectionOptions(TypedDict, total=False):
     precompute_kv: bool
 
 
+def ensure_corpus(
+    corpus_dir: Path,
+    model: str | None = None,
+    embedder: EmbedderLike | None = None,
+    chunk_tokens: int | None = None,
+    index_type: str | None = None,
+) -> None:
+    """Make an empty or missing folder an empty corpus (for ``model``'s tokenizer, default: the settings'
+    model), as every integration object over a folder does (vector stores and LLMs alike); an existing
+    corpus is checked against ``model`` and ``chunk_tokens`` when given."""
+    manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
+    if manifest is None:
+        tokenizer = load_model_tokenizer(model)
+        Corpus.create(corpus_dir, tokenizer, embedder or get_embedder(), chunk_tokens, index_type).close()
+    elif model is not None or chunk_tokens is not None:
+        check_compatible(corpus_dir, manifest, load_model_tokenizer(model), None, chunk_tokens)
+
+
 class DocumentCollection:
     """Documents by id in one corpus directory, with their chunk KV kept ready for the LLMs reading it.
 
@@ -64,14 +82,7 @@ class DocumentCollection:
         self.corpus_dir = Path(corpus_dir).expanduser()
         self.model = os.fspath(model) if model is not None else None
         self.precompute_kv = precompute_kv
-        manifest = CorpusManifest.load(self.corpus_dir) if self.corpus_dir.is_dir() else None
-        if manifest is None:
-            tokenizer = load_model_tokenizer(self.model)
-            Corpus.create(
-                self.corpus_dir, tokenizer, embedder or get_embedder(), chunk_tokens, index_type
-            ).close()
-        elif self.model is not None or chunk_tokens is not None:
-            check_compatible(self.corpus_dir, manifest, load_model_tokenizer(self.model), None, chunk_tokens)
+        ensure_corpus(self.corpus_dir, self.model, embedder, chunk_tokens, index_type)
         self.corpus: Corpus = get_corpus(self.corpus_dir, embedder)
         if embedder is None and is_external(self.corpus.manifest.embedder):
             raise StoreError(

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import AliasChoices, BaseModel, Field, PrivateAttr, field_validator
+from pydantic import AliasChoices, BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from ..blend.spec import MethodSpec
 from ..corpus.manifest import CorpusManifest
 from ..engine import ENGINE_KINDS, GenerationResult, StreamHandle
+from ..engine.bounds import check_request
 from ..settings import get_settings
+from .collection import ensure_corpus
 from .structured import constraint_of
 from .text import DocumentRef, PromptFrontend, TextRequest, acquire_frontend, release_frontend, text_request
 
@@ -104,6 +106,11 @@ class GenerationOptions(BaseModel):
         MethodSpec.parse(value)  # an unknown method or a bad option is refused here, naming the problem
         return value
 
+    @model_validator(mode="after")
+    def _ratio_taken(self) -> GenerationOptions:
+        check_request(self.method, ratio=self.ratio)  # a method without a ratio refuses one, by name
+        return self
+
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str | None) -> str | None:
@@ -121,6 +128,9 @@ class GenerationOptions(BaseModel):
         """The shared frontend for this corpus, model and engine kind (the engine is loaded on first use,
         and held until :meth:`close`)."""
         if self._frontend is None or self._frontend.closed:
+            if self.corpus_dir is not None:
+                # an empty or missing folder becomes a corpus, as for the vector stores
+                ensure_corpus(Path(self.corpus_dir).expanduser(), self.model)
             self._frontend = acquire_frontend(self.corpus_dir, self.model, self.engine)
         return self._frontend
 
@@ -208,11 +218,17 @@ class GenerationOptions(BaseModel):
 
 @dataclass(frozen=True)
 class TokenUsage:
-    """Token counts of one answer; ``cached`` counts the prompt tokens whose KV was reused."""
+    """Token counts of one answer (docs/accounting.md): ``cached`` counts the prompt tokens whose KV was
+    read from a cache and kept (``cached_exact`` + ``cached_blended``), ``recomputed`` those computed
+    while answering, ``kv_computed`` the chunk KV no tier held, computed for this request."""
 
     input: int
     output: int
     cached: int
+    cached_exact: int = 0
+    cached_blended: int = 0
+    recomputed: int = 0
+    kv_computed: int = 0
 
     @property
     def total(self) -> int:
@@ -220,7 +236,24 @@ class TokenUsage:
 
     @classmethod
     def of(cls, result: GenerationResult) -> TokenUsage:
-        return cls(result.prompt_tokens, len(result.token_ids), result.reused_tokens)
+        return cls(
+            result.prompt_tokens,
+            len(result.token_ids),
+            result.cached_tokens,
+            result.cache_read_exact_tokens,
+            result.cache_read_blended_tokens,
+            result.computed_tokens,
+            result.kv_computed_tokens,
+        )
+
+    def details(self) -> dict[str, int]:
+        """The split, as the integrations and the server report it beside ``cached_tokens``."""
+        return {
+            "cache_read_exact_tokens": self.cached_exact,
+            "cache_read_blended_tokens": self.cached_blended,
+            "recomputed_tokens": self.recomputed,
+            "kv_computed_tokens": self.kv_computed,
+        }
 
 
 def answer_report(result: GenerationResult) -> dict[str, Any]:

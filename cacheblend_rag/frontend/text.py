@@ -54,6 +54,7 @@ from ..engine import (
     StreamHandle,
     create_engine,
 )
+from ..engine.bounds import check_request
 from ..errors import ChunkNotFoundError, InvalidChunkIdError
 from ..rag import CacheBlendRAG
 from ..settings import get_settings
@@ -93,12 +94,13 @@ def text_request(
     seed: int | None = None,
     stop: Sequence[str] | None = None,
     constraint: JsonConstraint | None = None,
+    strict_max_tokens: bool = False,
 ) -> TextRequest:
     """A :class:`TextRequest` from the usual generation options. ``method`` (a name or spec such as
     ``cacheblend@0.3``) defaults to the settings'; ``ratio`` sets the recompute ratio of a method that has
     one, and without it the loading controller chooses; ``constraint`` makes the answer JSON (structured
     output, :func:`~.structured.constraint_of`). A bad method or option is refused here."""
-    spec = MethodSpec.parse(method or get_settings().method).with_ratio(ratio)
+    spec = check_request(method or get_settings().method, ratio=ratio)
     sampling = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=temperature,
@@ -106,6 +108,7 @@ def text_request(
         seed=seed,
         stop=tuple(stop or ()),
         constraint=constraint,
+        strict_max_tokens=strict_max_tokens,
     )
     return TextRequest(text, tuple(documents), spec, sampling)
 

@@ -39,8 +39,9 @@ from ..corpus.corpus import Corpus
 from ..corpus.embedder import get_embedder
 from ..corpus.index import check_index_type
 from ..corpus.manifest import FORMAT_VERSION, CorpusManifest, check_compatible, check_new_corpus_dir
+from ..corpus.pinning import pin_corpus
 from ..engine import create_engine
-from ..errors import StoreError
+from ..errors import IngestError, StoreError
 from ..models.tokenizer import load_model_tokenizer
 from ..settings import get_settings
 from ..store.kvstore import KVStore
@@ -54,7 +55,6 @@ STAGES = ("read", "embed", "index", "kv")
 ProgressCallback = Callable[[str, int, int], None]  # (stage, done, total)
 _LOCK_NAME = ".ingest.lock"
 _LOCK_TIMEOUT_S = 30.0
-_PIN_BATCH = 1000  # chunk rows read at a time when pinning the corpus in the remote tier
 
 
 @dataclass
@@ -76,6 +76,8 @@ class IngestSummary:
     kv_remote_pinned: int | None = None  # chunks pinned in the remote KV tier (None: no remote tier)
     seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    # files left out because they could not be read (``skip_unreadable``): (path, why)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def work_seconds(self) -> float:
@@ -111,6 +113,7 @@ def ingest(
     embedder: str | None = None,
     precompute_kv: bool = True,
     engine: ChunkKVWriter | None = None,
+    skip_unreadable: bool = False,
 ) -> IngestSummary:
     """Ingest ``paths`` (files or folders) into ``corpus_dir``; see the module docstring.
 
@@ -119,7 +122,9 @@ def ingest(
     chunk size and embedder (passing others is refused) and adopts a new index type. ``engine``: an
     already loaded engine for the KV stage (any :class:`ChunkKVWriter`; by default the PyTorch engine is
     loaded on ``corpus_dir/kv``); with ``precompute_kv=False`` chunk KV is left for the engine to compute
-    on first use.
+    on first use. ``skip_unreadable``: a file that cannot be read (empty, not UTF-8, malformed) is left
+    out and named in ``summary.skipped`` instead of stopping the run (if none can be read, the first
+    problem is raised); either way nothing of a file is stored unless all of it is.
     """
     started = time.perf_counter()
     paths = list(paths)
@@ -183,7 +188,7 @@ def ingest(
             if manifest is not None
             else None
         )
-        plans = _read_stage(files, chunker, corpus, summary, notify)
+        plans = _read_stage(files, chunker, corpus, summary, notify, skip_unreadable)
         if corpus is not None:
             _prune_stage(corpus, paths, files, engine, summary)
         if corpus is None:
@@ -222,31 +227,49 @@ def _read_stage(
     corpus: Corpus | None,
     summary: IngestSummary,
     notify: ProgressCallback,
+    skip_unreadable: bool = False,
 ) -> list[_FilePlan]:
     t0 = time.perf_counter()
     plans: list[_FilePlan] = []
+    problems: list[IngestError] = []
     notify("read", 0, len(files))
     for done, path in enumerate(files, start=1):
-        data = read_bytes(path)
-        content_hash = hashlib.sha256(data).hexdigest()
-        if corpus is not None and corpus.db.file_hash(str(path)) == content_hash:
-            summary.files_unchanged += 1
+        try:
+            plan = _read_plan(path, chunker, corpus)
+        except IngestError as exc:
+            if not skip_unreadable:
+                raise
+            problems.append(exc)
+            why = str(exc).removeprefix(str(path)).lstrip(":").strip()  # the path has its own column
+            summary.skipped.append((str(path), why))
+            log.info("skipped %s", exc)
         else:
-            docs = read_file(path, data)
-            stat = path.stat()
-            plans.append(
-                _FilePlan(
-                    path,
-                    content_hash,
-                    stat.st_size,
-                    stat.st_mtime,
-                    [(d, chunker.split(d.text)) for d in docs],
-                )
-            )
+            if plan is None:
+                summary.files_unchanged += 1
+            else:
+                plans.append(plan)
         notify("read", done, len(files))
+    if problems and len(problems) == len(files):
+        first = problems[0]
+        raise IngestError(
+            str(first) if len(files) == 1 else f"none of the {len(files)} files can be read: {first}"
+        )
     summary.files_changed = len(plans)
     summary.stage_seconds["read"] = time.perf_counter() - t0
     return plans
+
+
+def _read_plan(path: Path, chunker: Chunker, corpus: Corpus | None) -> _FilePlan | None:
+    """A file read and chunked, or None when the corpus holds it unchanged; IngestError if unreadable."""
+    data = read_bytes(path)
+    content_hash = hashlib.sha256(data).hexdigest()
+    if corpus is not None and corpus.db.file_hash(str(path)) == content_hash:
+        return None
+    docs = read_file(path, data)
+    stat = path.stat()
+    return _FilePlan(
+        path, content_hash, stat.st_size, stat.st_mtime, [(d, chunker.split(d.text)) for d in docs]
+    )
 
 
 def _embed_stage(
@@ -383,8 +406,4 @@ def _pin_remote(corpus: Corpus, store: KVStore | None, summary: IngestSummary) -
     store where the tier lacks it), so that chunks ingested before the tier existed are shared too."""
     if store is None or store.remote is None:
         return
-    ids = list(corpus.db.iter_chunk_ids())
-    summary.kv_remote_pinned = 0
-    for first in range(0, len(ids), _PIN_BATCH):
-        rows = corpus.db.chunks_by_ids(ids[first : first + _PIN_BATCH]).values()
-        summary.kv_remote_pinned += sum(store.pin(row.kv_key) for row in rows if row.kv_ready)
+    summary.kv_remote_pinned = pin_corpus(corpus, store)

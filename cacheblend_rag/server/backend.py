@@ -26,6 +26,7 @@ from ..errors import (
     ChunkNotFoundError,
     ContextLengthError,
     InvalidChunkIdError,
+    MaxTokensError,
     MethodOptionError,
     RequestCancelledError,
     StructuredOutputError,
@@ -107,6 +108,10 @@ class RunningRequest:
             "recompute_ratio": result.recompute_ratio,
             "reused_tokens": result.reused_tokens,
             "computed_tokens": result.computed_tokens,
+            "cached_tokens": result.cached_tokens,  # read from a cache: the two below
+            "cache_read_exact_tokens": result.cache_read_exact_tokens,
+            "cache_read_blended_tokens": result.cache_read_blended_tokens,
+            "kv_computed_tokens": result.kv_computed_tokens,
             "chunk_ids": list(result.chunk_ids),
             "load_wait_s": result.load_wait_s,
             "engine": self.engine,
@@ -116,7 +121,7 @@ class RunningRequest:
             finish_reason=result.finish_reason,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=len(result.token_ids),
-            cached_tokens=result.reused_tokens,
+            cached_tokens=result.cached_tokens,
             details=details,
         )
 
@@ -183,6 +188,7 @@ class EngineBackend:
                 top_p=spec.top_p,
                 seed=spec.seed,
                 stop=spec.stop,
+                strict_max_tokens=spec.max_tokens_given,
                 constraint=constraint,
             )
 
@@ -245,6 +251,8 @@ def _client_errors(param: str) -> Iterator[None]:
         yield
     except (APIError, RequestCancelledError):
         raise
+    except MaxTokensError as exc:
+        raise APIError.bad_request(str(exc), "max_tokens", "context_length_exceeded") from exc
     except ContextLengthError as exc:
         raise APIError.bad_request(str(exc), param, "context_length_exceeded") from exc
     except AdmissionError as exc:

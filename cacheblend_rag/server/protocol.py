@@ -100,6 +100,7 @@ class _GenerationBody(_Body):
             method=self.method,
             ratio=self.ratio,
             max_tokens=max_tokens or default_max_tokens,
+            max_tokens_given=max_tokens is not None,
             temperature=OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
@@ -185,6 +186,7 @@ class GenerationSpec:
     method: str | None = None
     ratio: float | None = None
     max_tokens: int = 256
+    max_tokens_given: bool = False  # asked for outright: more than fits is a 400, not cut short
     temperature: float = OPENAI_DEFAULT_TEMPERATURE
     top_p: float = 1.0
     seed: int | None = None
@@ -213,7 +215,7 @@ def new_id(prefix: str) -> str:
 
 def usage(answer: Answer) -> dict[str, Any]:
     """Token counts as OpenAI reports them; ``prompt_tokens_details.cached_tokens``: prompt tokens whose
-    KV was reused (not recomputed)."""
+    KV was read from a cache and kept, never KV computed for this request (docs/accounting.md)."""
     return {
         "prompt_tokens": answer.prompt_tokens,
         "completion_tokens": answer.completion_tokens,

@@ -4,6 +4,7 @@ wider than 80 columns and no question, gold answer or answer is cut mid-word."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,30 @@ def test_demo_output_fits_80_columns(rag_store, sample_questions):
             f"{full.ttft_s * 1000:,.0f} ms" in row
             and f"{blend.reused_tokens:,}/{blend.prompt_tokens:,}" in row
         )
+        item = results[number - 1][0]
+        cells = [c.strip() for c in row.split("│")[-4:-1]]  # full ok, CB ok, CB=full
+        assert cells == [
+            demo.yes(demo.matches(full.answer, item["answers"])),
+            demo.yes(demo.matches(blend.answer, item["answers"])),
+            demo.yes(blend.answer == full.answer),
+        ], row
+
+
+def test_matching_a_gold_answer_takes_whole_words():
+    demo = load_demo()
+    assert demo.matches("The writer was born in Paris, France.", ["Paris"])
+    assert demo.matches("by george packer is a book", ["George Packer"])
+    assert not demo.matches("born in Parisville", ["Paris"])
+    assert not demo.matches("established in 20021", ["2002"])
+
+
+def test_the_default_model_answers_most_demo_questions_right_with_full_prefill(rag_store):
+    """The demo's questions are ones full prefill answers right (issue 25, item 11): at least 3."""
+    demo = load_demo()
+    questions = json.loads((DEMO.parent / "data" / "demo_questions.json").read_text())
+    rag = CacheBlendRAG(rag_store)
+    sampling = SamplingParams(max_new_tokens=32)
+    answers = [rag.query(q["question"], method="full_recompute", sampling=sampling).answer for q in questions]
+    rag.close()
+    right = [demo.matches(a, q["answers"]) for a, q in zip(answers, questions, strict=True)]
+    assert sum(right) >= 3, list(zip(answers, right, strict=True))

@@ -65,3 +65,36 @@ def test_errors_exit_nonzero_with_a_message_on_stderr(tmp_path, embedder):
     assert code == 1 and "unknown index type 'annoy'" in stderr
     code, _, stderr = run_cli("ingest", tmp_path / "a.txt", "--store", tmp_path / "s", "--chunk-tokens", "4")
     assert code == 1 and "at least 16 tokens" in stderr
+
+
+def test_a_folder_ingest_skips_unreadable_files_names_them_and_exits_1(tmp_path, embedder, monkeypatch):
+    """Issue 25, item 5: two good files, one empty, one not UTF-8."""
+    monkeypatch.setenv("COLUMNS", "400")  # the table's paths on one line each
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    shutil.copy(SAMPLE_FILE, folder / "a.txt")
+    (folder / "b.md").write_text("# Lighthouse\n\nThe lighthouse on Gull Rock was built in 1871.\n")
+    (folder / "empty.txt").write_bytes(b"")
+    (folder / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+
+    code, output, stderr = run_cli("ingest", folder, "--store", tmp_path / "strict", "--no-kv", "--strict")
+    assert code == 1 and "file is empty" in stderr  # the first problem, and nothing stored
+    assert not (tmp_path / "strict").exists()
+
+    store = tmp_path / "store"
+    code, output, stderr = run_cli("ingest", folder, "--store", store, "--no-kv")
+    assert code == 1 and "2 file(s) skipped" in stderr
+    assert f"{folder}/empty.txt │ file is empty" in stderr
+    assert f"{folder}/latin1.txt │" in stderr and "UTF-8" in stderr
+    assert "4 (2 new or changed, 0 unchanged)" in output  # the good files are in
+    with Corpus.open(store) as corpus:
+        assert corpus.stats().files == 2
+        assert corpus.db.file_hash(str(folder / "a.txt")) and corpus.db.file_hash(str(folder / "b.md"))
+        assert corpus.db.file_hash(str(folder / "empty.txt")) is None  # nothing of a skipped file
+
+    # fixed, the same command ingests the rest and exits 0
+    (folder / "empty.txt").write_text("Now it holds a sentence.\n")
+    (folder / "latin1.txt").write_text("café au lait\n")
+    code, output, stderr = run_cli("ingest", folder, "--store", store, "--no-kv")
+    assert code == 0, stderr
+    assert "4 (2 new or changed, 2 unchanged)" in output

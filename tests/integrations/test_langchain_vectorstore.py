@@ -234,7 +234,7 @@ def test_user_built_chain_reuses_chunk_kv(user_store, sample_questions):
         stored = [store.collection.corpus.find_by_text(d.page_content) for d in retrieved]
         assert all(stored), "retrieved documents carry the exact stored chunk text"
         assert message.response_metadata["chunk_ids"] == [c.chunk_id for c in stored]
-        assert usage["cache_read"] == message.response_metadata["reused_tokens"] > 0
+        assert usage["cache_read"] == message.response_metadata["cached_tokens"] > 0
     llm.close()
 
 

@@ -87,7 +87,10 @@ def test_node_b_answers_from_node_a_chunks_and_survives_redis_dying(tmp_path, re
         texts, question = prompts[2]
         from_a, from_b = (ask(c, model, texts, question) for c in clients)  # chunks B has never seen
         assert from_b.choices[0].message.content == from_a.choices[0].message.content
-        assert from_b.usage.prompt_tokens_details.cached_tokens > 0  # computed on B, then reused
+        # computed on B for this request: not read from any cache, and not reported as cached
+        blend_b = from_b.model_extra["cacheblend"]
+        assert blend_b["cache_read_blended_tokens"] == 0 and blend_b["kv_computed_tokens"] > 0
+        assert from_b.usage.prompt_tokens_details.cached_tokens == blend_b["cache_read_exact_tokens"]
         again = ask(clients[1], model, *prompts[0])  # from B's own tiers now
         assert from_b.choices and again.usage.prompt_tokens_details.cached_tokens > 0
         remote = node_b.health()["kv_store"]["remote"]

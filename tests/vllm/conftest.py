@@ -18,6 +18,19 @@ DATA_DIR = Path(__file__).parent.parent / "data"
 CHUNK_TOKENS = 100  # 3 chunks: a ~360-token prompt whose blended span ends inside a 128-token vLLM block
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_engines_closed_in_session():
+    """Engines left open (those integrations share for the rest of the process) are closed before pytest
+    closes the streams vLLM's loggers write to; at interpreter exit their shutdown would log into closed
+    files (issue 25, item 10)."""
+    yield
+    try:
+        from cacheblend_rag.engine.vllm.engine import close_open_engines
+    except ImportError:  # no vLLM here
+        return
+    close_open_engines()
+
+
 @pytest.fixture(scope="session")
 def kv_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm") / "kv"

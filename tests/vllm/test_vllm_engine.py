@@ -96,6 +96,10 @@ def test_concurrent_streams_match_torch(vllm_engine, prompts, reference):
     assert got.claimed_tokens == span and got.vllm_cached_tokens == span
     # the worker's fusion is the PyTorch engine's: same tokens kept, same tokens recomputed
     assert got.reused_tokens == expected.reused_tokens > 0
+    # accounting per segment from the worker (docs/accounting.md): what was read, what computed for it
+    computed = sum(len(s) for s in blended if s.is_cached and s.computed)
+    assert got.kv_computed_tokens == computed
+    assert computed > 0 or got.cache_read_blended_tokens == got.cached_tokens == got.reused_tokens > 0
     assert got.recompute_ratio == pytest.approx(expected.recompute_ratio)
     assert got.method_options == expected.method_options
     assert 0 < got.ttft_s <= got.total_s

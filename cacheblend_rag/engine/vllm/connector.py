@@ -218,6 +218,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 "reused_tokens": fusion.reused_tokens,
                 "computed_tokens": fusion.computed_tokens,
                 "recompute_ratio": fusion.recompute_ratio,
+                "kept_per_segment": list(fusion.kept_per_segment),
                 "fusion_s": fused_s,
                 "write_s": time.perf_counter() - started - fused_s,
                 "load_wait_s": fusion.load_wait_s,

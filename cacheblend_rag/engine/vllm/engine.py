@@ -22,10 +22,12 @@ Design (docs/vllm.md has the long form):
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,32 @@ from .driver import EngineDriver, Submission
 from .requests import PreparedRequest, VLLMGenerationResult, blend_keys, build_result, prepare_request
 
 log = logging.getLogger(__name__)
+
+# Engines not closed yet: closed at interpreter exit, before vLLM's own exit hooks (registered earlier, so
+# run later), which would otherwise stop its engine processes and log into streams already closed.
+_open_engines: weakref.WeakSet[VLLMEngine] = weakref.WeakSet()
+_exit_hook = threading.Lock()
+_exit_hook_registered = False
+
+
+def close_open_engines() -> None:
+    """Close every :class:`VLLMEngine` still open (what runs at interpreter exit; a test session calls it
+    before its captured streams close)."""
+    for engine in list(_open_engines):
+        try:
+            engine.close()
+        except Exception as exc:  # exiting anyway: one engine's failure must not keep the others running
+            log.debug("closing a vLLM engine at exit failed: %s", exc)
+
+
+def _track(engine: VLLMEngine) -> None:
+    global _exit_hook_registered
+    with _exit_hook:
+        _open_engines.add(engine)
+        if not _exit_hook_registered:
+            atexit.register(close_open_engines)
+            _exit_hook_registered = True
+
 
 CONNECTOR_NAME = "CacheBlendConnector"
 CONNECTOR_MODULE = "cacheblend_rag.engine.vllm.connector"
@@ -165,6 +193,8 @@ class VLLMEngine(PromptSegments):
                 "(e.g. a model vLLM cannot load)"
             ) from exc
         self._driver = EngineDriver(self.llm.llm_engine, self._lock)
+        self._closed = False
+        _track(self)
         try:  # the worker's fusor over vLLM's loaded model; an unsupported model fails here, not later
             started = self._rpc("cacheblend_start")
         except Exception:
@@ -215,12 +245,19 @@ class VLLMEngine(PromptSegments):
         return self._rpc("cacheblend_memory")
 
     def _shutdown_vllm(self) -> None:
-        """Stop the driver thread and vLLM's engine processes."""
+        """Stop the driver thread and vLLM's engine processes (once)."""
+        if self._closed:
+            return
+        self._closed = True
+        _open_engines.discard(self)
         self._driver.close()
         self.llm.llm_engine.engine_core.shutdown()
 
     def close(self) -> None:
-        """Stop vLLM's engine processes and close the store."""
+        """Stop vLLM's engine processes and close the store. Idempotent; an engine left open is closed at
+        interpreter exit."""
+        if self._closed:
+            return
         self._shutdown_vllm()
         self.store.close()
 
@@ -265,7 +302,7 @@ class VLLMEngine(PromptSegments):
         the store, precomputed by the worker (all missing chunks in one call) first; the other methods
         are served by vLLM itself (its prefill, its prefix cache) and need no KV."""
         if reuse_of(method) is not Reuse.CHUNKS:
-            return layout_segments(parts, Reuse.NOTHING, self.chunk_kv)
+            return layout_segments(parts, Reuse.NOTHING, lambda ids: (self.chunk_kv(ids), False))
         missing = [
             list(p.token_ids)
             for p in parts
@@ -275,7 +312,8 @@ class VLLMEngine(PromptSegments):
         ]
         if missing:
             self._rpc("cacheblend_ensure_chunks", missing)
-        return layout_segments(parts, Reuse.CHUNKS, self.chunk_kv)
+        computed = {tuple(ids) for ids in missing}  # computed for this request: no tier held them
+        return layout_segments(parts, Reuse.CHUNKS, lambda ids: (self.chunk_kv(ids), tuple(ids) in computed))
 
     # -- generation ----------------------------------------------------------------------------------
 

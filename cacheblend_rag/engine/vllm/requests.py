@@ -65,7 +65,7 @@ def prepare_request(
     resolved = resolve_method(method, segments, controller, method_options)
     recompute = resolved.method
     ids = [t for s in segments for t in s.token_ids]
-    max_new = generation_budget(len(ids), sampling.max_new_tokens, max_model_len, "vLLM's max_model_len")
+    max_new = generation_budget(len(ids), sampling, max_model_len, "vLLM's max_model_len")
     key = uuid.uuid4().hex
     blend = None
     if recompute.reuses is Reuse.CHUNKS and any(s.is_cached for s in segments):
@@ -137,6 +137,7 @@ def build_result(
             int(stats["computed_tokens"]),
             float(stats["recompute_ratio"]),
             float(stats.get("load_wait_s", 0.0)),
+            tuple(int(n) for n in stats.get("kept_per_segment", ())),
         )
         claimed = int(stats["claimed_tokens"])
     else:

@@ -41,7 +41,7 @@ def bench_runner(
 ) -> list[RequestTiming]:
     """Serve ``prompts``, all arriving at once, through a :class:`BatchScheduler`. Building each prompt's
     segments is timed, as it is for the sequential runner; the chunks' KV should already be in the store."""
-    spec = parse_method(method).with_ratio(ratio)
+    spec = parse_method(method).with_ratio(ratio, where_taken=True)
     with BatchScheduler(engine, max_batch=max_batch, batched_fusion=batched_fusion) as scheduler:
         started = time.perf_counter()
         requests = [
@@ -61,7 +61,7 @@ def run_sequential(
     engine: Engine, prompts: Sequence[RagQuestion], method: str, sampling: SamplingParams, ratio: float
 ) -> list[RequestTiming]:
     """The baseline without a scheduler: requests that arrive together are served one after another."""
-    spec = parse_method(method).with_ratio(ratio)
+    spec = parse_method(method).with_ratio(ratio, where_taken=True)
     started = time.perf_counter()
     timings = []
     for prompt in prompts:

@@ -42,7 +42,7 @@ def _engine_ttft(
     engine: RecordingEngine, question: str, refs: list[ChunkRef], label: str, ratio: float
 ) -> dict[str, float]:
     method, tier = TTFT_COLUMNS[label]
-    spec = parse_method(method).with_ratio(ratio)
+    spec = parse_method(method).with_ratio(ratio, where_taken=True)
     if tier == "disk":
         engine.store.evict_ram()
         for chunk in refs:

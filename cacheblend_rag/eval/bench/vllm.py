@@ -65,7 +65,7 @@ def worker_memory(
     engine's empty store and serving one CacheBlend request, with where the fusor's weights come from;
     and the seconds the precompute took."""
     at_start = engine.worker_memory()
-    spec = parse_method("cacheblend").with_ratio(ratio)
+    spec = parse_method("cacheblend").with_ratio(ratio, where_taken=True)
     started = time.perf_counter()
     segments = engine.rag_segments(question, chunks, spec)  # the worker precomputes and stores chunk KV
     precompute_s = time.perf_counter() - started
@@ -101,7 +101,7 @@ def section_vllm(ctx: BenchContext) -> dict[str, Any]:
         blends, first_tokens = [], {}
         for repeat in range(config.repeats + 1):  # the first round warms both paths up and is not counted
             for label, method in METHODS.items():
-                spec = parse_method(method).with_ratio(config.ratio)
+                spec = parse_method(method).with_ratio(config.ratio, where_taken=True)
                 round_started = time.perf_counter()
                 segments = engine.rag_segments(question, chunks, spec)
                 segments_s = time.perf_counter() - round_started

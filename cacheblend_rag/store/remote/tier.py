@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +36,7 @@ log = logging.getLogger("cacheblend_rag.store.remote")
 DEFAULT_PREFIX = "cacheblend:kv"
 DEFAULT_ADHOC_TTL_S = 7 * 24 * 3600
 DEFAULT_LOCAL_CACHE_BYTES = 256 * 1024**2
+PIN_CHECK_INTERVAL_S = 5.0  # at most one look at the pins marker this often (on misses)
 
 
 class RedisKVTier:
@@ -81,6 +84,17 @@ class RedisKVTier:
         self.cache = LayerCache(local_cache_bytes)
         self._live: weakref.WeakValueDictionary[str, RemoteChunkKV] = weakref.WeakValueDictionary()
         self._live_lock = threading.Lock()
+        # A server restarted without persistence comes back empty, pinned corpus KV included. A marker
+        # written beside the pins (outside the chunks' key space) tells: seen once, then gone, the pins
+        # are gone too; misses look at it (rate-limited) and the on_pins_lost callbacks re-pin.
+        self.pins_marker = f"{self.prefix}-meta:corpus-pinned"
+        self._pins_expected = False
+        self._pins_marked = False
+        self._next_pin_check = 0.0
+        self._pins_lock = threading.Lock()
+        self._on_pins_lost: list[Callable[[], object]] = []
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     @property
     def counters(self) -> RemoteCounters:
@@ -122,6 +136,7 @@ class RedisKVTier:
         raw, fields = found
         if raw is None:
             self.connection.count(misses=1)
+            self._check_pins()
             return None
         try:
             metadata = decode_meta(raw)
@@ -176,7 +191,58 @@ class RedisKVTier:
         """Make the server's copy of ``key`` corpus KV (its TTL removed); returns whether the server holds
         it (False too while the tier is down or when the server refused)."""
         check_key(key)
-        return self._held(key, pinned=True) is True
+        held = self._held(key, pinned=True) is True
+        if held:
+            self._mark_pins()
+        return held
+
+    def on_pins_lost(self, callback: Callable[[], object]) -> None:
+        """Call ``callback`` (in a thread of its own) when the server is seen to have lost the pinned
+        corpus KV (restarted without persistence): a replica re-pins its corpus from it. From then on the
+        marker is also looked at every PIN_CHECK_INTERVAL_S, since a replica whose local tiers hold every
+        chunk never misses on the server."""
+        self._on_pins_lost.append(callback)
+        with self._pins_lock:
+            if self._watcher is None:
+                self._watcher = threading.Thread(target=self._watch_pins, name="cacheblend-pins", daemon=True)
+                self._watcher.start()
+
+    def _watch_pins(self) -> None:
+        while not self._closed.wait(PIN_CHECK_INTERVAL_S):
+            self._check_pins()
+
+    def _mark_pins(self) -> None:
+        if self._pins_marked:
+            return
+        if self.connection.call(lambda client: client.set(self.pins_marker, b"1")) is True:
+            self._pins_marked = self._pins_expected = True
+
+    def _check_pins(self) -> None:
+        """On a miss: whether the pins marker this process saw is gone; then say so once and re-pin."""
+        now = time.monotonic()
+        with self._pins_lock:
+            if now < self._next_pin_check:
+                return
+            self._next_pin_check = now + PIN_CHECK_INTERVAL_S
+        present = self.connection.call(lambda client: client.exists(self.pins_marker))
+        if present is UNAVAILABLE or isinstance(present, Exception):
+            return
+        if present:
+            self._pins_expected = True
+            return
+        if not self._pins_expected:
+            return
+        self._pins_expected = self._pins_marked = False  # said once per loss; re-pinning marks again
+        log.warning(
+            "remote KV tier %s lost its pinned corpus KV (restarted without persistence?): %s",
+            self.url,
+            "re-pinning this node's corpus"
+            if self._on_pins_lost
+            else "re-pin it with `cacheblend-rag ingest --kv-remote` and give the server AOF/RDB "
+            "persistence (docs/remote_kv_tier.md)",
+        )
+        for callback in self._on_pins_lost:
+            threading.Thread(target=callback, name="cacheblend-repin", daemon=True).start()
 
     def put(self, key: str, kv: ChunkKV | EncodedChunk, pinned: bool = True) -> int:
         """Store ``kv`` (checked, encoded in the tier's codec; or a chunk the KV store already encoded
@@ -204,6 +270,8 @@ class RedisKVTier:
             return 0
         if written:
             self.connection.count(puts=1, bytes_written=size)
+        if pinned:
+            self._mark_pins()
         return size if written else 0
 
     def _held(self, key: str, pinned: bool) -> bool | None:
@@ -291,6 +359,7 @@ class RedisKVTier:
         return admin.gc(self)
 
     def close(self) -> None:
+        self._closed.set()
         self.connection.close()
 
 

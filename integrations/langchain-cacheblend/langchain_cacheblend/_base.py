@@ -73,13 +73,15 @@ class CacheBlendParams(GenerationOptions):
 
 
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
-    """Token counts; ``input_token_details.cache_read`` is the number of prompt tokens whose KV was reused."""
+    """Token counts; ``input_token_details.cache_read``: prompt tokens whose KV was read from a cache
+    tier and kept; ``cache_creation``: chunk KV no tier held, computed (and stored) for this request
+    (docs/accounting.md)."""
     usage = TokenUsage.of(result)
     return UsageMetadata(
         input_tokens=usage.input,
         output_tokens=usage.output,
         total_tokens=usage.total,
-        input_token_details={"cache_read": usage.cached},
+        input_token_details={"cache_read": usage.cached, "cache_creation": usage.kv_computed},
     )
 
 

@@ -87,4 +87,5 @@ def _total_usage(results: list[GenerationResult]) -> dict[str, int]:
         "output_tokens": sum(u["output_tokens"] for u in usages),
         "total_tokens": sum(u["total_tokens"] for u in usages),
         "cache_read": sum(u["input_token_details"]["cache_read"] for u in usages),
+        "cache_creation": sum(u["input_token_details"]["cache_creation"] for u in usages),
     }

@@ -268,7 +268,10 @@ def _raw(result: GenerationResult) -> dict[str, Any]:
     counts = {"prompt_tokens": usage.input, "completion_tokens": usage.output, "total_tokens": usage.total}
     return {
         **answer_report(result),
-        "usage": {**counts, "prompt_tokens_details": {"cached_tokens": usage.cached}},
+        "usage": {
+            **counts,
+            "prompt_tokens_details": {"cached_tokens": usage.cached, **usage.details()},
+        },
     }
 
 
@@ -279,4 +282,5 @@ def _usage(result: GenerationResult) -> dict[str, int]:
         "completion_tokens": usage.output,
         "total_tokens": usage.total,
         "cached_tokens": usage.cached,
+        **usage.details(),
     }

@@ -2,5 +2,6 @@
 
 from .base import CacheBlendLLM
 from .synthesizer import CacheBlendSynthesizer
+from .usage import CacheBlendUsageHandler
 
-__all__ = ["CacheBlendLLM", "CacheBlendSynthesizer"]
+__all__ = ["CacheBlendLLM", "CacheBlendSynthesizer", "CacheBlendUsageHandler"]
