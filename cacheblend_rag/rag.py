@@ -22,6 +22,7 @@ from .engine import (
     TokenStream,
     create_engine,
 )
+from .engine.base import PromptAccounting
 from .engine.bounds import check_request
 from .errors import StoreError
 from .settings import get_settings
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class QueryResult:
+class QueryResult(PromptAccounting):
     """An answer with its retrieval and fusion accounting (what ``query --json`` prints)."""
 
     answer: str
@@ -50,20 +51,6 @@ class QueryResult:
     finish_reason: str
     method_options: dict
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
-    # where the prompt's KV came from (docs/accounting.md)
-    cache_read_exact_tokens: int = 0
-    cache_read_blended_tokens: int = 0
-    kv_computed_tokens: int = 0
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens whose KV was read from a cache (never KV computed for this request)."""
-        return self.cache_read_exact_tokens + self.cache_read_blended_tokens
-
-    # the round this answer's chunks were blended in, when it shared one (GenerationResult's fields)
-    round_requests: int = 0
-    round_shared_tokens: int = 0
-    round_recomputed_tokens: int = 0
 
     def to_dict(self) -> dict:
         return {**asdict(self), "cached_tokens": self.cached_tokens}
@@ -92,12 +79,7 @@ class _Prepared:
             finish_reason=generated.finish_reason,
             method_options=generated.method_options,
             controller=generated.controller,
-            cache_read_exact_tokens=generated.cache_read_exact_tokens,
-            cache_read_blended_tokens=generated.cache_read_blended_tokens,
-            kv_computed_tokens=generated.kv_computed_tokens,
-            round_requests=generated.round_requests,
-            round_shared_tokens=generated.round_shared_tokens,
-            round_recomputed_tokens=generated.round_recomputed_tokens,
+            **generated.accounting(),
         )
 
 
@@ -238,7 +220,9 @@ class CacheBlendRAG:
         question order, each reporting the round it shared."""
         if not questions:
             return []
-        spec = _spec(method, ratio)
+        spec = _spec(method, ratio, None, top_k)
+        for question in questions:
+            check_request(spec, question=question)
         shared = list(chunk_ids) if chunk_ids is not None else None
         if shared is None:
             shared = [c.chunk_id for c in self.retrieve("\n".join(questions), top_k)]

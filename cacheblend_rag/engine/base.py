@@ -24,7 +24,7 @@ connector's:
 from __future__ import annotations
 
 from collections.abc import Collection, Generator, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
 
 from ..blend.controller import LoadingController
@@ -106,8 +106,34 @@ class CacheAccounting:
         return cls(exact, blended, computed)
 
 
+@dataclass(kw_only=True)
+class PromptAccounting:
+    """Where a prompt's KV came from (docs/accounting.md) and what a round shared (docs/rounds.md); the
+    same fields on every result that reports an answer."""
+
+    cache_read_exact_tokens: int = 0  # exact-prefix KV read from a cache (kept whole)
+    cache_read_blended_tokens: int = 0  # chunk KV read from a cache tier and kept by the blend
+    kv_computed_tokens: int = 0  # chunk KV no tier held, computed for this request (then stored)
+    # A round (several requests reading the same chunks blended once for all of them): how many requests
+    # shared it, this prompt's tokens whose KV came from its blend (counted in reused_tokens too), and
+    # the cached tokens the round recomputed once for all of them (in no request's computed_tokens).
+    round_requests: int = 0
+    round_shared_tokens: int = 0
+    round_recomputed_tokens: int = 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV was read from a cache and kept (what OpenAI's ``cached_tokens`` and
+        LangChain's ``cache_read`` report): never KV computed for this request."""
+        return self.cache_read_exact_tokens + self.cache_read_blended_tokens
+
+    def accounting(self) -> dict[str, int]:
+        """These fields by name (to carry them to another result type)."""
+        return {f.name: getattr(self, f.name) for f in fields(PromptAccounting)}
+
+
 @dataclass
-class GenerationResult:
+class GenerationResult(PromptAccounting):
     """One answer and what producing it cost."""
 
     text: str
@@ -124,23 +150,6 @@ class GenerationResult:
     method_options: dict = field(default_factory=dict)
     load_wait_s: float = 0.0
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
-    # where the prompt's KV came from (CacheAccounting; docs/accounting.md)
-    cache_read_exact_tokens: int = 0  # exact-prefix KV read from a cache (kept whole)
-    cache_read_blended_tokens: int = 0  # chunk KV read from a cache tier and kept by the blend
-    kv_computed_tokens: int = 0  # chunk KV no tier held, computed for this request (then stored)
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens whose KV was read from a cache and kept (what OpenAI's ``cached_tokens`` and
-        LangChain's ``cache_read`` report): never KV computed for this request."""
-        return self.cache_read_exact_tokens + self.cache_read_blended_tokens
-
-    # A round (several requests reading the same chunks blended once for all of them): how many requests
-    # shared it, this prompt's tokens whose KV came from its blend (counted in reused_tokens too), and
-    # the cached tokens the round recomputed once for all of them (in no request's computed_tokens).
-    round_requests: int = 0
-    round_shared_tokens: int = 0
-    round_recomputed_tokens: int = 0
 
     @classmethod
     def build(
