@@ -28,7 +28,9 @@ def _settings_environment_restored():
         for name in after.keys() - before.keys():
             del os.environ[name]
         os.environ.update(before)
-        get_settings.cache_clear()
+    # always: a test's monkeypatch may have set and restored a variable already, leaving settings cached
+    # from while it was set (a dead Redis URL then reached later tests' `store verify`)
+    get_settings.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -121,10 +121,13 @@ def test_explicit_chain_answers_as_the_core_api(retriever, store_dir, question):
     # The default prompt is the engine's: same token ids, same segments, same answer as the core API.
     core = get_frontend(store_dir).rag.query(question, chunk_ids=ids, sampling=SamplingParams(MAX_TOKENS))
     assert answer.content.strip() == core.answer
-    assert (cache_read(answer), answer.usage_metadata["input_tokens"]) == (
+    # the chain's call came first: what it kept was read from a cache or computed for it (then stored),
+    # which the core call, after it, reads
+    assert (cache_read(answer) + cache_creation(answer), answer.usage_metadata["input_tokens"]) == (
         core.reused_tokens,
         core.prompt_tokens,
     )
+    assert core.cached_tokens == core.reused_tokens
 
 
 class FixedRetriever(BaseRetriever):

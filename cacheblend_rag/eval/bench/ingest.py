@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ...blend.spec import parse_method
 from ...engine import Engine, SamplingParams
 from ...errors import EvalDataError
 from ...ingest import ingest
@@ -30,9 +31,9 @@ def section_ingest(ctx: BenchContext) -> dict[str, Any]:
         queries: dict[str, list[dict[str, Any]]] = {m: [] for m in QUERY_METHODS}
         for question in questions:
             for method in QUERY_METHODS:
-                result = rag.query(
-                    question["question"], config.top_k, method, config.ratio, sampling=sampling
-                )
+                # the bench's ratio for the methods that take one; the others run as they are
+                spec = parse_method(method).with_ratio(config.ratio, where_taken=True)
+                result = rag.query(question["question"], config.top_k, spec.label, sampling=sampling)
                 queries[method].append(
                     {
                         "question": question["question"],

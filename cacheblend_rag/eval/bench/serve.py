@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ...blend.spec import parse_method
 from ...corpus.corpus import Corpus
 from ...engine import Engine
 from ...engine.prompt import CHUNK_SEPARATOR, DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
@@ -107,8 +108,8 @@ def send(client, url: str, model: str, messages: list[dict], method: str, config
         "stream_options": {"include_usage": True},
         "method": method,
     }
-    if config.ratio is not None:
-        body["ratio"] = config.ratio
+    if config.ratio is not None and parse_method(method).method_class.ratio_option is not None:
+        body["ratio"] = config.ratio  # only for the methods that take one (the server refuses it otherwise)
     started = time.perf_counter()
     first: float | None = None
     text, usage, extension = [], {}, {}
