@@ -199,12 +199,8 @@ class CacheBlendRAG:
         ``generate_batch``; results in question order. Questions admitted together whose chunks are the
         same share one blend of them (a round, the ``batch_rounds`` setting); the others' greedy answers
         equal :meth:`query`'s."""
-        spec = _spec(method, ratio, None, top_k)
-        for question in questions:
-            check_request(spec, question=question)
-        prepared = [self._prepare(question, top_k, chunk_ids, spec) for question in questions]
-        generated = self.engine.generate_batch([BatchRequest(p.segments, spec, sampling) for p in prepared])
-        return [p.result(result) for p, result in zip(prepared, generated, strict=True)]
+        spec = self._checked(method, ratio, top_k, questions)
+        return self._answer_together(questions, top_k, chunk_ids, spec, sampling, self.engine.generate_batch)
 
     def query_round(
         self,
@@ -220,14 +216,23 @@ class CacheBlendRAG:
         question order, each reporting the round it shared."""
         if not questions:
             return []
-        spec = _spec(method, ratio, None, top_k)
-        for question in questions:
-            check_request(spec, question=question)
+        spec = self._checked(method, ratio, top_k, questions)
         shared = list(chunk_ids) if chunk_ids is not None else None
         if shared is None:
             shared = [c.chunk_id for c in self.retrieve("\n".join(questions), top_k)]
-        prepared = [self._prepare(question, top_k, shared, spec) for question in questions]
-        generated = self.engine.generate_round([BatchRequest(p.segments, spec, sampling) for p in prepared])
+        return self._answer_together(questions, top_k, shared, spec, sampling, self.engine.generate_round)
+
+    @staticmethod
+    def _checked(method, ratio, top_k, questions: Sequence[str]) -> MethodSpec:
+        spec = _spec(method, ratio, None, top_k)
+        for question in questions:
+            check_request(spec, question=question)
+        return spec
+
+    def _answer_together(self, questions, top_k, chunk_ids, spec, sampling, generate) -> list[QueryResult]:
+        """Prepare every question's prompt, answer them in one ``generate`` call, results in order."""
+        prepared = [self._prepare(question, top_k, chunk_ids, spec) for question in questions]
+        generated = generate([BatchRequest(p.segments, spec, sampling) for p in prepared])
         return [p.result(result) for p, result in zip(prepared, generated, strict=True)]
 
     def check(
