@@ -77,8 +77,10 @@ def test_missing_store_is_a_clear_error(tmp_path):
 
 
 def test_profile_command_saves_a_profile(model, tmp_path, monkeypatch):
+    # The model folder is read before CACHEBLEND_HOME moves: the new home has no models.
+    model_dir = get_settings().models_dir / model.name
     monkeypatch.setenv("CACHEBLEND_HOME", str(tmp_path))
-    monkeypatch.setenv("CACHEBLEND_MODEL", str(get_settings().models_dir / model.name))
+    monkeypatch.setenv("CACHEBLEND_MODEL", str(model_dir))
     get_settings.cache_clear()
     try:
         result = invoke("profile", "--lengths", "16,32", "--chunk-tokens", "16", "--repeats", "1")
