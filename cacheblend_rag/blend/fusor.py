@@ -229,9 +229,8 @@ class Fusor:
         for (k, v), (start, end), tables in zip(layer_kv, spans, rotations, strict=True):
             if start == 0:  # already at its own positions (a prompt's head)
                 cache.keys[layer][0, :, :end] = k.to(device, dtype)
-            else:
-                keys = Rope.apply_rerotation(k.to(device, torch.float32), tables)
-                cache.keys[layer][0, :, start:end] = keys.to(dtype)
+            else:  # rotated straight into the cache slice (no temporaries the size of the keys)
+                Rope.apply_rerotation_into(cache.keys[layer][0, :, start:end], k.to(device), tables)
             cache.values[layer][0, :, start:end] = v.to(device, dtype)
 
     @staticmethod

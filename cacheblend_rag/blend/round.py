@@ -130,10 +130,11 @@ def _blended_chunks(fusor: Fusor, blend: FusionResult) -> dict[tuple[tuple[int, 
             continue
         local = torch.arange(end - start, device=model.device)
         tables = model.rope.rerotation(local + start, local, torch.float32)
-        keys = [
-            Rope.apply_rerotation(cache.keys[layer][0, :, start:end].float(), tables).to(model.dtype)
-            for layer in range(model.num_layers)
-        ]
+        keys = []
+        for layer in range(model.num_layers):
+            own = torch.empty_like(cache.keys[layer][0, :, start:end])
+            Rope.apply_rerotation_into(own, cache.keys[layer][0, :, start:end], tables)
+            keys.append(own)
         values = [cache.values[layer][0, :, start:end].clone() for layer in range(model.num_layers)]
         out[key] = ChunkKV(keys, values, model.fingerprint)
     return out

@@ -67,6 +67,24 @@ class Rope:
         cos, sin = tables
         return apply_rotary(keys.to(cos.dtype), cos, sin).to(keys.dtype)
 
+    @staticmethod
+    def apply_rerotation_into(
+        out: torch.Tensor, keys: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Write ``keys`` rotated by tables from :meth:`rerotation` into ``out`` (e.g. a KV cache slice of
+        the same shape): when ``out`` has the tables' dtype, with no temporary the size of ``keys``."""
+        cos, sin = tables
+        if out.dtype != cos.dtype:
+            out.copy_(Rope.apply_rerotation(keys, tables))
+            return
+        x = keys.to(cos.dtype)
+        half = x.shape[-1] // 2
+        # rotate_half's halves written directly: the tables repeat over the two halves of a head
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2, out1, out2 = x[..., :half], x[..., half:], out[..., :half], out[..., half:]
+        torch.mul(x1, c, out=out1).addcmul_(x2, s, value=-1)
+        torch.mul(x2, c, out=out2).addcmul_(x1, s)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

@@ -176,26 +176,54 @@ class Codec:
         if not self.quantized:
             return parts["keys"], parts["values"]
         k_codes, v_codes = self._unpack(parts["keys"]), self._unpack(parts["values"])
-        n = k_codes.shape[1]
-        k_scale = parts["keys.scale"].float().repeat_interleave(self.key_group, 1)[:, :n]
-        v_scale = parts["values.scale"].float().repeat_interleave(self.value_group, 2)
-        if self.bits == 8:
-            k = (k_codes.float() - 128) * k_scale
-            v = (v_codes.float() - 128) * v_scale
+        heads, n, dim = k_codes.shape
+        keys = torch.empty((heads, n, dim), dtype=torch.float32)
+        # keys: one scale per channel and token group; the group's tokens share it by broadcasting
+        # (a repeat_interleave of the scales cost as much as the arithmetic itself)
+        group, full = self.key_group, n // self.key_group * self.key_group
+        k_scale, k_min = parts["keys.scale"], parts.get("keys.min")
+        if full:
+            shape = (heads, full // group, group, dim)
+            self._dequantize(
+                k_codes[:, :full].view(shape),
+                k_scale[:, : full // group, None],
+                None if k_min is None else k_min[:, : full // group, None],
+                keys[:, :full].view(shape),
+            )
+        if full < n:  # the last, partial group
+            self._dequantize(
+                k_codes[:, full:],
+                k_scale[:, -1:],
+                None if k_min is None else k_min[:, -1:],
+                keys[:, full:],
+            )
+        values = torch.empty((heads, n, dim), dtype=torch.float32)
+        shape = (heads, n, dim // self.value_group, self.value_group)
+        v_min = parts.get("values.min")
+        self._dequantize(
+            v_codes.view(shape),
+            parts["values.scale"][..., None],
+            None if v_min is None else v_min[..., None],
+            values.view(shape),
+        )
+        return keys.to(self.dtype), values.to(self.dtype)
+
+    def _dequantize(
+        self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
+        """``out`` = codes * scale + low (int4) or (codes - 128) * scale (int8), scales broadcast."""
+        out.copy_(codes)
+        # the scales are small: made float32 first, the full-size products need no mixed-dtype kernel
+        if low is None:
+            out.sub_(128).mul_(scale.float())
         else:
-            k_min = parts["keys.min"].float().repeat_interleave(self.key_group, 1)[:, :n]
-            v_min = parts["values.min"].float().repeat_interleave(self.value_group, 2)
-            k = k_codes.float() * k_scale + k_min
-            v = v_codes.float() * v_scale + v_min
-        return k.to(self.dtype), v.to(self.dtype)
+            out.mul_(scale.float()).add_(low.float())
 
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
             return packed
-        out = torch.empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=torch.uint8)
-        out[..., 0::2] = packed & 0x0F
-        out[..., 1::2] = packed >> 4
-        return out
+        # low nibble first: stacking the two halves on a new last axis interleaves them in one pass
+        return torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(*packed.shape[:-1], -1)
 
 
 CODECS: dict[str, Codec] = {

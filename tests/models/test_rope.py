@@ -94,6 +94,23 @@ def test_float32_rerotation_tables_stay_within_the_bound(rope_pair, real_keys, s
     assert (rerotated - rope.apply(real_keys, to_positions)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_rerotation_into_a_cache_slice_equals_rerotation(rope_pair, real_keys, out_dtype):
+    """What the fusor places: keys rotated straight into a slice of a larger cache buffer, the rest of
+    the buffer untouched; in another dtype than the tables', the same result rounded."""
+    rope, _ = rope_pair
+    n = real_keys.shape[2]
+    from_positions, to_positions = torch.arange(n), torch.arange(3000, 3000 + n)
+    tables = rope.rerotation(from_positions, to_positions, torch.float32)
+    keys = rope.apply(real_keys, from_positions)[0]  # [Hkv, n, d]
+    cache = torch.full((1, keys.shape[0], n + 100, keys.shape[2]), 7.0, dtype=out_dtype)
+    rope.apply_rerotation_into(cache[0, :, 50 : 50 + n], keys, tables)
+    expected = rope.apply_rerotation(keys, tables).to(out_dtype)
+    tolerance = 1e-6 if out_dtype == torch.float32 else 0.0
+    assert (cache[0, :, 50 : 50 + n].float() - expected.float()).abs().max().item() <= tolerance
+    assert bool((cache[0, :, :50] == 7).all()) and bool((cache[0, :, 50 + n :] == 7).all())
+
+
 def test_rerotation_per_row_positions(rope_pair, real_keys):
     """Batched [B, S] positions: each row moves by its own offset, scattered positions included."""
     rope, _ = rope_pair

@@ -63,3 +63,28 @@ def test_decode_step_over_the_cache_matches_a_longer_prefill(model, real_text_ru
     step = model.forward(torch.tensor([[ids[200]]]), torch.tensor([200]), cache)
     assert cache.length == 201
     assert (step - hf.logits[:, 200].float()).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("spread", ["scattered", "clustered", "tail"])
+def test_row_block_attention_equals_one_masked_call(model, spread):
+    """Selected rows attended in row blocks, each over the keys up to its last row only, equal one masked
+    attention over all keys."""
+    generator = torch.Generator().manual_seed(1)
+    n = 1500
+    if spread == "scattered":
+        picked = torch.randperm(n - 1, generator=generator)[:300]
+    elif spread == "clustered":  # runs of consecutive rows: many a block's first row sees no masked key
+        picked = torch.cat([torch.arange(s, s + 40) for s in (10, 400, 410 + 40, 900, 1300)])
+    else:
+        picked = torch.arange(n - 400, n - 1, 2)  # where query-aware selection tends to go
+    positions = torch.cat([picked, torch.tensor([n - 1])]).unique().sort().values
+    mask = AttentionMask.for_positions(positions, n)
+    assert len(mask.blocks) > 1
+    heads, kv_heads, d = model.shape.num_heads, model.shape.num_kv_heads, model.shape.head_dim
+    q = torch.randn(1, heads, positions.numel(), d, generator=generator)
+    keys = torch.randn(1, kv_heads, n, d, generator=generator)
+    values = torch.randn(1, kv_heads, n, d, generator=generator)
+    blocked = model.attend(q, keys, values, mask)
+    one_call = model.attend(q, keys, values, AttentionMask(mask.tensor, False))
+    assert not blocked.isnan().any()
+    assert (blocked - one_call).abs().max().item() <= 1e-5

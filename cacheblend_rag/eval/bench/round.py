@@ -11,6 +11,7 @@ in 8 roles): first-token KL and agreement of per-request cacheblend and of the r
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 import time
@@ -29,6 +30,8 @@ from ..markdown import checks_list, fmt, table
 from ..metrics import kl_divergence
 from .config import BenchContext
 from .prompts import eval_engine, rag_prompts
+
+logger = logging.getLogger(__name__)
 
 # Sixteen agents' roles, 20-80 tokens each with the default tokenizer (tests/eval check the range).
 ROLES = (
@@ -136,6 +139,8 @@ def section_round(ctx: BenchContext) -> dict[str, Any]:
                     for _ in range(config.repeats)
                 ]
                 timing[label][str(n)] = _median(samples)
+                logger.info("round: %s at N=%d: %s", label, n, timing[label][str(n)]["all_first_tokens_s"])
+        logger.info("round: timing done; fidelity on %d held-out rounds", config.round_fidelity_cases)
         fidelity = _fidelity(engine, config, blend)
     finally:
         engine.store.close()
