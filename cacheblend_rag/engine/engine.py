@@ -10,8 +10,6 @@ from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionRequest, FusionResult, Fusor
 from ..blend.methods import RecomputeMethod, Reuse
@@ -35,20 +33,17 @@ from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader
 from .base import (
     BatchRequest,
-    FusionStats,
     GenerationResult,
     Method,
     PromptSegments,
-    TokenEvent,
     TokenStream,
     eos_token_ids,
     generation_budget,
 )
-from .constraints import masked, start_constraint
+from .decode import DecodeRow, decode_alone
 from .prompt import PromptBuilder, PromptPart, layout_segments
-from .sampling import SamplingParams, make_generator, sample_next
+from .sampling import SamplingParams
 from .scheduler import BatchScheduler
-from .textstream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +54,10 @@ MAX_EXACT_HEADS = 16
 class Engine(PromptSegments):
     """Owns the model, the fusor and the chunk KV store; implements
     :class:`~cacheblend_rag.engine.base.EngineProtocol`. Thread-safe: one forward at a time, under
-    :attr:`forward_lock`."""
+    :attr:`forward_lock`. Its :meth:`stream` decodes one request; concurrent callers share a
+    :class:`BatchScheduler` over it (hence ``batches_requests`` is False)."""
+
+    batches_requests = False
 
     def __init__(
         self,
@@ -285,8 +283,9 @@ class Engine(PromptSegments):
         sampling: SamplingParams | None = None,
         **method_options: Any,
     ) -> TokenStream[GenerationResult]:
-        """Fuse ``segments`` with ``method`` and generate; iterate the handle for tokens as they are
-        generated, then ``.result()``. Bad input (method, options, a prompt too long) raises here."""
+        """Fuse ``segments`` with ``method`` and generate (one :class:`~.decode.DecodeRow`, decoded alone on
+        the iterating thread); iterate the handle for tokens as they are generated, then ``.result()``;
+        ``.cancel()`` stops it. Bad input (method, options, a prompt too long) raises here."""
         sampling = sampling or SamplingParams()
         resolved = resolve_method(method, segments, self.controller, method_options)
         prompt_tokens = sum(len(s) for s in segments)
@@ -298,39 +297,8 @@ class Engine(PromptSegments):
     def _generate(self, segments, resolved, sampling: SamplingParams, max_new: int) -> Generator:
         started = time.perf_counter()
         fusion = self.fuse(segments, resolved.method, extra_capacity=max_new)
-        generator = make_generator(sampling)
-        answer = TextStream(self.model.tokenizer, self.eos_ids, sampling.stop, max_new)
-        cache, logits, position, ttft = fusion.cache, fusion.logits, fusion.num_tokens, 0.0
-        # structured output: the request's JSON matcher (None without a constraint)
-        constraint = start_constraint(sampling, self.model.tokenizer, self.eos_ids, logits.shape[-1], max_new)
-        while True:
-            token = sample_next(masked(logits, constraint), sampling, generator)
-            if not answer.token_ids:
-                ttft = time.perf_counter() - started
-            piece = answer.push(token)
-            if piece is not None:
-                yield TokenEvent(token, piece)
-            if constraint is not None and constraint.accept(token):
-                answer.finish_reason = "stop"  # the JSON is complete
-            if answer.finished:
-                break
-            with self.forward_lock:
-                logits = self.model.forward(
-                    torch.tensor([[token]], device=self.model.device),
-                    torch.tensor([position], device=self.model.device),
-                    cache,
-                )[0]
-            position += 1
-        return GenerationResult.build(
-            text=answer.text,
-            token_ids=answer.token_ids,
-            finish_reason=answer.finish_reason or "length",
-            resolved=resolved,
-            segments=segments,
-            fusion=FusionStats.of(fusion),
-            ttft_s=ttft,
-            total_s=time.perf_counter() - started,
-        )
+        row = DecodeRow(self.model.tokenizer, self.eos_ids, segments, resolved, sampling, max_new, started)
+        return (yield from decode_alone(self.model, self.forward_lock, row, fusion))
 
     def generate(
         self,

@@ -116,6 +116,8 @@ class VLLMEngine(PromptSegments):
     several threads (concurrent ``stream`` calls) are batched by vLLM.
     """
 
+    batches_requests = True  # concurrent streams meet in vLLM's own scheduler
+
     def __init__(
         self,
         model: str | Path | None = None,
