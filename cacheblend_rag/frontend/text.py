@@ -45,7 +45,7 @@ from ..engine import (
     BatchRequest,
     BatchScheduler,
     ChunkRef,
-    Engine,
+    EngineClosedError,
     EngineProtocol,
     GenerationResult,
     JsonConstraint,
@@ -290,13 +290,14 @@ class PromptFrontend:
 
     @property
     def scheduler(self) -> BatchScheduler | None:
-        """The batch scheduler the PyTorch engine's answers go through (started on first use); None for
-        an engine that batches its own requests (vLLM)."""
-        if not isinstance(self.engine, Engine):
+        """The batch scheduler the answers of an engine that decodes one request per stream (the PyTorch
+        engine) go through (started on first use); None for an engine that batches its own requests
+        (vLLM)."""
+        if self.engine.batches_requests:
             return None
         with self._scheduler_lock:
             if self.closed:
-                raise RuntimeError("this frontend is closed (its model was given back)")
+                raise EngineClosedError("this frontend is closed (its model was given back)")
             if self._scheduler is None:
                 self._scheduler = BatchScheduler(self.engine)
             return self._scheduler
