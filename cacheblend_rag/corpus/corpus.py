@@ -126,6 +126,7 @@ class Corpus:
         self.vectors = CorpusVectors(corpus_dir, manifest, db, self._lock)
         self._kv_options = kv_options or KVStoreOptions()
         self._store: KVStore | None = None
+        self._owns_store = True
         # KV keys of chunks whose KV an upgrade made stale (the KV store may delete them)
         self.stale_kv_keys: list[str] = []
 
@@ -174,11 +175,13 @@ class Corpus:
         chunk_tokens: int | None = None,
         index_type: str | None = None,
         kv_options: KVStoreOptions | None = None,
+        kv_store: KVStore | None = None,
     ) -> Corpus:
         """Open ``corpus_dir`` for writing, creating it if needed (an empty or missing folder becomes an
         empty corpus). Refuses (and changes nothing) when the corpus was built with another model,
         embedder (name or dimension) or chunk size; a new ``index_type`` is adopted. ``kv_options``: as
-        for :meth:`open`."""
+        for :meth:`open`; ``kv_store``: an open store to use as the corpus's (an engine's, given to ingest;
+        it stays its owner's)."""
         corpus_dir = Path(corpus_dir).expanduser()
         if index_type is not None:
             vector_index.check_index_type(index_type)
@@ -211,6 +214,8 @@ class Corpus:
             manifest.save(corpus_dir)  # last: a folder with a manifest is a complete, empty corpus
         corpus = cls(corpus_dir, manifest, ChunkDB(corpus_dir / DB_NAME), embedder, kv_options)
         corpus._tokenizer = model
+        if kv_store is not None:
+            corpus._store, corpus._owns_store = kv_store, False
         if manifest.format_version < FORMAT_VERSION:
             corpus.manifest, corpus.stale_kv_keys = upgrade_format(
                 corpus.db, corpus_dir, manifest, new_chunk_context(model), corpus.kv_store
@@ -225,7 +230,7 @@ class Corpus:
             self.vectors.save_if_changed()
             self.db.close()
             store, self._store = self._store, None
-        if store is not None:
+        if store is not None and self._owns_store:
             release_store(store)
 
     def __enter__(self) -> Corpus:

@@ -58,7 +58,8 @@ MAX_EXACT_HEADS = 16
 
 
 class Engine(PromptSegments):
-    """Owns the model, the fusor and the chunk KV store; implements
+    """Runs the model and the fusor over a chunk KV store (``store``: a corpus's, ``corpus.kv_store``, or
+    a folder whose process-wide store it opens); implements
     :class:`~cacheblend_rag.engine.base.EngineProtocol`. Thread-safe: one forward at a time, under
     :attr:`forward_lock`."""
 

@@ -180,9 +180,10 @@ def ingest(
             f"cannot write to store (corpus directory) {corpus_dir}: {exc.strerror or exc}"
         ) from exc
     corpus: Corpus | None = None
+    kv_store = engine.store if engine is not None else None  # the corpus's store is the engine's
     try:
         corpus = (
-            Corpus.create(corpus_dir, tokenizer, embedder_model, chunk_tokens, index_type)
+            Corpus.create(corpus_dir, tokenizer, embedder_model, chunk_tokens, index_type, kv_store=kv_store)
             if manifest is not None
             else None
         )
@@ -190,7 +191,9 @@ def ingest(
         if corpus is not None:
             _prune_stage(corpus, paths, files, engine, summary)
         if corpus is None:
-            corpus = Corpus.create(corpus_dir, tokenizer, embedder_model, chunker.max_tokens, index_type)
+            corpus = Corpus.create(
+                corpus_dir, tokenizer, embedder_model, chunker.max_tokens, index_type, kv_store=kv_store
+            )
         index_changed = index_type is not None and manifest is not None and index_type != manifest.index_type
         removed_kv = corpus.stale_kv_keys + _embed_stage(plans, corpus, summary, notify)
         _index_stage(corpus, index_changed, summary, notify)
