@@ -31,6 +31,7 @@ from ..models.tokenizer import chunk_context_ids
 from ..settings import get_settings
 from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader
+from ..store.shared import acquire_store, release_store
 from .base import (
     BatchRequest,
     GenerationResult,
@@ -52,7 +53,8 @@ MAX_EXACT_HEADS = 16
 
 
 class Engine(PromptSegments):
-    """Owns the model, the fusor and the chunk KV store; implements
+    """Runs the model and the fusor over a chunk KV store (``store``: a corpus's, ``corpus.kv_store``, or
+    a folder whose process-wide store it opens); implements
     :class:`~cacheblend_rag.engine.base.EngineProtocol`. Thread-safe: one forward at a time, under
     :attr:`forward_lock`. Its :meth:`stream` decodes one request; concurrent callers share a
     :class:`BatchScheduler` over it (hence ``batches_requests`` is False)."""
@@ -80,10 +82,13 @@ class Engine(PromptSegments):
         # template openings seen lately, by token ids: their exact KV (see _exact_head)
         self._heads: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         self._heads_lock = threading.Lock()
+        # A store given is its owner's (a corpus passes its own, Corpus.kv_store); a folder (or the
+        # default) is opened as the process's shared store there and given back by close().
+        self._owns_store = not isinstance(store, KVStore)
         if not isinstance(store, KVStore):
             root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
-            # a corpus passes the codec it records (kv_dtype); else the kv_dtype setting
-            store = KVStore(root, self.model.fingerprint, self.model.shape, kv_dtype)
+            codec = kv_dtype or settings.kv_dtype
+            store = acquire_store(root, self.model.fingerprint, self.model.shape, codec)
         self.store = store
         self.fusor = Fusor(self.model)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
@@ -101,9 +106,12 @@ class Engine(PromptSegments):
         return self.model.shape.max_context
 
     def close(self) -> None:
-        """Close the chunk KV store (waiting for its background writes) and give back the shared model
-        this engine loaded (the last engine to do so frees it)."""
-        self.store.close()
+        """Give back the chunk KV store this engine opened (the last holder closes it, waiting for its
+        background writes) and the shared model it loaded (the last engine to do so frees it). A store or
+        model passed in stays open: it is its owner's."""
+        if self._owns_store:
+            self._owns_store = False
+            release_store(self.store)
         if self._owns_model:
             self._owns_model = False
             release_model(self.model)
@@ -132,7 +140,7 @@ class Engine(PromptSegments):
 
     def chunk_key(self, token_ids: Sequence[int]) -> str:
         """The KV store key of the chunk made of ``token_ids`` (prefilled behind the chunk context)."""
-        return self.store.key_for(token_ids, self.chunk_context.key)
+        return self.store.chunk_key(token_ids, self.chunk_context.key)
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The chunk's KV from the store, computed and written back on a miss."""
@@ -151,7 +159,7 @@ class Engine(PromptSegments):
 
     def _stored_kv(self, token_ids: Sequence[int], context: ChunkContext) -> tuple[ChunkKVSource, bool]:
         """The KV from the store, and whether it was computed here because no tier held it."""
-        key = self.store.key_for(token_ids, context.key)
+        key = self.store.chunk_key(token_ids, context.key)
         found = self.store.get(key)
         if found is not None:
             return found, False

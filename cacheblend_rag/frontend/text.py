@@ -391,14 +391,6 @@ def acquire_frontend(
         return _frontends[key]
 
 
-def find_frontend(
-    corpus_dir: str | Path, model: str | Path | None = None, engine: str | None = None
-) -> PromptFrontend | None:
-    """The frontend over (corpus, model, engine kind) if the process holds one now (no hold is taken)."""
-    with _shared_lock:
-        return _frontends.get(_frontend_key(corpus_dir, model, engine))
-
-
 def release_frontend(frontend: PromptFrontend) -> None:
     """Give back one hold on ``frontend``; the last one closes it (and gives its model back)."""
     with _shared_lock:

@@ -109,7 +109,7 @@ def test_batched_greedy_answers_equal_one_at_a_time(batched_run):
 def test_each_shared_chunk_is_read_from_disk_once_per_batch(batched_run, disk_engine, model):
     def key(segment, method):  # prefix_cache reuses the prompt's own head: KV prefilled alone, no context
         if method == "prefix_cache":
-            return disk_engine.store.key_for(segment.token_ids)
+            return disk_engine.store.chunk_key(segment.token_ids)
         return disk_engine.chunk_key(segment.token_ids)
 
     # exact template heads live in the engine's memory, never on disk
