@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .blend.spec import MethodSpec
 from .corpus.corpus import Corpus
-from .engine import ChunkRef, Engine, SamplingParams
+from .engine import ChunkRef, SamplingParams
 from .engine.fidelity import (
     REFERENCE,
     MethodRun,
@@ -26,6 +26,7 @@ from .engine.fidelity import (
     method_table,
     store_in_ram,
 )
+from .models.runtime import LayerwiseModel
 from .settings import get_settings
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ def run_check(
     check_options(ratios, target_agreement, max_new_tokens, sample)
     sampled = questions is None
     asked = sample_questions(rag.corpus, sample) if questions is None else clean_questions(questions)
-    if not isinstance(rag.engine, Engine):
+    if not isinstance(rag.engine.model, LayerwiseModel):  # the PyTorch runtime's model, weights in hand
         raise ValueError("check needs the PyTorch engine (it reads each method's first-token logits)")
     base = rag.engine
     # the RAG's model, store, prompts and chunk context, recording each fusion's logits and cache

@@ -87,3 +87,12 @@ class AdmissionError(CacheBlendError, ValueError):
 
 class RequestCancelledError(CacheBlendError):
     """A request was cancelled (e.g. its client went away) before it finished; its slot was freed."""
+
+
+class EngineClosedError(CacheBlendError, RuntimeError):
+    """The engine or frontend a request was sent to is closed (or shutting down): it takes no more
+    requests. A server answers it as draining."""
+
+
+class SchedulerClosedError(EngineClosedError):
+    """The batch scheduler is closed: it takes no more requests (those submitted before are served)."""

@@ -99,23 +99,24 @@ class CacheBlendRAG:
     ):
         """Open the corpus at ``corpus_dir`` (or use an opened :class:`Corpus`). ``engine``: an engine over
         the corpus's model, or the kind of engine to build over it ("torch" or "vllm"; also accepted as
-        ``engine_kind``; default: the ``engine`` setting); one built here is given back by :meth:`close`."""
+        ``engine_kind``; default: the ``engine`` setting), built over the corpus's KV store
+        (:attr:`Corpus.kv_store`, which every CacheBlendRAG over the directory in the process shares). What
+        was opened or built here is given back by :meth:`close`."""
         if isinstance(engine, str):
             if engine_kind is not None and engine_kind != engine:
                 raise ValueError(f"engine={engine!r} and engine_kind={engine_kind!r} disagree")
             engine, engine_kind = None, engine
+        self._owned_corpus = not isinstance(corpus_dir, Corpus)
         self.corpus = corpus_dir if isinstance(corpus_dir, Corpus) else Corpus.open(corpus_dir)
         corpus_dir = self.corpus.corpus_dir
         manifest = self.corpus.manifest
         self._owned_engine = engine is None
         if engine is None:
-            recorded = manifest.model_path if Path(manifest.model_path).is_dir() else manifest.model
             engine = create_engine(
                 engine_kind,
-                model or recorded,
-                store=self.corpus.kv_dir,
+                model or self.corpus.model_source,
+                store=self.corpus.kv_store,
                 chunk_context=self.corpus.chunk_context,
-                kv_dtype=self.corpus.kv_dtype,
             )
         self.engine = engine
         if manifest.model_fingerprint != self.engine.model.fingerprint:
@@ -145,10 +146,14 @@ class CacheBlendRAG:
         log.warning("re-pinned %d chunks of corpus %s in the remote KV tier", pinned, self.corpus.corpus_dir)
 
     def close(self) -> None:
-        """Close the engine this object built (its KV store, its hold on the shared model)."""
+        """Close the engine this object built (its hold on the shared model) and the corpus it opened (its
+        hold on the corpus's KV store: the last holder in the process closes it)."""
         if self._owned_engine:
             self._owned_engine = False
             self.engine.close()
+        if self._owned_corpus:
+            self._owned_corpus = False
+            self.corpus.close()
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:
         """The ``top_k`` chunks nearest ``question`` (None: the ``top_k`` setting; 0 is refused)."""

@@ -199,13 +199,13 @@ class ChunkDB(ChunkReads):
         documents: Sequence[tuple[Document, Sequence[Chunk]]],
         embeddings: dict[str, np.ndarray],
         file: tuple[str, str, int, float] | None,
-        kv_key: Callable[[str], str],
+        chunk_key: Callable[[str], str],
     ) -> FileChanges:
         """In one transaction: drop the previous documents of ``file`` (path, hash, size, mtime) or with
         the same keys, insert ``documents`` with their chunks, delete chunks no document uses any more.
 
-        ``embeddings`` must hold a vector for every chunk not stored yet; ``kv_key(chunk_id)`` gives the
-        KV store key recorded for a new chunk."""
+        ``embeddings`` must hold a vector for every chunk not stored yet; ``chunk_key(chunk_id)`` gives
+        the KV store key recorded for a new chunk."""
         changes = FileChanges()
         with self._lock, self._transaction():
             old_rows: set[int] = set()
@@ -241,7 +241,7 @@ class ChunkDB(ChunkReads):
                     (file_id, doc.key, doc.source, doc.title, json.dumps(doc.metadata, ensure_ascii=False)),
                 ).lastrowid
                 for ordinal, chunk in enumerate(chunks):
-                    row = self._chunk_row(chunk, embeddings, kv_key, changes)
+                    row = self._chunk_row(chunk, embeddings, chunk_key, changes)
                     self._conn.execute(
                         "INSERT INTO doc_chunks(doc_id, ordinal, chunk_row, start, end) "
                         "VALUES (?, ?, ?, ?, ?)",
@@ -311,7 +311,7 @@ class ChunkDB(ChunkReads):
         self,
         chunk: Chunk,
         embeddings: dict[str, np.ndarray],
-        kv_key: Callable[[str], str],
+        chunk_key: Callable[[str], str],
         changes: FileChanges,
     ) -> int:
         chunk_id = chunk.chunk_id
@@ -333,19 +333,19 @@ class ChunkDB(ChunkReads):
                 chunk.n_tokens,
                 int(chunk.retokenizes),
                 np.asarray(vector, dtype="<f4").tobytes(),
-                kv_key(chunk_id),
+                chunk_key(chunk_id),
             ),
         ).lastrowid
 
-    def rekey_kv(self, kv_key: Callable[[tuple[int, ...]], str]) -> list[str]:
-        """Give every chunk the KV key ``kv_key(token_ids)`` and mark its KV as not computed yet (a new
+    def rekey_kv(self, chunk_key: Callable[[tuple[int, ...]], str]) -> list[str]:
+        """Give every chunk the KV key ``chunk_key(token_ids)`` and mark its KV as not computed yet (a new
         chunk context changes every key); returns the old keys of chunks whose KV was ready."""
         with self._lock:
             rows = self._conn.execute("SELECT id, token_ids, kv_key, kv_ready FROM chunks").fetchall()
             with self._transaction():
                 self._conn.executemany(
                     "UPDATE chunks SET kv_key = ?, kv_ready = 0 WHERE id = ?",
-                    [(kv_key(unpack_token_ids(ids)), row) for row, ids, _, _ in rows],
+                    [(chunk_key(unpack_token_ids(ids)), row) for row, ids, _, _ in rows],
                 )
             return [old for _, _, old, ready in rows if ready]
 

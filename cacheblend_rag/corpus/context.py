@@ -9,8 +9,8 @@ from pathlib import Path
 from ..blend.segments import ChunkContext
 from ..models.tokenizer import ModelTokenizer, chunk_context_ids
 from ..settings import get_settings
-from ..store.keys import chunk_key
-from .chunkdb import DB_NAME, ChunkDB
+from ..store.kvstore import KVStore
+from .chunkdb import ChunkDB
 from .manifest import FORMAT_VERSION, CorpusManifest, format_for
 
 log = logging.getLogger(__name__)
@@ -22,17 +22,12 @@ def new_chunk_context(model: ModelTokenizer) -> ChunkContext:
 
 
 def upgrade_format(
-    corpus_dir: Path, manifest: CorpusManifest, context: ChunkContext
+    db: ChunkDB, corpus_dir: Path, manifest: CorpusManifest, context: ChunkContext, store: KVStore
 ) -> tuple[CorpusManifest, list[str]]:
     """Bring a corpus of an older format to the current one: every chunk's KV key moves to ``context``
-    and its KV is marked as not computed (ingest then precomputes it). Returns the new manifest and the
-    now stale KV keys."""
-    db = ChunkDB(corpus_dir / DB_NAME)
-    try:
-        kv_dtype = manifest.kv_dtype or get_settings().kv_dtype
-        stale = db.rekey_kv(lambda ids: chunk_key(manifest.model_fingerprint, kv_dtype, ids, context.key))
-    finally:
-        db.close()
+    (as ``store``, the corpus's KV store, keys it) and its KV is marked as not computed (ingest then
+    precomputes it). Returns the new manifest and the now stale KV keys."""
+    stale = db.rekey_kv(lambda ids: store.chunk_key(ids, context.key))
     upgraded = replace(
         manifest, format_version=format_for(manifest.kv_dtype), chunk_context=context.token_ids
     )

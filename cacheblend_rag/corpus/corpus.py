@@ -4,7 +4,9 @@
 
 Layout of DIR: ``manifest.json`` (:mod:`.manifest`) and ``corpus.sqlite`` (see :mod:`.chunkdb`),
 ``faiss.index`` (the vector index, rebuilt from the stored embeddings whenever it is missing or older than
-the chunk set) and ``kv/`` (the chunk KV store, owned by :class:`cacheblend_rag.store.kvstore.KVStore`).
+the chunk set) and ``kv/`` (the chunk KV store, :attr:`Corpus.kv_store`: opened once per process by the
+corpus, in the codec its manifest records, and handed to everything that reads or writes the corpus's
+chunk KV: ingest, the engines built over the corpus, its document collection).
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ import numpy as np
 
 from ..blend.segments import ChunkContext
 from ..errors import ChunkNotFoundError, InvalidQueryError, StoreError
+from ..models.loader import read_shape
+from ..models.runtime import ModelShape
 from ..models.tokenizer import ModelTokenizer, load_model_tokenizer
 from ..settings import get_settings
-from ..store.keys import chunk_key
+from ..store.index import INDEX_NAME, stored_models
+from ..store.kvstore import KVStore
+from ..store.shared import KVStoreOptions, acquire_store, release_store
 from ..text.chunker import Chunk, Chunker, validate_chunk_id
 from ..text.document import Document
 from . import index as vector_index
@@ -103,7 +109,12 @@ class Corpus:
     """Chunks, embeddings and the vector index of one corpus directory. Thread-safe."""
 
     def __init__(
-        self, corpus_dir: Path, manifest: CorpusManifest, db: ChunkDB, embedder: EmbedderLike | None = None
+        self,
+        corpus_dir: Path,
+        manifest: CorpusManifest,
+        db: ChunkDB,
+        embedder: EmbedderLike | None = None,
+        kv_options: KVStoreOptions | None = None,
     ):
         self.corpus_dir = corpus_dir
         self.manifest = manifest
@@ -113,15 +124,24 @@ class Corpus:
         self._chunker: Chunker | None = None
         self._lock = threading.RLock()  # also guards the index and document changes (.vectors, .documents)
         self.vectors = CorpusVectors(corpus_dir, manifest, db, self._lock)
+        self._kv_options = kv_options or KVStoreOptions()
+        self._store: KVStore | None = None
+        self._owns_store = True
         # KV keys of chunks whose KV an upgrade made stale (the KV store may delete them)
         self.stale_kv_keys: list[str] = []
 
     # --- opening --------------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, corpus_dir: str | Path, embedder: EmbedderLike | None = None) -> Corpus:
+    def open(
+        cls,
+        corpus_dir: str | Path,
+        embedder: EmbedderLike | None = None,
+        kv_options: KVStoreOptions | None = None,
+    ) -> Corpus:
         """Open an existing corpus directory. ``embedder``: the one it was built with (checked; needed
-        only for a corpus built with an external embedder, see :meth:`use_embedder`)."""
+        only for a corpus built with an external embedder, see :meth:`use_embedder`). ``kv_options``: how
+        its KV store is opened (tier budgets, remote tier; default: the store's settings)."""
         corpus_dir = Path(corpus_dir).expanduser()
         manifest = CorpusManifest.load(corpus_dir)
         if manifest is None:
@@ -143,7 +163,8 @@ class Corpus:
                 corpus_dir,
                 manifest.format_version,
             )
-        return cls(corpus_dir, manifest, ChunkDB(corpus_dir / DB_NAME, readonly=readonly), embedder)
+        db = ChunkDB(corpus_dir / DB_NAME, readonly=readonly)
+        return cls(corpus_dir, manifest, db, embedder, kv_options)
 
     @classmethod
     def create(
@@ -153,19 +174,20 @@ class Corpus:
         embedder: EmbedderLike,
         chunk_tokens: int | None = None,
         index_type: str | None = None,
+        kv_options: KVStoreOptions | None = None,
+        kv_store: KVStore | None = None,
     ) -> Corpus:
         """Open ``corpus_dir`` for writing, creating it if needed (an empty or missing folder becomes an
         empty corpus). Refuses (and changes nothing) when the corpus was built with another model,
-        embedder (name or dimension) or chunk size; a new ``index_type`` is adopted."""
+        embedder (name or dimension) or chunk size; a new ``index_type`` is adopted. ``kv_options``: as
+        for :meth:`open`; ``kv_store``: an open store to use as the corpus's (an engine's, given to ingest;
+        it stays its owner's)."""
         corpus_dir = Path(corpus_dir).expanduser()
         if index_type is not None:
             vector_index.check_index_type(index_type)
         manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
-        stale_kv: list[str] = []
         if manifest is not None:
             check_compatible(corpus_dir, manifest, model, embedder, chunk_tokens)
-            if manifest.format_version < FORMAT_VERSION:
-                manifest, stale_kv = upgrade_format(corpus_dir, manifest, new_chunk_context(model))
             if index_type is not None and index_type != manifest.index_type:
                 manifest = replace(manifest, index_type=index_type)
                 manifest.save(corpus_dir)
@@ -190,16 +212,26 @@ class Corpus:
             )
             ChunkDB(corpus_dir / DB_NAME).close()
             manifest.save(corpus_dir)  # last: a folder with a manifest is a complete, empty corpus
-        corpus = cls(corpus_dir, manifest, ChunkDB(corpus_dir / DB_NAME), embedder)
+        corpus = cls(corpus_dir, manifest, ChunkDB(corpus_dir / DB_NAME), embedder, kv_options)
         corpus._tokenizer = model
-        corpus.stale_kv_keys = stale_kv
+        if kv_store is not None:
+            corpus._store, corpus._owns_store = kv_store, False
+        if manifest.format_version < FORMAT_VERSION:
+            corpus.manifest, corpus.stale_kv_keys = upgrade_format(
+                corpus.db, corpus_dir, manifest, new_chunk_context(model), corpus.kv_store
+            )
+            corpus.vectors.manifest = corpus.manifest
         return corpus
 
     def close(self) -> None:
-        """Save the index if in-memory additions are not on disk yet, then close the database."""
+        """Save the index if in-memory additions are not on disk yet, close the database and give back the
+        KV store (the last holder in the process closes it)."""
         with self._lock:
             self.vectors.save_if_changed()
             self.db.close()
+            store, self._store = self._store, None
+        if store is not None and self._owns_store:
+            release_store(store)
 
     def __enter__(self) -> Corpus:
         return self
@@ -216,13 +248,50 @@ class Corpus:
     @property
     def kv_dtype(self) -> str:
         """The codec this corpus's chunk KV is stored in (part of every KV key): the manifest's record,
-        else (a corpus made before codecs were recorded) the kv_dtype setting."""
-        return self.manifest.kv_dtype or get_settings().kv_dtype
+        else (a corpus made before codecs were recorded) the one its KV options name, else the kv_dtype
+        setting."""
+        return self.manifest.kv_dtype or self._kv_options.kv_dtype or get_settings().kv_dtype
 
     @property
     def kv_dir(self) -> Path:
-        """Root of this store's chunk KV store (``Engine(store=corpus.kv_dir)``)."""
+        """Root of this corpus's chunk KV store (see :attr:`kv_store`)."""
         return self.corpus_dir / KV_DIR_NAME
+
+    @property
+    def kv_store(self) -> KVStore:
+        """The corpus's chunk KV store, opened on first use in the codec of :attr:`kv_dtype` and shared with
+        every other holder of it in the process (another :class:`Corpus` over this directory, an engine
+        given this folder); closed by :meth:`close`. What engines over the corpus are built with
+        (``Engine(model, store=corpus.kv_store)``), and where every chunk's KV key comes from."""
+        with self._lock:
+            if self._store is None:
+                self._store = acquire_store(
+                    self.kv_dir,
+                    self.manifest.model_fingerprint,
+                    self._model_shape(),
+                    self.kv_dtype,
+                    **self._kv_options.store_kwargs(),
+                )
+            return self._store
+
+    def chunk_key(self, token_ids: Sequence[int]) -> str:
+        """The KV key of the chunk made of ``token_ids``, as the corpus's KV store makes it (its model,
+        codec and the corpus's chunk context)."""
+        return self.kv_store.chunk_key(token_ids, self.chunk_context.key)
+
+    @property
+    def model_source(self) -> str:
+        """Where the corpus's model is loaded from: the folder it was built with, else its name."""
+        return self.manifest.model_path if Path(self.manifest.model_path).is_dir() else self.manifest.model
+
+    def _model_shape(self) -> ModelShape:
+        """The model's dimensions for the KV store: as its index records them, else from the model's
+        config (a store with no KV of the model yet)."""
+        if (self.kv_dir / INDEX_NAME).is_file():
+            for fingerprint, _, shape in stored_models(self.kv_dir):
+                if fingerprint == self.manifest.model_fingerprint:
+                    return shape
+        return read_shape(self._tokenizer.path if self._tokenizer is not None else self.model_source)
 
     @property
     def embedder(self) -> EmbedderLike:
@@ -266,8 +335,7 @@ class Corpus:
         with self._lock:
             if self._chunker is None:
                 if self._tokenizer is None:
-                    where = self.manifest.model_path
-                    found = load_model_tokenizer(where if Path(where).is_dir() else self.manifest.model)
+                    found = load_model_tokenizer(self.model_source)
                     check_compatible(self.corpus_dir, self.manifest, found, None, None)
                     self._tokenizer = found
                 self._chunker = Chunker(self._tokenizer.tokenizer, self.manifest.chunk_tokens)
@@ -379,15 +447,12 @@ class Corpus:
                 new_vectors.update(zip(batch, embedded, strict=True))
                 if on_embedded is not None:
                     on_embedded(len(batch))
-            fingerprint, kv_dtype = self.manifest.model_fingerprint, self.kv_dtype
             before = self.db.version()
             changes = self.db.replace_documents(
                 documents,
                 new_vectors,
                 file,
-                kv_key=lambda cid: chunk_key(
-                    fingerprint, kv_dtype, first[cid][1].token_ids, self.chunk_context.key
-                ),
+                chunk_key=lambda cid: self.chunk_key(first[cid][1].token_ids),
             )
             self.vectors.follow(before, changes, new_vectors)
             return changes

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import InvalidQueryError, StoreError
-from ..store.kvstore import KVStore
 from ..text.document import Document
 from .chunkdb import FileChanges, StoredDocument
 from .embedder import unit_vectors
@@ -64,7 +63,6 @@ class DocumentSet:
         keys: Sequence[str],
         metadatas: Sequence[Mapping[str, Any] | None] | None = None,
         vectors: Sequence[Sequence[float] | None] | None = None,
-        kv_store: KVStore | None = None,
     ) -> FileChanges:
         """Add documents under ``keys``, replacing any stored under the same key, in one transaction.
         ``vectors``: a vector per document from the corpus's embedder, already computed (None entries,
@@ -98,51 +96,38 @@ class DocumentSet:
         if not documents:
             return FileChanges()
         changes = self.corpus.add_documents(list(documents.values()), vectors=given)
-        self.drop_kv(changes.removed_kv_keys, kv_store)
+        self.drop_kv(changes.removed_kv_keys)
         return changes
 
-    def delete(self, keys: Sequence[str], kv_store: KVStore | None = None) -> FileChanges:
+    def delete(self, keys: Sequence[str]) -> FileChanges:
         """Remove the documents with these keys (absent keys are ignored), and the chunks no other
-        document holds with their vectors and KV: deleted through ``kv_store`` (an engine's store, so its
-        RAM tier forgets them too) when given, else through the corpus's own KV store."""
+        document holds with their vectors and KV (deleted through the corpus's KV store, which the engines
+        over the corpus read, so their RAM tier forgets them too)."""
         if isinstance(keys, str):
             raise TypeError("delete takes a sequence of keys, not one string")
-        return self._delete(lambda: self.corpus.db.delete_documents(list(keys)), kv_store)
+        return self._delete(lambda: self.corpus.db.delete_documents(list(keys)))
 
-    def delete_files(self, paths: Sequence[str], kv_store: KVStore | None = None) -> FileChanges:
+    def delete_files(self, paths: Sequence[str]) -> FileChanges:
         """Forget these ingested files with their documents (see :meth:`delete` for what goes with them)."""
-        return self._delete(lambda: self.corpus.db.delete_files(list(paths)), kv_store)
+        return self._delete(lambda: self.corpus.db.delete_files(list(paths)))
 
-    def _delete(self, delete, kv_store: KVStore | None) -> FileChanges:
+    def _delete(self, delete) -> FileChanges:
         with self._lock:
             if self.corpus.db.readonly:
                 raise StoreError(f"store {self.corpus.corpus_dir} is read-only")
             before = self.corpus.db.version()
             changes = delete()
             self.corpus.vectors.follow(before, changes, {})
-        self.drop_kv(changes.removed_kv_keys, kv_store)
+        self.drop_kv(changes.removed_kv_keys)
         return changes
 
-    def drop_kv(self, kv_keys: Sequence[str], store: KVStore | None = None) -> int:
-        """Delete the KV of chunks the corpus no longer holds, through ``store`` or else the corpus's own
-        KV store; returns the number of entries deleted."""
+    def drop_kv(self, kv_keys: Sequence[str]) -> int:
+        """Delete the KV of chunks the corpus no longer holds from its KV store; returns the number of
+        entries deleted."""
         if not kv_keys:
             return 0
-        owned = None
-        if store is None:
-            if not self.corpus.kv_dir.is_dir():
-                return 0
-            try:
-                store = owned = KVStore.open_existing(
-                    self.corpus.kv_dir, self.corpus.manifest.model_fingerprint
-                )
-            except StoreError:
-                return 0  # no KV of this model stored yet
-        try:
-            return sum(1 for key in kv_keys if store.delete(key))
-        finally:
-            if owned is not None:
-                owned.close()
+        store = self.corpus.kv_store
+        return sum(1 for key in kv_keys if store.delete(key))
 
     def get(self, keys: Sequence[str]) -> list[StoredDocument]:
         """The stored documents with these keys, in the order asked, each once; absent keys are left out."""

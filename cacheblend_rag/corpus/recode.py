@@ -23,7 +23,7 @@ from typing import Any
 
 from ..blend.segments import ChunkContext, ChunkKV
 from ..errors import CorruptKVError, StoreError
-from ..store.keys import chunk_key, resolve_codec
+from ..store.keys import resolve_codec
 from ..store.kvstore import KVStore
 from .chunkdb import DB_NAME, ChunkDB
 from .manifest import KV_DIR_NAME, CorpusManifest, format_for
@@ -100,7 +100,7 @@ def _convert(
     """Step 1 for one chunk DB row: (row id, new key, whether the chunk's KV is stored under it)."""
     row_id, token_ids, _, ready = row
     report.chunks += 1
-    new_key = chunk_key(source.fingerprint, dest.codec.name, token_ids, context)
+    new_key = dest.chunk_key(token_ids, context)
     if not ready:
         report.not_stored += 1
         return row_id, new_key, False
@@ -109,7 +109,7 @@ def _convert(
         if dest.remote is not None:
             dest.pin(new_key)
         return row_id, new_key, True
-    old_key = chunk_key(source.fingerprint, source.codec.name, token_ids, context)
+    old_key = source.chunk_key(token_ids, context)
     found = source.get(old_key)
     try:
         if found is None:
@@ -146,7 +146,7 @@ def _sweep(root: Path, fingerprint: str, target: str, rows, context: str, remote
                     removed += old.disk.delete(key)
                 if old.remote is not None:
                     for _, token_ids, _, _ in rows:
-                        old.remote.delete(chunk_key(fingerprint, codec, token_ids, context))
+                        old.remote.delete(old.chunk_key(token_ids, context))
             store.index.sql(
                 "DELETE FROM models WHERE model_fingerprint = ? AND kv_dtype = ?", (fingerprint, codec)
             )

@@ -6,6 +6,7 @@
 
 from pathlib import Path
 
+from ..errors import EngineClosedError, SchedulerClosedError
 from ..settings import get_settings
 from ..store.kvstore import KVStore
 from .base import (
@@ -18,6 +19,7 @@ from .base import (
     TokenStream,
 )
 from .constraints import JsonConstraint
+from .decode import DecodeRow
 from .engine import Engine
 from .handles import RequestHandle
 from .prompt import ChunkRef, PromptBuilder, PromptPart
@@ -51,7 +53,9 @@ __all__ = [
     "BatchRequest",
     "BatchScheduler",
     "ChunkRef",
+    "DecodeRow",
     "Engine",
+    "EngineClosedError",
     "EngineProtocol",
     "FusionStats",
     "GenerationResult",
@@ -60,6 +64,7 @@ __all__ = [
     "PromptPart",
     "RequestHandle",
     "SamplingParams",
+    "SchedulerClosedError",
     "SchedulerStats",
     "StreamHandle",
     "TokenEvent",

@@ -15,14 +15,17 @@ connector's:
 - **generation**: ``generate`` (one answer), ``stream`` (a :class:`StreamHandle`: iterate it for
   :class:`TokenEvent` objects, then ``.result()``), ``generate_batch`` (several requests served together);
   every answer is a :class:`GenerationResult` built by :meth:`GenerationResult.build`. Concurrent callers:
-  the vLLM engine batches concurrent ``stream`` calls itself; the PyTorch engine's ``stream`` runs one
-  request, so a front end serving many callers puts it behind a
-  :class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (``frontend.PromptFrontend.scheduler``);
+  the vLLM engine batches concurrent ``stream`` calls itself (``batches_requests``); the PyTorch engine's
+  ``stream`` runs one request, so a front end serving many callers puts it behind a
+  :class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (``frontend.PromptFrontend.scheduler``). A
+  stream handle's ``cancel()`` stops its request;
 - **lifecycle**: ``close``.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Collection, Generator, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
@@ -32,7 +35,7 @@ from ..blend.fusor import FusionResult
 from ..blend.methods import RecomputeMethod, Reuse
 from ..blend.segments import ChunkContext, ChunkKVSource, Segment
 from ..blend.spec import MethodSpec, ResolvedMethod
-from ..errors import ContextLengthError, FusionInputError, MaxTokensError
+from ..errors import ContextLengthError, FusionInputError, MaxTokensError, RequestCancelledError
 from ..store.kvstore import KVStore
 from .prompt import ChunkRef, PromptBuilder, PromptPart
 from .sampling import SamplingParams
@@ -208,42 +211,74 @@ class BatchRequest:
 @runtime_checkable
 class StreamHandle(Protocol[R]):
     """A request being answered: iterate it for its tokens (once), then :meth:`result` gives the final
-    result (waiting for it, or generating what was not iterated yet)."""
+    result (waiting for it, or generating what was not iterated yet). :meth:`cancel` (from any thread)
+    stops it: a client that abandons a stream cancels it, so its row stops decoding."""
+
+    submitted_at: float  # perf_counter time the engine took the request
 
     def __iter__(self) -> Iterator[TokenEvent]: ...
 
     def result(self) -> R: ...
 
+    def cancel(self) -> bool:
+        """Stop the request unless it has finished (False then). Iteration ends and :meth:`result`
+        raises :class:`~cacheblend_rag.errors.RequestCancelledError`."""
+        ...
+
 
 class TokenStream(Generic[R]):
     """A :class:`StreamHandle` over a generator that yields :class:`TokenEvent` objects and returns the
-    result. Nothing runs until it is iterated (or :meth:`result` is called)."""
+    result. Nothing runs until it is iterated (or :meth:`result` is called); cancelling it closes the
+    generator (at once, or once the token being generated on another thread is there)."""
 
     def __init__(self, events: Generator[TokenEvent, None, R]) -> None:
+        self.submitted_at = time.perf_counter()
         self._events = events
         self._finished = False
+        self._cancelled = False
         self._result: R | None = None
+        # held while the generator runs, so that cancel() from another thread never closes it mid-step
+        self._running = threading.Lock()
 
     def __iter__(self) -> Iterator[TokenEvent]:
         return self
 
     def __next__(self) -> TokenEvent:
-        if self._finished:
-            raise StopIteration
-        try:
-            return next(self._events)
-        except StopIteration as stop:
-            self._finished, self._result = True, stop.value
-            raise StopIteration from None
+        with self._running:
+            if self._cancelled:
+                self._events.close()
+                raise RequestCancelledError("the request was cancelled")
+            if self._finished:
+                raise StopIteration
+            try:
+                event = next(self._events)
+            except StopIteration as stop:
+                self._finished, self._result = True, stop.value
+                raise StopIteration from None
+            if self._cancelled:  # cancelled while this token was generated
+                self._events.close()
+                raise RequestCancelledError("the request was cancelled")
+            return event
 
     def result(self) -> R:
         for _ in self:
             pass
         return self._result  # type: ignore[return-value]
 
+    def cancel(self) -> bool:
+        if self._finished or self._cancelled:
+            return False
+        self._cancelled = True
+        if self._running.acquire(blocking=False):  # else the iterating thread closes it after its token
+            try:
+                self._events.close()
+            finally:
+                self._running.release()
+        return True
+
     def close(self) -> None:
-        """Stop generating (the request's result is then never produced)."""
-        self._events.close()
+        """Stop generating (what ``yield from`` calls on a stream it wraps when it is closed itself)."""
+        self.cancel()
 
 
 class PromptSegments:
@@ -285,6 +320,9 @@ class EngineProtocol(Protocol):
     prompts: PromptBuilder
     controller: LoadingController
     eos_ids: set[int]
+    # whether concurrent ``stream`` calls are batched by the engine itself (vLLM); if not (the PyTorch
+    # engine decodes one request per ``stream``), serve concurrent callers through a BatchScheduler
+    batches_requests: bool
 
     @property
     def context_window(self) -> int: ...

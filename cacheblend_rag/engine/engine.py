@@ -10,8 +10,6 @@ from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionRequest, FusionResult, Fusor
 from ..blend.methods import RecomputeMethod, Reuse
@@ -33,22 +31,20 @@ from ..models.tokenizer import chunk_context_ids
 from ..settings import get_settings
 from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader
+from ..store.shared import acquire_store, release_store
 from .base import (
     BatchRequest,
-    FusionStats,
     GenerationResult,
     Method,
     PromptSegments,
-    TokenEvent,
     TokenStream,
     eos_token_ids,
     generation_budget,
 )
-from .constraints import masked, start_constraint
+from .decode import DecodeRow, decode_alone
 from .prompt import PromptBuilder, PromptPart, layout_segments
-from .sampling import SamplingParams, make_generator, sample_next
+from .sampling import SamplingParams
 from .scheduler import BatchScheduler
-from .textstream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +53,13 @@ MAX_EXACT_HEADS = 16
 
 
 class Engine(PromptSegments):
-    """Owns the model, the fusor and the chunk KV store; implements
+    """Runs the model and the fusor over a chunk KV store (``store``: a corpus's, ``corpus.kv_store``, or
+    a folder whose process-wide store it opens); implements
     :class:`~cacheblend_rag.engine.base.EngineProtocol`. Thread-safe: one forward at a time, under
-    :attr:`forward_lock`."""
+    :attr:`forward_lock`. Its :meth:`stream` decodes one request; concurrent callers share a
+    :class:`BatchScheduler` over it (hence ``batches_requests`` is False)."""
+
+    batches_requests = False
 
     def __init__(
         self,
@@ -82,10 +82,13 @@ class Engine(PromptSegments):
         # template openings seen lately, by token ids: their exact KV (see _exact_head)
         self._heads: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         self._heads_lock = threading.Lock()
+        # A store given is its owner's (a corpus passes its own, Corpus.kv_store); a folder (or the
+        # default) is opened as the process's shared store there and given back by close().
+        self._owns_store = not isinstance(store, KVStore)
         if not isinstance(store, KVStore):
             root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
-            # a corpus passes the codec it records (kv_dtype); else the kv_dtype setting
-            store = KVStore(root, self.model.fingerprint, self.model.shape, kv_dtype)
+            codec = kv_dtype or settings.kv_dtype
+            store = acquire_store(root, self.model.fingerprint, self.model.shape, codec)
         self.store = store
         self.fusor = Fusor(self.model)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
@@ -103,9 +106,12 @@ class Engine(PromptSegments):
         return self.model.shape.max_context
 
     def close(self) -> None:
-        """Close the chunk KV store (waiting for its background writes) and give back the shared model
-        this engine loaded (the last engine to do so frees it)."""
-        self.store.close()
+        """Give back the chunk KV store this engine opened (the last holder closes it, waiting for its
+        background writes) and the shared model it loaded (the last engine to do so frees it). A store or
+        model passed in stays open: it is its owner's."""
+        if self._owns_store:
+            self._owns_store = False
+            release_store(self.store)
         if self._owns_model:
             self._owns_model = False
             release_model(self.model)
@@ -134,7 +140,7 @@ class Engine(PromptSegments):
 
     def chunk_key(self, token_ids: Sequence[int]) -> str:
         """The KV store key of the chunk made of ``token_ids`` (prefilled behind the chunk context)."""
-        return self.store.key_for(token_ids, self.chunk_context.key)
+        return self.store.chunk_key(token_ids, self.chunk_context.key)
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The chunk's KV from the store, computed and written back on a miss."""
@@ -153,7 +159,7 @@ class Engine(PromptSegments):
 
     def _stored_kv(self, token_ids: Sequence[int], context: ChunkContext) -> tuple[ChunkKVSource, bool]:
         """The KV from the store, and whether it was computed here because no tier held it."""
-        key = self.store.key_for(token_ids, context.key)
+        key = self.store.chunk_key(token_ids, context.key)
         found = self.store.get(key)
         if found is not None:
             return found, False
@@ -285,8 +291,9 @@ class Engine(PromptSegments):
         sampling: SamplingParams | None = None,
         **method_options: Any,
     ) -> TokenStream[GenerationResult]:
-        """Fuse ``segments`` with ``method`` and generate; iterate the handle for tokens as they are
-        generated, then ``.result()``. Bad input (method, options, a prompt too long) raises here."""
+        """Fuse ``segments`` with ``method`` and generate (one :class:`~.decode.DecodeRow`, decoded alone on
+        the iterating thread); iterate the handle for tokens as they are generated, then ``.result()``;
+        ``.cancel()`` stops it. Bad input (method, options, a prompt too long) raises here."""
         sampling = sampling or SamplingParams()
         resolved = resolve_method(method, segments, self.controller, method_options)
         prompt_tokens = sum(len(s) for s in segments)
@@ -298,39 +305,8 @@ class Engine(PromptSegments):
     def _generate(self, segments, resolved, sampling: SamplingParams, max_new: int) -> Generator:
         started = time.perf_counter()
         fusion = self.fuse(segments, resolved.method, extra_capacity=max_new)
-        generator = make_generator(sampling)
-        answer = TextStream(self.model.tokenizer, self.eos_ids, sampling.stop, max_new)
-        cache, logits, position, ttft = fusion.cache, fusion.logits, fusion.num_tokens, 0.0
-        # structured output: the request's JSON matcher (None without a constraint)
-        constraint = start_constraint(sampling, self.model.tokenizer, self.eos_ids, logits.shape[-1], max_new)
-        while True:
-            token = sample_next(masked(logits, constraint), sampling, generator)
-            if not answer.token_ids:
-                ttft = time.perf_counter() - started
-            piece = answer.push(token)
-            if piece is not None:
-                yield TokenEvent(token, piece)
-            if constraint is not None and constraint.accept(token):
-                answer.finish_reason = "stop"  # the JSON is complete
-            if answer.finished:
-                break
-            with self.forward_lock:
-                logits = self.model.forward(
-                    torch.tensor([[token]], device=self.model.device),
-                    torch.tensor([position], device=self.model.device),
-                    cache,
-                )[0]
-            position += 1
-        return GenerationResult.build(
-            text=answer.text,
-            token_ids=answer.token_ids,
-            finish_reason=answer.finish_reason or "length",
-            resolved=resolved,
-            segments=segments,
-            fusion=FusionStats.of(fusion),
-            ttft_s=ttft,
-            total_s=time.perf_counter() - started,
-        )
+        row = DecodeRow(self.model.tokenizer, self.eos_ids, segments, resolved, sampling, max_new, started)
+        return (yield from decode_alone(self.model, self.forward_lock, row, fusion))
 
     def generate(
         self,

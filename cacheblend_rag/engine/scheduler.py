@@ -13,44 +13,65 @@ row, masked to that row's own slots, so padding and other rows never leak into a
 finishes leaves the batch at once and its slot is refilled by the next admitted request between two
 decode steps.
 
-Per request, a :class:`RequestHandle` (:mod:`.handles`) streams :class:`TokenEvent` objects and
-resolves to the same :class:`GenerationResult` as :meth:`Engine.generate`; greedy answers equal the
-one-at-a-time ones. A request can be cancelled (:meth:`BatchScheduler.cancel`, e.g. when its client went
-away): a waiting one leaves the queue, an active one leaves the decode batch before the next step,
-freeing its slot.
+Each row is a :class:`~cacheblend_rag.engine.decode.DecodeRow`, the decode state :meth:`Engine.stream`
+decodes alone: choosing tokens (sampling, constraints, EOS and stop strings) is written once, in
+:mod:`.decode`. Per request, a :class:`RequestHandle` (:mod:`.handles`) streams :class:`TokenEvent`
+objects and resolves to the same :class:`GenerationResult` as :meth:`Engine.generate`; greedy answers
+equal the one-at-a-time ones. A request can be cancelled (:meth:`RequestHandle.cancel`, e.g. when its
+client went away): a waiting one leaves the queue, an active one leaves the decode batch before the next
+step, freeing its slot. Submitting to a closed scheduler raises :class:`SchedulerClosedError`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import torch
-
-from ..blend.fusor import FusionResult
+from ..blend.controller import LoadingController
+from ..blend.fusor import FusionResult, Fusor
+from ..blend.methods import RecomputeMethod
 from ..blend.segments import Segment
 from ..blend.spec import ResolvedMethod, resolve_method
-from ..errors import AdmissionError, RequestCancelledError
+from ..errors import AdmissionError, RequestCancelledError, SchedulerClosedError
+from ..models.runtime import LayerwiseModel
 from ..settings import get_settings
 from ..store.keys import kv_bytes_per_token
-from .base import BatchRequest, FusionStats, GenerationResult, Method, TokenEvent, generation_budget
+from .base import BatchRequest, GenerationResult, Method, generation_budget
 from .batch_kv import DecodeCache, SharedChunk, fusion_batches, share_chunks
-from .constraints import ConstraintState, masked, start_constraint
+from .decode import DecodeRow, decode_step
 from .handles import RequestHandle
-from .sampling import SamplingParams, make_generator, sample_next
-from .textstream import TextStream
-
-if TYPE_CHECKING:  # the engine runs its batches through a scheduler: it imports this module
-    from .engine import Engine
+from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchRequest", "BatchScheduler", "RequestHandle", "SchedulerStats"]
+__all__ = ["BatchRequest", "BatchScheduler", "FusingEngine", "RequestHandle", "SchedulerStats"]
+
+
+class FusingEngine(Protocol):
+    """What the scheduler needs of an engine (the PyTorch :class:`~cacheblend_rag.engine.Engine`): its
+    model and the lock its forwards take, its fusor and loading controller, and fusing prompts alone or
+    together."""
+
+    model: LayerwiseModel
+    fusor: Fusor
+    controller: LoadingController
+    eos_ids: set[int]
+    forward_lock: AbstractContextManager[Any]
+
+    def fuse(self, segments: list[Segment], method: RecomputeMethod) -> FusionResult: ...
+
+    def fuse_many(
+        self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
+    ) -> list[FusionResult | Exception]: ...
+
+    def fuse_round(
+        self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
+    ) -> list[FusionResult | Exception]: ...
 
 
 @dataclass
@@ -60,7 +81,7 @@ class SchedulerStats:
     submitted: int = 0
     completed: int = 0
     failed: int = 0
-    cancelled: int = 0  # requests stopped by BatchScheduler.cancel before they finished
+    cancelled: int = 0  # requests cancelled before they finished
     groups: int = 0  # admission groups; each reads a shared chunk once
     fusion_passes: int = 0  # fusions run: one per batch fused together, one per request otherwise
     decode_steps: int = 0
@@ -84,25 +105,12 @@ class _Pending:
     sampling: SamplingParams
     prompt_tokens: int
     max_new: int
+    row: DecodeRow | None = None  # its decode state, once fused
 
     @property
     def capacity(self) -> int:
         """KV slots the request's row needs: the prompt and every token it may still feed back."""
         return self.prompt_tokens + self.max_new
-
-
-@dataclass
-class _Row:
-    """A request in the decode batch: ``token`` is fed next, at ``position``."""
-
-    pending: _Pending
-    text: TextStream
-    generator: torch.Generator | None
-    fusion: FusionStats
-    ttft_s: float
-    token: int = 0
-    position: int = 0
-    constraint: ConstraintState | None = None  # structured output: the request's JSON matcher
 
 
 class BatchScheduler:
@@ -118,7 +126,7 @@ class BatchScheduler:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: FusingEngine,
         max_batch: int | None = None,
         kv_budget_bytes: int | None = None,
         batched_fusion: bool = True,
@@ -142,7 +150,7 @@ class BatchScheduler:
         self.kv_bytes_per_token = kv_bytes_per_token(self.model.shape, self.model.dtype)
         self.stats = SchedulerStats()
         self._waiting: deque[_Pending] = deque()
-        self._rows: list[_Row] = []
+        self._rows: list[_Pending] = []  # the decode batch: row i's KV is the cache's batch row i
         self._cache = DecodeCache(self.model)
         self._cond = threading.Condition()
         self._closing = False
@@ -177,10 +185,10 @@ class BatchScheduler:
         prepared = [self._prepare(r) for r in requests]
         with self._cond:
             if self._closing:
-                raise RuntimeError("the scheduler is closed")
+                raise SchedulerClosedError("the scheduler is closed")
             handles = []
             for segments, resolved, sampling, prompt_tokens, max_new in prepared:
-                handle = RequestHandle(self._next_id)
+                handle = RequestHandle(self._next_id, self.cancel)
                 self._next_id += 1
                 self._waiting.append(_Pending(handle, segments, resolved, sampling, prompt_tokens, max_new))
                 handles.append(handle)
@@ -238,10 +246,11 @@ class BatchScheduler:
 
     def _drop_cancelled(self) -> None:
         """Worker: end every active row whose request was cancelled, freeing its slot."""
-        slots = [slot for slot, row in enumerate(self._rows) if row.pending.handle.cancel_requested]
-        for slot in slots:
-            self._end_cancelled(self._rows[slot].pending)
-        self._free_slots(slots)
+        slots = [slot for slot, pending in enumerate(self._rows) if pending.handle.cancel_requested]
+        cancelled = [self._rows[slot] for slot in slots]
+        self._free_slots(slots)  # first, so that a handle that has ended holds no slot
+        for pending in cancelled:
+            self._end_cancelled(pending)
 
     def _end_cancelled(self, pending: _Pending) -> None:
         if pending.handle.done():
@@ -286,7 +295,7 @@ class BatchScheduler:
                     self._cache.release()  # idle: give the batch's memory back
             except Exception as exc:  # a bug must not leave callers waiting forever
                 log.exception("batch scheduler step failed; failing its requests")
-                for pending in [*group, *(row.pending for row in self._rows)]:
+                for pending in [*group, *self._rows]:
                     self._fail(pending, exc)
                 self._rows = []
 
@@ -296,7 +305,7 @@ class BatchScheduler:
     def _admit(self) -> list[_Pending]:
         """Pop, in FIFO order, the waiting requests that fit beside the active rows. Called under the lock."""
         group: list[_Pending] = []
-        capacities = [row.pending.capacity for row in self._rows]
+        capacities = [pending.capacity for pending in self._rows]
         while self._waiting and len(capacities) < self.max_batch:
             head = self._waiting[0]
             if capacities and self._batch_bytes([*capacities, head.capacity]) > self.kv_budget_bytes:
@@ -313,7 +322,7 @@ class BatchScheduler:
         """Fuse the requests of ``group`` (together, or one at a time; sharing their chunks' reads either
         way), emit each one's first token and give it a row in the decode batch unless it has already
         finished."""
-        capacities = [row.pending.capacity for row in self._rows] + [p.capacity for p in group]
+        capacities = [pending.capacity for pending in self._rows] + [p.capacity for p in group]
         self._cache.reserve(len(capacities), max(capacities), keep=len(self._rows))
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
         shared = share_chunks([p.segments for p in group])
@@ -357,66 +366,46 @@ class BatchScheduler:
                 self._fail(pending, exc)
 
     def _begin_row(self, pending: _Pending, fusion: FusionResult) -> None:
-        generator = make_generator(pending.sampling)
-        vocab = fusion.logits.shape[-1]
-        constraint = start_constraint(
-            pending.sampling, self.model.tokenizer, self.engine.eos_ids, vocab, pending.max_new
+        handle = pending.handle
+        row = DecodeRow(
+            self.model.tokenizer,
+            self.engine.eos_ids,
+            pending.segments,
+            pending.resolved,
+            pending.sampling,
+            pending.max_new,
+            started=handle.submitted_at,
+            emit=handle._emit,
         )
-        token = sample_next(masked(fusion.logits, constraint), pending.sampling, generator)
-        row = _Row(
-            pending,
-            TextStream(self.model.tokenizer, self.engine.eos_ids, pending.sampling.stop, pending.max_new),
-            generator,
-            FusionStats.of(fusion),
-            ttft_s=time.perf_counter() - pending.handle.submitted_at,
-            position=pending.prompt_tokens,
-            constraint=constraint,
-        )
-        pending.handle.first_token_at = time.perf_counter()
-        if not self._accept(row, token):
-            self._cache.place(len(self._rows), fusion.cache, pending.prompt_tokens)
-            self._rows.append(row)
-
-    def _accept(self, row: _Row, token: int) -> bool:
-        """Record a sampled token (streaming its text); returns True when the row has finished."""
-        piece = row.text.push(token)
-        if piece is not None:
-            row.pending.handle._emit(TokenEvent(token, piece))
-        if row.constraint is not None and row.constraint.accept(token):
-            row.text.finish_reason = "stop"  # the JSON is complete
-        if row.text.finished:
-            self._complete(row)
-            return True
-        row.token = token
-        return False
+        finished = row.start(fusion)
+        handle.first_token_at = row.first_token_at
+        if finished:
+            self._complete(pending, row)
+            return
+        assert row.cache is not None
+        self._cache.place(len(self._rows), row.cache, pending.prompt_tokens)
+        row.cache = None  # its KV lives in the batch buffer now
+        pending.row = row
+        self._rows.append(pending)
 
     def _decode_step(self) -> None:
-        rows = self._rows
-        device = self.model.device
-        ids = torch.tensor([[row.token] for row in rows], device=device)
-        if len(rows) == 1:  # the shape Engine.stream decodes with: no mask tensor, same kernels
-            positions = torch.tensor([rows[0].position], device=device)
-        else:
-            positions = torch.tensor([[row.position] for row in rows], device=device)
+        rows = [pending.row for pending in self._rows]
+        assert all(row is not None for row in rows)
         try:
-            with self.engine.forward_lock:
-                logits = self.model.forward(ids, positions, self._cache.view(len(rows)))
+            finished = decode_step(self.model, self.engine.forward_lock, rows, self._cache.view(len(rows)))
         except Exception as exc:
             log.exception("decode step failed; failing its %d requests", len(rows))
-            for row in rows:
-                self._fail(row.pending, exc)
+            for pending in self._rows:
+                self._fail(pending, exc)
             self._rows = []
             return
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(rows)
         self.stats.max_rows = max(self.stats.max_rows, len(rows))
-        finished = []
-        for slot, row in enumerate(rows):
-            row.position += 1
-            token = sample_next(masked(logits[slot], row.constraint), row.pending.sampling, row.generator)
-            if self._accept(row, token):
-                finished.append(slot)
-        self._free_slots(finished)
+        done = [(self._rows[slot], rows[slot]) for slot in finished]
+        self._free_slots(finished)  # first, so that a handle that has ended holds no slot
+        for pending, row in done:
+            self._complete(pending, row)
 
     def _free_slots(self, slots: Sequence[int]) -> None:
         """Remove the rows in ``slots`` (ascending) from the decode batch."""
@@ -427,18 +416,12 @@ class BatchScheduler:
                 self._rows[slot] = self._rows[last]
             self._rows.pop()
 
-    def _complete(self, row: _Row) -> None:
-        pending = row.pending
-        result = GenerationResult.build(
-            text=row.text.text,
-            token_ids=row.text.token_ids,
-            finish_reason=row.text.finish_reason or "length",
-            resolved=pending.resolved,
-            segments=pending.segments,
-            fusion=row.fusion,
-            ttft_s=row.ttft_s,
-            total_s=time.perf_counter() - pending.handle.submitted_at,
-        )
+    def _complete(self, pending: _Pending, row: DecodeRow) -> None:
+        try:
+            result = row.result()
+        except Exception as exc:  # its row is gone already: fail the request rather than leave it waiting
+            self._fail(pending, exc)
+            return
         self.stats.completed += 1
         pending.handle._finish(result)
 

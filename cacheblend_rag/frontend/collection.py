@@ -26,8 +26,7 @@ from ..corpus.manifest import CorpusManifest, check_compatible
 from ..errors import StoreError
 from ..ingest.kv import precompute_pending
 from ..models.tokenizer import load_model_tokenizer
-from ..store.kvstore import KVStore
-from .text import PromptFrontend, acquire_frontend, find_frontend, get_corpus, release_frontend
+from .text import PromptFrontend, acquire_frontend, get_corpus, release_frontend
 
 
 class CollectionOptions(TypedDict, total=False):
@@ -102,12 +101,6 @@ class DocumentCollection:
                 self._frontend = acquire_frontend(self.corpus_dir, self.model)
             return self._frontend
 
-    def _kv_store(self) -> KVStore | None:
-        """The KV store of the engine the process runs over this corpus, if any (deleting through it
-        clears its RAM tier too); None: the corpus opens its own, without loading a model."""
-        frontend = self._frontend or find_frontend(self.corpus_dir, self.model)
-        return frontend.engine.store if frontend is not None and not frontend.closed else None
-
     def close(self) -> None:
         """Write the vector index if it changed (reopening then skips a rebuild) and give back the hold
         on the shared engine (the last holder frees the model)."""
@@ -129,7 +122,7 @@ class DocumentCollection:
     ) -> FileChanges:
         """Add (or replace, by id) documents; then precompute the KV of their new chunks, unless the
         collection computes KV lazily. The KV of chunks a replacement left unused is deleted."""
-        changes = self.corpus.documents.put(texts, ids, metadatas, vectors, self._kv_store())
+        changes = self.corpus.documents.put(texts, ids, metadatas, vectors)
         if self.precompute_kv and changes.new_chunks:
             precompute_pending(self.corpus, self.frontend.engine, only=changes.new_chunks)
         return changes
@@ -137,7 +130,7 @@ class DocumentCollection:
     def delete(self, ids: Sequence[str]) -> FileChanges:
         """Remove documents by id (unknown ids are ignored) with the rows, vectors and KV of the chunks no
         other document holds."""
-        return self.corpus.documents.delete(ids, self._kv_store())
+        return self.corpus.documents.delete(ids)
 
     def get(self, ids: Sequence[str]) -> list[StoredDocument]:
         """Documents by id as added, in the order asked; unknown ids are left out."""

@@ -45,7 +45,7 @@ from ..engine import (
     BatchRequest,
     BatchScheduler,
     ChunkRef,
-    Engine,
+    EngineClosedError,
     EngineProtocol,
     GenerationResult,
     JsonConstraint,
@@ -290,13 +290,14 @@ class PromptFrontend:
 
     @property
     def scheduler(self) -> BatchScheduler | None:
-        """The batch scheduler the PyTorch engine's answers go through (started on first use); None for
-        an engine that batches its own requests (vLLM)."""
-        if not isinstance(self.engine, Engine):
+        """The batch scheduler the answers of an engine that decodes one request per stream (the PyTorch
+        engine) go through (started on first use); None for an engine that batches its own requests
+        (vLLM)."""
+        if self.engine.batches_requests:
             return None
         with self._scheduler_lock:
             if self.closed:
-                raise RuntimeError("this frontend is closed (its model was given back)")
+                raise EngineClosedError("this frontend is closed (its model was given back)")
             if self._scheduler is None:
                 self._scheduler = BatchScheduler(self.engine)
             return self._scheduler
@@ -388,14 +389,6 @@ def acquire_frontend(
             _holders[key] = 0
         _holders[key] += 1
         return _frontends[key]
-
-
-def find_frontend(
-    corpus_dir: str | Path, model: str | Path | None = None, engine: str | None = None
-) -> PromptFrontend | None:
-    """The frontend over (corpus, model, engine kind) if the process holds one now (no hold is taken)."""
-    with _shared_lock:
-        return _frontends.get(_frontend_key(corpus_dir, model, engine))
 
 
 def release_frontend(frontend: PromptFrontend) -> None:

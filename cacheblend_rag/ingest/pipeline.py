@@ -26,8 +26,7 @@ import hashlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +43,6 @@ from ..engine import create_engine
 from ..errors import IngestError, StoreError
 from ..models.tokenizer import load_model_tokenizer
 from ..settings import get_settings
-from ..store.kvstore import KVStore
 from ..text import Chunk, Chunker, Document
 from .kv import ChunkKVWriter, precompute_pending
 from .readers import discover, read_bytes, read_file
@@ -158,7 +156,7 @@ def ingest(
     if engine is not None and engine.store.kv_dtype_name != codec:
         raise StoreError(
             f"the engine given for the KV stage stores chunk KV in {engine.store.kv_dtype_name}, corpus "
-            f"{corpus_dir} in {codec}; create it with kv_dtype=Corpus.open(...).kv_dtype (or run "
+            f"{corpus_dir} in {codec}; create it with store=Corpus.open(...).kv_store (or run "
             "cacheblend-rag store recode)"
         )
     chunker = Chunker(tokenizer.tokenizer, chunk_tokens or get_settings().chunk_tokens)
@@ -182,9 +180,10 @@ def ingest(
             f"cannot write to store (corpus directory) {corpus_dir}: {exc.strerror or exc}"
         ) from exc
     corpus: Corpus | None = None
+    kv_store = engine.store if engine is not None else None  # the corpus's store is the engine's
     try:
         corpus = (
-            Corpus.create(corpus_dir, tokenizer, embedder_model, chunk_tokens, index_type)
+            Corpus.create(corpus_dir, tokenizer, embedder_model, chunk_tokens, index_type, kv_store=kv_store)
             if manifest is not None
             else None
         )
@@ -192,14 +191,16 @@ def ingest(
         if corpus is not None:
             _prune_stage(corpus, paths, files, engine, summary)
         if corpus is None:
-            corpus = Corpus.create(corpus_dir, tokenizer, embedder_model, chunker.max_tokens, index_type)
+            corpus = Corpus.create(
+                corpus_dir, tokenizer, embedder_model, chunker.max_tokens, index_type, kv_store=kv_store
+            )
         index_changed = index_type is not None and manifest is not None and index_type != manifest.index_type
         removed_kv = corpus.stale_kv_keys + _embed_stage(plans, corpus, summary, notify)
         _index_stage(corpus, index_changed, summary, notify)
         if precompute_kv:
             _kv_stage(corpus, tokenizer.path, engine, removed_kv, summary, notify)
         else:
-            corpus.documents.drop_kv(removed_kv, engine.store if engine is not None else None)
+            corpus.documents.drop_kv(removed_kv)
     except BaseException:
         if created and corpus is None:
             shutil.rmtree(corpus_dir, ignore_errors=True)  # nothing was stored: leave no empty corpus behind
@@ -331,7 +332,7 @@ def _prune_stage(
         if recorded not in present and any(Path(recorded).is_relative_to(root) for root in roots)
     ]
     if gone:
-        changes = corpus.documents.delete_files(gone, engine.store if engine is not None else None)
+        changes = corpus.documents.delete_files(gone)
         summary.removed_files += len(gone)
         summary.removed_chunks += len(changes.removed_chunks)
         log.info(
@@ -356,11 +357,7 @@ def _kv_stage(
     if pending and engine is None:
         loading = time.perf_counter()
         engine = owned = create_engine(
-            "torch",
-            model=model_path,
-            store=corpus.kv_dir,
-            chunk_context=corpus.chunk_context,
-            kv_dtype=corpus.kv_dtype,
+            "torch", model=model_path, store=corpus.kv_store, chunk_context=corpus.chunk_context
         )
         loaded = time.perf_counter() - loading
         summary.stage_seconds["load"] += loaded
@@ -373,37 +370,10 @@ def _kv_stage(
             summary.kv_chunks += computed
             summary.kv_bytes += written
         # the KV of chunks the corpus no longer holds (their keys hash token ids no chunk has now)
-        corpus.documents.drop_kv(removed_kv, engine.store if engine is not None else None)
-        if engine is not None or get_settings().kv_remote:
-            with _kv_store(corpus, engine) as store:
-                _pin_remote(corpus, store, summary)
+        corpus.documents.drop_kv(removed_kv)
+        if corpus.kv_store.remote is not None:
+            summary.kv_remote_pinned = pin_corpus(corpus, corpus.kv_store)
     finally:
         if owned is not None:
             owned.close()
     summary.stage_seconds["kv"] = time.perf_counter() - t0
-
-
-@contextmanager
-def _kv_store(corpus: Corpus, engine: ChunkKVWriter | None) -> Iterator[KVStore | None]:
-    """The engine's KV store, else the corpus's own (opened here, closed after), or None when the corpus
-    holds no KV of its model yet."""
-    if engine is not None:
-        yield engine.store
-        return
-    store = None
-    if corpus.kv_dir.is_dir():
-        with suppress(StoreError):  # no KV of this model stored yet
-            store = KVStore.open_existing(corpus.kv_dir, corpus.manifest.model_fingerprint)
-    try:
-        yield store
-    finally:
-        if store is not None:
-            store.close()
-
-
-def _pin_remote(corpus: Corpus, store: KVStore | None, summary: IngestSummary) -> None:
-    """With a remote KV tier: pin every chunk whose KV is ready there as corpus KV (pushed from the local
-    store where the tier lacks it), so that chunks ingested before the tier existed are shared too."""
-    if store is None or store.remote is None:
-        return
-    summary.kv_remote_pinned = pin_corpus(corpus, store)

@@ -82,6 +82,15 @@ def model_shape(config, family: str) -> ModelShape:
     )
 
 
+def read_shape(model: str | Path) -> ModelShape:
+    """The dimensions of ``model`` (a name or local folder) from its config, without loading weights."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(model)
+    config = AutoConfig.from_pretrained(path)
+    return model_shape(config, check_supported(config, path))
+
+
 def config_rope(config) -> Rope:
     """The model's RoPE tables, computed from its config by the family's own ``transformers`` rotary
     embedding (which holds no weights), so every runtime over these weights rotates alike."""

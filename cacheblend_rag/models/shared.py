@@ -4,28 +4,73 @@
 caller; :func:`release_model` gives one reference back, and the last one drops the process's hold on the
 weights (they are freed once no engine keeps the object). Engines acquire the model they load by name and
 release it on ``close()``; a model passed in as an object is the caller's to manage.
+
+:class:`Shared` is the reference-counted registry behind it, also used for the chunk KV stores
+(:mod:`cacheblend_rag.store.shared`): one object per key in a process, opened by its first holder.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from ..settings import get_settings
 from .loader import load_model, pick_device, pick_dtype
 from .provision import resolve_model_path
 from .runtime import LayerwiseModel
 
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
 
 @dataclass
-class _Held:
-    model: LayerwiseModel
+class _Held(Generic[V]):
+    value: V
     references: int
 
 
-_held: dict[tuple[str, str, str], _Held] = {}
-_lock = threading.Lock()
+class Shared(Generic[K, V]):
+    """Objects held by reference count, one per key: :meth:`acquire` opens the object on first use (under
+    the registry's lock, so a second caller waits for the first open instead of opening again) and
+    :meth:`release` gives one reference back; the last one forgets the object and returns True (the
+    caller then closes it)."""
+
+    def __init__(self) -> None:
+        self._held: dict[K, _Held[V]] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, key: K, open_: Callable[[], V], usable: Callable[[V], bool] = lambda v: True) -> V:
+        """The object held under ``key`` (``open_()`` on first use, or when ``usable`` says the one held
+        can no longer serve, e.g. closed by hand); one more reference to it."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is None or not usable(held.value):
+                held = self._held[key] = _Held(open_(), 0)
+            held.references += 1
+            return held.value
+
+    def release(self, value: V) -> bool:
+        """Give back one reference to ``value``; True when it was the last (the object is forgotten)."""
+        with self._lock:
+            for key, held in self._held.items():
+                if held.value is value:
+                    held.references -= 1
+                    if held.references <= 0:
+                        del self._held[key]
+                        return True
+                    return False
+        return False
+
+    def references(self) -> dict[K, int]:
+        """Key -> references, of the objects held now."""
+        with self._lock:
+            return {key: held.references for key, held in self._held.items()}
+
+
+_models: Shared[tuple[str, str, str], LayerwiseModel] = Shared()
 
 
 def _key(model: str | Path | None, device: str | None, dtype: str | None) -> tuple[str, str, str]:
@@ -41,26 +86,14 @@ def acquire_model(
     """The process's shared :class:`LayerwiseModel` for ``model`` (name or folder; default: the settings'
     model) on ``device`` in ``dtype``, loaded on first use. Pair every call with :func:`release_model`."""
     key = _key(model, device, dtype)
-    with _lock:  # held while loading: a second caller waits for the first load instead of loading again
-        held = _held.get(key)
-        if held is None:
-            held = _held[key] = _Held(load_model(key[0], device, dtype), 0)
-        held.references += 1
-        return held.model
+    return _models.acquire(key, lambda: load_model(key[0], device, dtype))
 
 
 def release_model(model: LayerwiseModel) -> None:
     """Give back one reference taken by :func:`acquire_model`; the last one forgets the model."""
-    with _lock:
-        for key, held in _held.items():
-            if held.model is model:
-                held.references -= 1
-                if held.references <= 0:
-                    del _held[key]
-                return
+    _models.release(model)
 
 
 def shared_models() -> dict[tuple[str, str, str], int]:
     """(model folder, device, dtype) -> references, of the models the process holds now."""
-    with _lock:
-        return {key: held.references for key, held in _held.items()}
+    return _models.references()

@@ -4,10 +4,11 @@ A request's prompt goes through the same :class:`~cacheblend_rag.frontend.Prompt
 and LlamaIndex integrations use: stored chunks pasted into the prompt are recognised (and ``chunk_ids`` /
 ``documents`` located) and become cached segments. Every engine answers through the frontend's stream
 handle (:class:`~cacheblend_rag.engine.StreamHandle`): the PyTorch engine's requests go to the frontend's
-:class:`~cacheblend_rag.engine.BatchScheduler`, so concurrent requests are decoded together, and a request
-whose client goes away is cancelled there, freeing its slot; the vLLM engine's go to its ``stream``, which
-vLLM batches, and a cancelled one is aborted at its next token. Core exceptions a client caused become
-:class:`~cacheblend_rag.server.errors.APIError`.
+:class:`~cacheblend_rag.engine.BatchScheduler`, so concurrent requests are decoded together; the vLLM
+engine's go to its ``stream``, which vLLM batches. A request whose client goes away is cancelled through
+its handle (``cancel()``): its row leaves the scheduler's batch at once, vLLM aborts it at its next
+token. Core exceptions a client caused become :class:`~cacheblend_rag.server.errors.APIError`; a closed
+engine or scheduler (:class:`~cacheblend_rag.errors.EngineClosedError`) answers as draining.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..engine import BatchScheduler, GenerationResult, RequestHandle, TokenStream
+from ..engine import BatchScheduler, GenerationResult, StreamHandle
 from ..errors import (
     AdmissionError,
     ChunkNotFoundError,
     ContextLengthError,
+    EngineClosedError,
     InvalidChunkIdError,
     MaxTokensError,
     MethodOptionError,
@@ -43,25 +45,19 @@ class RunningRequest:
     its own, one consumer); :meth:`result` waits for the :class:`Answer`; :meth:`cancel` stops it (from
     any thread).
 
-    ``handle``: the engine's stream handle. Cancelling sets a flag the token loop checks, and calls
-    ``on_cancel`` (the scheduler's cancel, which ends the handle at once).
+    ``handle``: the engine's stream handle. Cancelling sets a flag the token loop checks, and cancels the
+    handle (which stops the request in the engine).
     """
 
     def __init__(
-        self,
-        handle: RequestHandle | TokenStream,
-        engine: str,
-        received: float,
-        param: str,
-        on_cancel: Callable[[], None] | None = None,
+        self, handle: StreamHandle[GenerationResult], engine: str, received: float, param: str
     ) -> None:
         self.received = received
-        self.submitted = getattr(handle, "submitted_at", time.perf_counter())
+        self.submitted = handle.submitted_at
         self.engine = engine
         self._handle = handle
         self._events = iter(handle)
         self._param = param
-        self._on_cancel = on_cancel
         self._cancelled = threading.Event()
         self._first: Any = None
 
@@ -79,8 +75,6 @@ class RunningRequest:
                 yield first.text
             for event in self._events:
                 if self._cancelled.is_set():
-                    if isinstance(self._handle, TokenStream):
-                        self._handle.close()  # aborts the request in the engine (vLLM)
                     raise RequestCancelledError("the request was cancelled")
                 yield event.text
 
@@ -92,8 +86,8 @@ class RunningRequest:
 
     def cancel(self) -> None:
         self._cancelled.set()
-        if self._on_cancel is not None:
-            self._on_cancel()
+        if self._handle.cancel():
+            log.info("a request was cancelled: its client went away")
 
     def _answer(self, result: GenerationResult) -> Answer:
         done = time.perf_counter()
@@ -162,12 +156,10 @@ class EngineBackend:
         param = "messages" if spec.messages is not None else "prompt"
         request = self._text_request(spec, param)
         with _client_errors(param):
-            handle = self.frontend.stream(request)
-            scheduler = self.scheduler
-            if scheduler is not None and isinstance(handle, RequestHandle):
-                return RunningRequest(handle, self.kind, received, param, lambda: _cancel(scheduler, handle))
-            assert isinstance(handle, TokenStream)  # vLLM's: closing it aborts the request
-            return RunningRequest(handle, self.kind, received, param).prefetch()
+            running = RunningRequest(self.frontend.stream(request), self.kind, received, param)
+            # the scheduler checks a request at submit; an engine batching its own (vLLM) when it first
+            # steps it
+            return running if self.scheduler is not None else running.prefetch()
 
     def _text_request(self, spec: GenerationSpec, param: str) -> TextRequest:
         documents = [DocumentRef(text, chunk_id) for text, chunk_id in spec.documents]
@@ -239,11 +231,6 @@ class EngineBackend:
             self.frontend.corpus.close()
 
 
-def _cancel(scheduler: BatchScheduler, handle: RequestHandle) -> None:
-    if scheduler.cancel(handle):
-        log.info("request %d cancelled: its client went away", handle.request_id)
-
-
 @contextmanager
 def _client_errors(param: str) -> Iterator[None]:
     """Core exceptions a request caused, as API errors naming the parameter at fault."""
@@ -251,6 +238,8 @@ def _client_errors(param: str) -> Iterator[None]:
         yield
     except (APIError, RequestCancelledError):
         raise
+    except EngineClosedError as exc:  # the scheduler, frontend or engine is shutting down
+        raise draining_error() from exc
     except MaxTokensError as exc:
         raise APIError.bad_request(str(exc), "max_tokens", "context_length_exceeded") from exc
     except ContextLengthError as exc:
@@ -265,9 +254,5 @@ def _client_errors(param: str) -> Iterator[None]:
         raise APIError.bad_request(str(exc), "response_format", "unsupported_schema") from exc
     except MethodOptionError as exc:  # an unknown method, or options it refuses
         raise APIError.bad_request(str(exc), "method") from exc
-    except RuntimeError as exc:
-        if "closed" in str(exc):  # the scheduler or engine is shutting down
-            raise draining_error() from exc
-        raise
     except ValueError as exc:  # the core's bad-input errors (empty prompt, invalid Unicode, bad option)
         raise APIError.bad_request(str(exc), param) from exc

@@ -81,7 +81,7 @@ def is_chunk_key(key: object) -> bool:
 def check_key(key: object) -> None:
     """Raise ValueError unless ``key`` has the form of a chunk key."""
     if not is_chunk_key(key):
-        raise ValueError(f"invalid KV key {key!r}: expected the 64 hex characters of KVStore.key_for()")
+        raise ValueError(f"invalid KV key {key!r}: expected the 64 hex characters of KVStore.chunk_key()")
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: torch.dtype | str, num_tokens: int = 512) -> int:

@@ -109,6 +109,7 @@ class KVStore:
         self.counters = StoreCounters()
         self._mutex = threading.Lock()
         self._writer: ThreadPoolExecutor | None = None
+        self.closed = False
         try:
             make_dirs(self.root)
         except OSError as exc:
@@ -173,6 +174,7 @@ class KVStore:
 
     def close(self) -> None:
         """Wait for background writes and close the index (and the remote tier this store opened)."""
+        self.closed = True
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
@@ -188,9 +190,11 @@ class KVStore:
 
     # -- keys and paths ------------------------------------------------------------------------------
 
-    def key_for(self, token_ids: Sequence[int], context: str = "") -> str:
-        """The key of the chunk made of ``token_ids`` under this store's model and storage dtype,
-        prefilled behind the chunk context whose ``ChunkContext.key`` is ``context``."""
+    def chunk_key(self, token_ids: Sequence[int], context: str = "") -> str:
+        """The key of the chunk made of ``token_ids`` under this store's model and storage codec,
+        prefilled behind the chunk context whose ``ChunkContext.key`` is ``context``. The one place a
+        chunk's key is made for a store (corpus, engines and ingest all ask it), so a key never names
+        another codec than the store that reads it."""
         return chunk_key(self.fingerprint, self.codec.name, token_ids, context)
 
     def path_for(self, key: str) -> Path:

@@ -95,7 +95,7 @@ def measure_tier_throughput(
     try:
         store = KVStore(root, fingerprint, shape, kv_dtype, promote_on_read=False)
         stored = {
-            store.key_for([i] * tokens): synthetic_chunk(shape, tokens, store.kv_dtype, fingerprint, i)
+            store.chunk_key([i] * tokens): synthetic_chunk(shape, tokens, store.kv_dtype, fingerprint, i)
             for i in range(chunks)
         }
         keys = list(stored)

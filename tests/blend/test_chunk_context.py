@@ -58,12 +58,12 @@ def test_context_is_part_of_the_key_and_fusion_stays_exact(model, neutral, tmp_p
     store = KVStore(tmp_path / "kv", model.fingerprint, model.shape, torch.float32)
     engine = Engine(model, store=store, chunk_context=neutral)
     ids = tuple(model.tokenizer(TEXT, add_special_tokens=False)["input_ids"])
-    assert engine.chunk_key(ids) == store.key_for(ids, neutral.key) != store.key_for(ids)
+    assert engine.chunk_key(ids) == store.chunk_key(ids, neutral.key) != store.chunk_key(ids)
     engine.ensure_chunk_kv(ids)
-    assert store.contains(engine.chunk_key(ids)) and not store.contains(store.key_for(ids))
+    assert store.contains(engine.chunk_key(ids)) and not store.contains(store.chunk_key(ids))
     # a prefix_cache prefix is the prompt's own head: prefilled alone, keyed without a context
     segments = engine.rag_segments("Where does the Danube end?", [ChunkRef(ids)], "prefix_cache")
-    assert store.contains(store.key_for(segments[0].token_ids))
+    assert store.contains(store.chunk_key(segments[0].token_ids))
     # r = 1 recomputes everything: equal to full prefill whatever the chunk KV was computed behind
     segments = engine.rag_segments("Where does the Danube end?", [ChunkRef(ids)], "cacheblend")
     reference = Fusor(model).fuse(segments, FullRecompute()).logits

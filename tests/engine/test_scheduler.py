@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from cacheblend_rag.cli import app
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.engine.scheduler import BatchRequest, BatchScheduler
-from cacheblend_rag.errors import AdmissionError, FusionInputError
+from cacheblend_rag.errors import AdmissionError, FusionInputError, SchedulerClosedError
 from cacheblend_rag.eval.bench.prompts import overlapping_musique_requests
 from cacheblend_rag.store.keys import kv_bytes_per_token
 from cacheblend_rag.store.kvstore import KVStore
@@ -109,7 +109,7 @@ def test_batched_greedy_answers_equal_one_at_a_time(batched_run):
 def test_each_shared_chunk_is_read_from_disk_once_per_batch(batched_run, disk_engine, model):
     def key(segment, method):  # prefix_cache reuses the prompt's own head: KV prefilled alone, no context
         if method == "prefix_cache":
-            return disk_engine.store.key_for(segment.token_ids)
+            return disk_engine.store.chunk_key(segment.token_ids)
         return disk_engine.chunk_key(segment.token_ids)
 
     # exact template heads live in the engine's memory, never on disk
@@ -162,7 +162,7 @@ def test_admission_keeps_to_the_budget_in_fifo_order(disk_engine, musique_case):
     assert 0 < scheduler.stats.peak_kv_bytes <= budget
     for segments, result in zip(order, results, strict=True):
         assert result.token_ids == engine.generate(segments, "full_recompute", params).token_ids
-    with pytest.raises(RuntimeError, match="closed"):
+    with pytest.raises(SchedulerClosedError, match="closed"):  # typed: a server answers it as draining
         scheduler.submit(small[0], "full_recompute", params)
 
 

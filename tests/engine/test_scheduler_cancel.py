@@ -73,3 +73,44 @@ def test_cancelling_a_waiting_request_removes_it_from_the_queue(engine):
         with pytest.raises(RequestCancelledError):
             running.result(timeout=60)
         assert scheduler.stats.cancelled == 2 and scheduler.stats.completed == 0
+
+
+def test_a_cancelled_stream_handle_stops_its_row(engine):
+    """``StreamHandle.cancel()`` on a scheduler's handle (what a client abandoning its stream calls): the
+    row leaves the decode batch, the other request in the batch answers exactly as it would alone."""
+    question = segments(engine, "The capital of France is")
+    alone = engine.generate(question, "full_recompute", SHORT)
+    with BatchScheduler(engine, max_batch=2) as scheduler:
+        long = scheduler.submit(counting(engine), "full_recompute", LONG)
+        events = iter(long)
+        next(events)
+        short = scheduler.submit(question, "full_recompute", SHORT)  # decoded beside the long one
+        assert short.result(timeout=120).token_ids == alone.token_ids
+        assert scheduler.stats.max_rows == 2  # they did share the batch
+        assert long.cancel()
+        with pytest.raises(RequestCancelledError):
+            list(events)
+        assert not long.cancel()  # it has ended: nothing left to stop
+        assert long.cancelled and scheduler.active == 0 and scheduler.waiting == 0
+        assert scheduler.stats.decode_rows < LONG.max_new_tokens
+        assert (scheduler.stats.cancelled, scheduler.stats.completed) == (1, 1)
+
+
+def test_a_cancelled_engine_stream_stops_decoding(engine):
+    """``Engine.stream``'s handle decodes one row on the iterating thread; cancelling it closes the row:
+    iteration ends with RequestCancelledError and no further token is generated. The engine's next answer
+    is unaffected."""
+    question = segments(engine, "The capital of France is")
+    alone = engine.generate(question, "full_recompute", SHORT)
+    stream = engine.stream(counting(engine), "full_recompute", LONG)
+    seen = [next(stream) for _ in range(3)]
+    assert len(seen) == 3
+    assert stream.cancel() and not stream.cancel()  # the second call finds it cancelled already
+    with pytest.raises(RequestCancelledError):
+        next(stream)
+    with pytest.raises(RequestCancelledError):
+        stream.result()
+    assert engine.generate(question, "full_recompute", SHORT).token_ids == alone.token_ids
+    finished = engine.stream(question, "full_recompute", SHORT)
+    assert finished.result().token_ids == alone.token_ids
+    assert finished.cancel() is False  # nothing left to stop

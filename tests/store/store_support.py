@@ -117,12 +117,12 @@ def main(argv: list[str]) -> None:
         n = int(argv[3])
         kv = big_chunk(n, seed=0)
         _ready_then_wait(sync)
-        print(store.put(store.key_for(range(n)), kv))
+        print(store.put(store.chunk_key(range(n)), kv))
     elif command == "put-many":
         first, count = int(argv[3]), int(argv[4])
         _ready_then_wait(sync)
         for i in range(first, first + count):
-            store.put(store.key_for([i] * 64), big_chunk(64, seed=i))
+            store.put(store.chunk_key([i] * 64), big_chunk(64, seed=i))
     elif command == "put-and-stall":
         n = int(argv[3])
 
@@ -133,7 +133,7 @@ def main(argv: list[str]) -> None:
             time.sleep(600)
 
         disk._write_all = stalling_write
-        store.put(store.key_for(range(n)), big_chunk(n, seed=0))
+        store.put(store.chunk_key(range(n)), big_chunk(n, seed=0))
     else:
         raise SystemExit(f"unknown command {command!r}")
     store.close()

@@ -19,7 +19,7 @@ runner = CliRunner()
 def store_dir(tmp_path, shape, make_kv):
     (tmp_path / "manifest.json").write_text(json.dumps({"model": "test", "model_fingerprint": FINGERPRINT}))
     store = KVStore(tmp_path / "kv", FINGERPRINT, shape, "float16")
-    keys = [store.key_for([i]) for i in range(3)]
+    keys = [store.chunk_key([i]) for i in range(3)]
     for i, key in enumerate(keys):
         store.put(key, make_kv(seed=i))
     store.close()

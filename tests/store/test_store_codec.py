@@ -63,7 +63,7 @@ def test_file_bytes_per_token_against_float16(tmp_path, n):
     sizes = {}
     for name in ("float16", "int8", "int4"):
         store = KVStore(tmp_path / name, FINGERPRINT, BIG_SHAPE, name, ram_budget_bytes=0)
-        key = store.key_for(range(n))
+        key = store.chunk_key(range(n))
         store.put(key, kv)
         sizes[name] = store.path_for(key).stat().st_size  # file bytes, metadata included
         assert store.stats()["disk"]["by_codec"][name]["bytes_per_token"] == sizes[name] / n
@@ -136,7 +136,7 @@ def test_two_codecs_never_share_a_key():
 def test_the_ram_tier_keeps_encoded_bytes_and_decodes_per_layer(tmp_path, model, real_chunks):
     ids, kv = real_chunks[1]
     store = KVStore(tmp_path, model.fingerprint, model.shape, "int4")
-    key = store.key_for(ids)
+    key = store.chunk_key(ids)
     store.put(key, kv)
     held = store.get(key)
     assert tier_of(held) == "ram" and store.ram.bytes == held.nbytes
@@ -157,7 +157,7 @@ def test_the_ram_tier_keeps_encoded_bytes_and_decodes_per_layer(tmp_path, model,
 def test_the_remote_tier_stores_and_sends_encoded_bytes(tmp_path, redis_server, model, real_chunks):
     ids, kv = real_chunks[0]
     writer = KVStore(tmp_path / "a", model.fingerprint, model.shape, "int8", remote=redis_server.url)
-    key = writer.key_for(ids)
+    key = writer.chunk_key(ids)
     writer.put(key, kv)
     local = writer.get(key)
     reader_tier = RedisKVTier(redis_server.url, model.fingerprint, model.shape, "int8", local_cache_bytes=0)

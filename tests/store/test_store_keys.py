@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import pytest
 import torch
 
 from cacheblend_rag.eval.bench.store import storage_cost
-from cacheblend_rag.store.keys import chunk_key, kv_bytes_per_token, resolve_kv_dtype
+from cacheblend_rag.store.keys import chunk_key, is_chunk_key, kv_bytes_per_token, resolve_kv_dtype
 
 FP = "f" * 64
 
 
 def test_key_depends_on_model_dtype_and_tokens():
     base = chunk_key(FP, "float16", [1, 2, 3])
-    assert len(base) == 64 and int(base, 16) >= 0
+    # the documented derivation, byte for byte: a change would orphan every chunk KV stored so far
+    header = "\0".join(("cacheblend-kv", FP, "float16", "v1", "n=3")) + "\0"
+    expected = hashlib.sha256(header.encode() + np.asarray([1, 2, 3], dtype="<i8").tobytes()).hexdigest()
+    assert base == expected and is_chunk_key(base)
     assert chunk_key(FP, torch.float16, (1, 2, 3)) == base
     assert chunk_key(FP, "fp16", range(1, 4)) == base
     others = {

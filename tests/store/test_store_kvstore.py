@@ -56,7 +56,7 @@ def file_size(store: KVStore, key: str) -> int:
 def test_put_get_round_trip_through_ram_and_disk(tmp_path, shape, make_kv):
     kv = make_kv(n=16)
     store = open_store(tmp_path, shape)
-    key = store.key_for(range(16))
+    key = store.chunk_key(range(16))
     written = store.put(key, kv)
     assert written == file_size(store, key)
     assert store.contains(key)
@@ -84,7 +84,7 @@ def test_storage_dtype_is_independent_of_input_dtype(tmp_path, shape, make_kv):
     kv = make_kv(dtype=torch.float32)
     for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         store = KVStore(tmp_path / name, FINGERPRINT, shape, name)
-        key = store.key_for([1, 2, 3])
+        key = store.chunk_key([1, 2, 3])
         store.put(key, kv)
         store.evict_ram()
         assert_same_kv(store.get(key), kv, dtype)
@@ -92,7 +92,7 @@ def test_storage_dtype_is_independent_of_input_dtype(tmp_path, shape, make_kv):
 
 def test_second_put_of_a_stored_chunk_writes_nothing(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape)
-    key = store.key_for([5, 6])
+    key = store.chunk_key([5, 6])
     assert store.put(key, make_kv()) > 0
     mtime = store.path_for(key).stat().st_mtime_ns
     assert store.put(key, make_kv()) == 0
@@ -101,10 +101,10 @@ def test_second_put_of_a_stored_chunk_writes_nothing(tmp_path, shape, make_kv):
 
 def test_get_many_maps_repeated_keys_to_one_source(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape, promote_on_read=False)
-    key = store.key_for([1])
+    key = store.chunk_key([1])
     store.put(key, make_kv())
     store.evict_ram()
-    a, b, missing = store.get_many([key, key, store.key_for([2])])
+    a, b, missing = store.get_many([key, key, store.chunk_key([2])])
     assert a is b and missing is None
     for i in range(shape.num_layers):
         a.layer(i)
@@ -113,7 +113,7 @@ def test_get_many_maps_repeated_keys_to_one_source(tmp_path, shape, make_kv):
 
 def test_put_rejects_foreign_or_malformed_kv(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape)
-    key = store.key_for([1, 2])
+    key = store.chunk_key([1, 2])
     with pytest.raises(StoreError, match="cannot go into the store of model"):
         store.put(key, make_kv(fingerprint=OTHER_FINGERPRINT))
     short = make_kv()
@@ -132,7 +132,7 @@ def test_put_rejects_foreign_or_malformed_kv(tmp_path, shape, make_kv):
 
 def test_put_async_writes_in_background(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape)
-    key = store.key_for([9])
+    key = store.chunk_key([9])
     future = store.put_async(key, make_kv())
     store.flush()
     assert future.result() > 0 and store.path_for(key).is_file()
@@ -145,7 +145,7 @@ def test_put_async_writes_in_background(tmp_path, shape, make_kv):
 def test_ram_tier_evicts_least_recently_used_at_the_byte_budget(tmp_path, shape, make_kv):
     chunk_bytes = make_kv().to(torch.float16).nbytes
     store = open_store(tmp_path, shape, ram_budget_bytes=int(2.5 * chunk_bytes))
-    a, b, c = (store.key_for([i]) for i in range(3))
+    a, b, c = (store.chunk_key([i]) for i in range(3))
     store.put(a, make_kv(seed=1))
     store.put(b, make_kv(seed=2))
     store.get(a)  # a is now more recent than b
@@ -159,11 +159,11 @@ def test_ram_tier_evicts_least_recently_used_at_the_byte_budget(tmp_path, shape,
 
 def test_disk_tier_evicts_least_recently_used_at_the_byte_budget(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape)
-    probe = store.key_for([99])
+    probe = store.chunk_key([99])
     size = store.put(probe, make_kv())
     store.delete(probe)
     store = open_store(tmp_path, shape, disk_budget_bytes=int(2.5 * size))
-    a, b, c = (store.key_for([i]) for i in range(3))
+    a, b, c = (store.chunk_key([i]) for i in range(3))
     store.put(a, make_kv(seed=1))
     store.put(b, make_kv(seed=2))
     store.get(a)
@@ -185,7 +185,7 @@ def test_disk_tier_evicts_least_recently_used_at_the_byte_budget(tmp_path, shape
 def stored(tmp_path, shape, make_kv, root="store"):
     store = open_store(tmp_path / root, shape)
     kv = make_kv(n=12, seed=4)
-    key = store.key_for(range(12))
+    key = store.chunk_key(range(12))
     store.put(key, kv)
     store.evict_ram()
     return store, key, kv
@@ -248,7 +248,7 @@ def test_damaged_file_is_a_logged_miss(tmp_path, shape, make_kv, caplog, damage)
 def test_file_of_another_model_is_never_used(tmp_path, shape, make_kv, caplog):
     store, key, kv = stored(tmp_path, shape, make_kv)
     other = KVStore(tmp_path / "other", OTHER_FINGERPRINT, shape, "float16")
-    other_key = other.key_for(range(12))
+    other_key = other.chunk_key(range(12))
     assert other_key != key  # the same tokens under another model have another key
     other.put(other_key, make_kv(n=12, seed=5, fingerprint=OTHER_FINGERPRINT))
     store.path_for(key).write_bytes(other.path_for(other_key).read_bytes())  # a foreign file put in place
@@ -292,7 +292,7 @@ def test_recomputed_chunk_after_corruption_equals_the_clean_one(tmp_path, model,
 
     ids, clean = real_chunks[0]
     store = KVStore(tmp_path, model.fingerprint, model.shape, "float16")
-    key = store.key_for(ids)
+    key = store.chunk_key(ids)
     store.put(key, clean)
     store.evict_ram()
     start, end = tensor_span(store.path_for(key), "layers.17.keys")
@@ -312,7 +312,7 @@ def test_recomputed_chunk_after_corruption_equals_the_clean_one(tmp_path, model,
 
 def test_verify_reports_and_repairs(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape)
-    good, bad, orphan, gone = (store.key_for([i]) for i in range(4))
+    good, bad, orphan, gone = (store.chunk_key([i]) for i in range(4))
     for i, key in enumerate((good, bad, orphan, gone)):
         store.put(key, make_kv(seed=i))
     start, _ = tensor_span(store.path_for(bad), "layers.3.keys")
@@ -336,7 +336,7 @@ def test_verify_reports_and_repairs(tmp_path, shape, make_kv):
 
 def test_gc_reconciles_index_and_files(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape)
-    keys = [store.key_for([i]) for i in range(3)]
+    keys = [store.chunk_key([i]) for i in range(3)]
     for key in keys:
         store.put(key, make_kv())
     store.index.sql("DELETE FROM chunks WHERE key = ?", (keys[0],))
@@ -351,7 +351,7 @@ def test_gc_reconciles_index_and_files(tmp_path, shape, make_kv):
 
 def test_delete_clear_and_stats(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape)
-    a, b = store.key_for([1]), store.key_for([2])
+    a, b = store.chunk_key([1]), store.chunk_key([2])
     store.put(a, make_kv())
     store.put(b, make_kv())
     assert store.delete(a) and not store.contains(a) and not store.delete(a)
@@ -364,7 +364,7 @@ def test_delete_clear_and_stats(tmp_path, shape, make_kv):
 
 def test_open_existing_reads_model_and_shape_from_the_index(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape)
-    store.put(store.key_for([1]), make_kv())
+    store.put(store.chunk_key([1]), make_kv())
     again = KVStore.open_existing(tmp_path)
     assert (again.fingerprint, again.shape, again.kv_dtype) == (FINGERPRINT, shape, torch.float16)
     KVStore(tmp_path, OTHER_FINGERPRINT, shape)
@@ -379,7 +379,7 @@ def test_files_are_not_world_writable(tmp_path, shape, make_kv):
     old = os.umask(0)
     try:
         store = open_store(tmp_path / "s", shape)
-        store.put(store.key_for([1]), make_kv())
+        store.put(store.chunk_key([1]), make_kv())
     finally:
         os.umask(old)
     for path in [tmp_path / "s", *(tmp_path / "s").rglob("*")]:
@@ -398,7 +398,7 @@ def test_two_concurrent_writers_of_one_chunk_leave_one_valid_file(tmp_path):
     written = sorted(int(child.communicate(timeout=120)[0]) for child in children)
     assert [child.returncode for child in children] == [0, 0]
     store = KVStore(root, FINGERPRINT, BIG_SHAPE)
-    key = store.key_for(range(512))
+    key = store.chunk_key(range(512))
     # the lock made the second writer find the first one's file and keep it
     assert written == [0, store.path_for(key).stat().st_size]
     files = [f for f in (root / "chunks").rglob("*") if f.is_file()]
@@ -434,7 +434,7 @@ def test_writer_killed_mid_write_leaves_nothing_that_is_used(tmp_path):
         child.communicate(timeout=30)
 
     store = KVStore(root, FINGERPRINT, BIG_SHAPE)
-    key = store.key_for(range(256))
+    key = store.chunk_key(range(256))
     temps = list((root / "chunks").rglob("*.tmp"))
     assert len(temps) == 1 and not store.path_for(key).exists()
     assert store.get(key) is None and store.counters.corrupt == 0  # a plain miss: recompute
@@ -448,7 +448,7 @@ def test_writer_killed_mid_write_leaves_nothing_that_is_used(tmp_path):
 
 def test_injected_disk_full_is_a_clear_error_and_changes_nothing(tmp_path, shape, make_kv, monkeypatch):
     store = open_store(tmp_path, shape)
-    kept = store.key_for([1])
+    kept = store.chunk_key([1])
     store.put(kept, make_kv(seed=1))
 
     def full_disk(fd, data):
@@ -456,7 +456,7 @@ def test_injected_disk_full_is_a_clear_error_and_changes_nothing(tmp_path, shape
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(disk, "_write_all", full_disk)
-    new = store.key_for([2])
+    new = store.chunk_key([2])
     with pytest.raises(StoreError, match="disk full"):
         store.put(new, make_kv(seed=2))
     assert not store.contains(new) and not list(tmp_path.rglob("*.tmp"))
@@ -490,12 +490,12 @@ def test_real_disk_full_is_a_clear_error_and_changes_nothing(tmpfs):
     root = tmpfs("4m") / "kv"
     store = KVStore(root, FINGERPRINT, BIG_SHAPE)
     kv = big_chunk(64, seed=0)  # ~1.2 MB per file in fp16
-    kept = [store.key_for([i] * 64) for i in range(2)]
+    kept = [store.chunk_key([i] * 64) for i in range(2)]
     for key in kept:
         store.put(key, kv)
     with pytest.raises(StoreError, match="disk full"):
         for i in range(2, 6):
-            store.put(store.key_for([i] * 64), kv)
+            store.put(store.chunk_key([i] * 64), kv)
     assert not list(root.rglob("*.tmp"))
     store.evict_ram()
     for key in kept:
@@ -506,7 +506,7 @@ def test_real_disk_full_is_a_clear_error_and_changes_nothing(tmpfs):
 def test_read_only_store_serves_reads_and_refuses_writes(tmpfs, shape, make_kv):
     point = tmpfs("16m")
     store = open_store(point / "kv", shape)
-    key = store.key_for([1])
+    key = store.chunk_key([1])
     store.put(key, make_kv(seed=1))
     store.close()
     subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
@@ -515,7 +515,7 @@ def test_read_only_store_serves_reads_and_refuses_writes(tmpfs, shape, make_kv):
     assert ro.read_only and ro.stats()["disk"]["entries"] == 1
     assert_same_kv(ro.get(key), make_kv(seed=1))
     with pytest.raises(StoreError, match="read-only"):
-        ro.put(ro.key_for([2]), make_kv(seed=2))
+        ro.put(ro.chunk_key([2]), make_kv(seed=2))
     with pytest.raises(StoreError, match="read-only"):
         ro.gc()
     assert ro.verify().clean
@@ -523,7 +523,7 @@ def test_read_only_store_serves_reads_and_refuses_writes(tmpfs, shape, make_kv):
 
 def test_index_rows_match_files(tmp_path, shape, make_kv):
     store = open_store(tmp_path, shape)
-    key = store.key_for([3])
+    key = store.chunk_key([3])
     size = store.put(key, make_kv())
     with sqlite3.connect(tmp_path / "index.sqlite") as db:
         row = db.execute(

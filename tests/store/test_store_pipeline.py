@@ -33,7 +33,7 @@ class SlowSource:
 def mixed_sources(tmp_path, shape, make_kv):
     """One chunk served from disk, one from RAM, in the storage dtype (fp16)."""
     store = KVStore(tmp_path, FINGERPRINT, shape, "float16", promote_on_read=False)
-    disk_key, ram_key = store.key_for([1]), store.key_for([2])
+    disk_key, ram_key = store.chunk_key([1]), store.chunk_key([2])
     store.put(disk_key, make_kv(n=10, seed=1))
     store.evict_ram()
     store.put(ram_key, make_kv(n=7, seed=2))
@@ -58,7 +58,7 @@ def test_loader_returns_exactly_what_direct_reads_return(tmp_path, shape, make_k
 
 def test_real_chunks_load_identically_from_disk(tmp_path, model, real_chunks):
     store = KVStore(tmp_path, model.fingerprint, model.shape, "bfloat16")
-    keys = [store.key_for(ids) for ids, _ in real_chunks]
+    keys = [store.chunk_key(ids) for ids, _ in real_chunks]
     for key, (_, kv) in zip(keys, real_chunks, strict=True):
         store.put(key, kv)
     store.evict_ram()
@@ -104,7 +104,7 @@ def test_prefetch_stays_within_its_depth(make_kv):
 
 def test_corrupt_layer_surfaces_at_that_layer(tmp_path, shape, make_kv):
     store = KVStore(tmp_path, FINGERPRINT, shape, "float16")
-    key = store.key_for([1])
+    key = store.chunk_key([1])
     store.put(key, make_kv())
     store.evict_ram()
     start, _ = tensor_span(store.path_for(key), "layers.2.keys")

@@ -99,7 +99,7 @@ def test_recode_converts_in_place_and_stats_show_the_codec(corpus):
         assert (
             ready
             and new_key != old_key
-            and new_key == store.key_for(token_ids, new_key and store_context(corpus))
+            and new_key == store.chunk_key(token_ids, new_key and store_context(corpus))
         )
         assert readable_in(store, new_key)
     store.close()
@@ -158,8 +158,8 @@ def test_recode_killed_mid_way_leaves_every_chunk_readable_and_a_rerun_finishes(
     new = KVStore(corpus / "kv", old.fingerprint, old.shape, "int4")
     in_new = 0
     for _, token_ids, _, _ in before:
-        in_old = readable_in(old, old.key_for(token_ids, context))
-        in_new += readable_in(new, new.key_for(token_ids, context))
+        in_old = readable_in(old, old.chunk_key(token_ids, context))
+        in_new += readable_in(new, new.chunk_key(token_ids, context))
         assert in_old  # the corpus still reads every chunk in its codec
     assert in_new == 3
     old.close()

@@ -155,8 +155,8 @@ def test_ingest_pins_what_is_stored_anywhere_and_recomputes_nothing(tmp_path, re
     request = node(model, tmp_path / "r", redis_server.url)
     request.chunk_kv(refs[1].token_ids)  # computed for a request: request traffic, with a TTL
     assert 0 < client.ttl(request.store.remote.name_for(key_1)) <= request.store.remote.adhoc_ttl_s
-    request.store.put_async(request.store.key_for([7, 8, 9]), request.precompute([7, 8, 9])).result()
-    assert client.ttl(request.store.remote.name_for(request.store.key_for([7, 8, 9]))) > 0
+    request.store.put_async(request.store.chunk_key([7, 8, 9]), request.precompute([7, 8, 9])).result()
+    assert client.ttl(request.store.remote.name_for(request.store.chunk_key([7, 8, 9]))) > 0
 
     node_b = node(model, tmp_path / "b", redis_server.url)  # empty local directory
     assert all(node_b.store.contains(key) for key in (key_0, key_1))  # the server holds them
@@ -180,7 +180,7 @@ def test_setting_kv_remote_wires_every_store(tmp_path, redis_server, model, real
     finally:
         get_settings.cache_clear()
     assert off.remote is None and a.remote is not None
-    key = a.key_for(ids)
+    key = a.chunk_key(ids)
     a.put(key, kv)
     assert b.stats()["remote"]["url"] == redis_server.url
     assert_same_layers(b.get(key), kv)
@@ -255,7 +255,7 @@ def test_killed_server_costs_a_recompute_and_one_warning(tmp_path, redis_server,
             assert node_b.store.get(node_b.chunk_key(refs[1].token_ids)) is None
         assert answer(node_b, question, refs) == reference  # recomputed
         assert answer(node_b, question, refs) == reference  # now from B's RAM
-        assert node_a.store.put(node_a.store.key_for([1, 2, 3]), node_a.precompute([1, 2, 3])) > 0
+        assert node_a.store.put(node_a.store.chunk_key([1, 2, 3]), node_a.precompute([1, 2, 3])) > 0
     # one warning per node (each would be its own process), not one per call
     warnings = remote_warnings(caplog)
     assert len(warnings) == 2 and all("unavailable" in text for text in warnings), warnings
@@ -268,7 +268,7 @@ def test_killed_server_costs_a_recompute_and_one_warning(tmp_path, redis_server,
     while not node_b.store.remote.contains("0" * 64) and not node_b.store.remote.available:
         assert time.monotonic() < deadline, "the tier did not come back"
         time.sleep(0.2)
-    assert node_b.store.remote.put(node_b.store.key_for([1, 2, 3]), node_b.precompute([1, 2, 3])) > 0
+    assert node_b.store.remote.put(node_b.store.chunk_key([1, 2, 3]), node_b.precompute([1, 2, 3])) > 0
     assert any("is back" in text for text in remote_warnings(caplog))
 
 
@@ -278,12 +278,12 @@ def test_unreachable_server_from_the_start(tmp_path, model, real_chunks, caplog)
     ids, kv = real_chunks[0]
     url = f"redis://127.0.0.1:{_free_port()}/0"  # nothing listens there
     store = KVStore(tmp_path, model.fingerprint, model.shape, "float16", remote=url)
-    key = store.key_for(ids)
+    key = store.chunk_key(ids)
     with caplog.at_level(logging.WARNING):
         assert store.put(key, kv) > 0  # the local write is what counts
         store.evict_ram()
         assert_same_layers(store.get(key), kv)
-        assert store.get(store.key_for(real_chunks[1][0])) is None
+        assert store.get(store.chunk_key(real_chunks[1][0])) is None
     assert len(remote_warnings(caplog)) == 1
     assert store.stats()["remote"]["available"] is False
 
@@ -378,7 +378,7 @@ def test_metadata_is_the_disk_formats(tmp_path, redis_server, shape, make_kv):
 
     kv = make_kv(n=12)
     store = KVStore(tmp_path, FINGERPRINT, shape, "float16", remote=redis_server.url)
-    key = store.key_for(range(12))
+    key = store.chunk_key(range(12))
     store.put(key, kv)
     with safe_open(str(store.path_for(key)), "pt") as handle:
         on_disk = handle.metadata()

@@ -50,7 +50,7 @@ def test_contains_consults_the_remote_tier_and_pin_publishes_local_chunks(
 ):
     (ids, kv), (ids_b, kv_b) = real_chunks
     local = KVStore(tmp_path / "l", model.fingerprint, model.shape, "float16", remote="")
-    key = local.key_for(ids)
+    key = local.chunk_key(ids)
     local.put(key, kv)  # stored before the node had a remote tier
     local.close()
     node_l = KVStore(tmp_path / "l", model.fingerprint, model.shape, "float16", remote=redis_server.url)
@@ -61,11 +61,11 @@ def test_contains_consults_the_remote_tier_and_pin_publishes_local_chunks(
     assert pinned_keys(redis_server) == {other.remote.name_for(key).encode(): -1}
     assert other.contains(key) and not other.contains(key, remote=False)
 
-    key_b = other.key_for(ids_b)
+    key_b = other.chunk_key(ids_b)
     other.put(key_b, kv_b, pinned=False)  # request traffic: a TTL on the server
     assert redis_server.client().ttl(other.remote.name_for(key_b)) > 0
     assert node_l.pin(key_b) and redis_server.client().ttl(other.remote.name_for(key_b)) == -1
-    assert not node_l.pin(other.key_for([1, 2, 3]))  # no tier holds it: nothing to pin
+    assert not node_l.pin(other.chunk_key([1, 2, 3]))  # no tier holds it: nothing to pin
     for store in (node_l, other):
         store.close()
 
@@ -147,7 +147,7 @@ def _invoke(*args) -> tuple[int, str]:
 def test_store_commands_cover_the_remote_tier(tmp_path, redis_server, model, real_chunks, cli):
     store_dir = tmp_path / "store"
     store = KVStore(store_dir / "kv", model.fingerprint, model.shape, "float16", remote=redis_server.url)
-    keys = [store.key_for(ids) for ids, _ in real_chunks]
+    keys = [store.chunk_key(ids) for ids, _ in real_chunks]
     store.put(keys[0], real_chunks[0][1])  # pinned corpus
     store.put(keys[1], real_chunks[1][1], pinned=False)  # request traffic
     tier = store.remote

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import CacheBlendError
+from ...errors import CacheBlendError, EngineClosedError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class EngineDriver:
         outputs: queue.SimpleQueue = queue.SimpleQueue()
         with self._cond:
             if self._closed:
-                raise CacheBlendError("the vLLM engine is closed")
+                raise EngineClosedError("the vLLM engine is closed")
             self._to_add.extend((s, outputs) for s in submissions)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="vllm-driver", daemon=True)

@@ -44,6 +44,7 @@ from ...models.tokenizer import chunk_context_ids, generation_config, load_model
 from ...settings import get_settings
 from ...store.keys import dtype_name
 from ...store.kvstore import KVStore
+from ...store.shared import acquire_store, release_store
 from ..base import BatchRequest, Method, PromptSegments, TokenEvent, TokenStream, eos_token_ids
 from ..prompt import ChunkRef, PromptBuilder, PromptPart, layout_segments
 from ..sampling import SamplingParams
@@ -115,6 +116,8 @@ class VLLMEngine(PromptSegments):
     One thread steps vLLM for every caller, so requests submitted together (``generate_batch``) or from
     several threads (concurrent ``stream`` calls) are batched by vLLM.
     """
+
+    batches_requests = True  # concurrent streams meet in vLLM's own scheduler
 
     def __init__(
         self,
@@ -209,10 +212,12 @@ class VLLMEngine(PromptSegments):
             self.fusion_weights,
             started["rss_bytes"] / 2**20,
         )
+        # as the PyTorch engine: a store given is its owner's, a folder's is the process's shared one
+        self._owns_store = not isinstance(store, KVStore)
         self.store = (
             store
             if isinstance(store, KVStore)
-            else KVStore(root, self.model.fingerprint, self.shape, kv_dtype)
+            else acquire_store(root, self.model.fingerprint, self.shape, kv_dtype)
         )
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
@@ -254,12 +259,14 @@ class VLLMEngine(PromptSegments):
         self.llm.llm_engine.engine_core.shutdown()
 
     def close(self) -> None:
-        """Stop vLLM's engine processes and close the store. Idempotent; an engine left open is closed at
-        interpreter exit."""
+        """Stop vLLM's engine processes and give back the store this engine opened (a store passed in
+        stays open). Idempotent; an engine left open is closed at interpreter exit."""
         if self._closed:
             return
         self._shutdown_vllm()
-        self.store.close()
+        if self._owns_store:
+            self._owns_store = False
+            release_store(self.store)
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -281,7 +288,7 @@ class VLLMEngine(PromptSegments):
 
     def chunk_key(self, token_ids: Sequence[int]) -> str:
         """The KV store key of the chunk made of ``token_ids`` (prefilled behind the chunk context)."""
-        return self.store.key_for(token_ids, self.chunk_context.key)
+        return self.store.chunk_key(token_ids, self.chunk_context.key)
 
     def chunk_kv(self, token_ids: Sequence[int]) -> ChunkKVSource:
         """The chunk's KV from the store, precomputed by the worker first when missing."""

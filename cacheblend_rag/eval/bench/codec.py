@@ -77,7 +77,7 @@ def _bytes_per_token(ctx: BenchContext, chunks: list[tuple[int, ...]], tag: str)
         for ids in chunks:
             kv = prefill_chunk_kv(model, ids)
             for codec, store in stores.items():
-                key = store.key_for(ids)
+                key = store.chunk_key(ids)
                 store.put_local(key, kv, ram=False)
                 sizes[codec] += store.path_for(key).stat().st_size
     finally:

@@ -48,7 +48,7 @@ def storage_cost(shape: ModelShape, num_tokens: int = 512) -> dict[str, dict[str
         with tempfile.TemporaryDirectory() as root:
             store = KVStore(root, fingerprint, shape, name, ram_budget_bytes=0)
             kv = synthetic_chunk(shape, num_tokens, dtype, fingerprint, seed=0)
-            file_bytes = store.put(store.key_for(range(num_tokens)), kv)
+            file_bytes = store.put(store.chunk_key(range(num_tokens)), kv)
             store.close()
         out[name] = {
             "bytes_per_token": kv_bytes_per_token(shape, name, num_tokens),
@@ -134,7 +134,7 @@ def bench_loading(
     compute = compute_layer if compute_layer is not None else RecomputeWorkload(model, total, ratio)
     try:
         store = KVStore(root, model.fingerprint, model.shape, kv_dtype, promote_on_read=False)
-        keys = [store.key_for(ids) for ids in chunk_token_ids]
+        keys = [store.chunk_key(ids) for ids in chunk_token_ids]
         for key, kv in zip(keys, chunks, strict=True):
             store.put(key, kv)
 

@@ -118,12 +118,15 @@ class ChatCacheBlend(CacheBlendParams, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         handle = self.stream_answer(self._chat_request(messages, stop, kwargs))
-        for event in handle:
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=event.text))
-            if run_manager is not None:
-                run_manager.on_llm_new_token(event.text, chunk=chunk)
-            yield chunk
-        result = handle.result()
+        try:
+            for event in handle:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=event.text))
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(event.text, chunk=chunk)
+                yield chunk
+            result = handle.result()
+        finally:
+            handle.cancel()  # a consumer that stopped early: the request stops decoding
         # Usage and metadata once, on the closing chunk, so that adding chunks up counts them once.
         yield ChatGenerationChunk(
             message=AIMessageChunk(

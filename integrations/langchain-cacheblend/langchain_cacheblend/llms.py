@@ -66,12 +66,15 @@ class CacheBlendLLM(CacheBlendParams, BaseLLM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         handle = self.stream_answer(self._request(self._render(prompt), stop, kwargs))
-        for event in handle:
-            chunk = GenerationChunk(text=event.text)
-            if run_manager is not None:
-                run_manager.on_llm_new_token(event.text, chunk=chunk)
-            yield chunk
-        yield GenerationChunk(text="", generation_info=self._info(handle.result()))
+        try:
+            for event in handle:
+                chunk = GenerationChunk(text=event.text)
+                if run_manager is not None:
+                    run_manager.on_llm_new_token(event.text, chunk=chunk)
+                yield chunk
+            yield GenerationChunk(text="", generation_info=self._info(handle.result()))
+        finally:
+            handle.cancel()  # a consumer that stopped early: the request stops decoding
 
     def _info(self, result: GenerationResult) -> dict[str, Any]:
         return {

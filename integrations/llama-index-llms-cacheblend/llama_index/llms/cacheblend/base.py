@@ -117,10 +117,13 @@ class CacheBlendLLM(GenerationOptions, CustomLLM):
         """(text so far, delta, None) per token, then (full text, "", result) once at the end."""
         handle = self.stream_answer(request)
         text = ""
-        for event in handle:
-            text += event.text
-            yield text, event.text, None
-        result = handle.result()
+        try:
+            for event in handle:
+                text += event.text
+                yield text, event.text, None
+            result = handle.result()
+        finally:
+            handle.cancel()  # a consumer that stopped early: the request stops decoding
         yield result.text, "", result
 
     # -- structured output ---------------------------------------------------------------------------

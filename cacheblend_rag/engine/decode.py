@@ -1,0 +1,160 @@
+"""Decoding, written once: one request's decode state (:class:`DecodeRow`) and the step that advances one
+row or a batch of them (:func:`decode_step`).
+
+A row is made when its prompt has been fused: :meth:`DecodeRow.start` takes the fusion's KV and the logits
+of the prompt's last token and chooses the first token; each :func:`decode_step` feeds every row's last
+token at its own position in one forward and lets each row choose its next one. Choosing is the one place
+that samples (greedy or seeded), applies a JSON constraint, streams the token's text and ends the answer
+on EOS, a stop string, a complete JSON value or the token budget. :meth:`Engine.stream
+<cacheblend_rag.engine.Engine.stream>` decodes its row alone (:func:`decode_alone`, over the fusion's own
+cache); the :class:`~cacheblend_rag.engine.scheduler.BatchScheduler` decodes its rows together over one
+batch buffer. Either way a greedy answer is the same token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Generator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from ..blend.fusor import FusionResult
+from ..blend.segments import Segment
+from ..blend.spec import ResolvedMethod
+from ..models.runtime import KVCache, LayerwiseModel
+from .base import FusionStats, GenerationResult, TokenEvent
+from .constraints import ConstraintState, masked, start_constraint
+from .sampling import SamplingParams, make_generator, sample_next
+from .textstream import TextStream
+
+__all__ = ["DecodeRow", "decode_alone", "decode_step"]
+
+
+class DecodeRow:
+    """One request being decoded: its prompt and method (for its result), sampling and generator, JSON
+    constraint, text stream (EOS and stop strings), the token fed next and its position, and, while it is
+    decoded alone, its KV (``cache``; a scheduler moves it into its batch buffer and clears it).
+
+    ``started``: when the request arrived (its ``ttft_s`` and ``total_s`` count from then). ``emit``
+    receives each token's text as it is chosen; without one, events wait for :meth:`take_events`.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_ids: Collection[int],
+        segments: Sequence[Segment],
+        resolved: ResolvedMethod,
+        sampling: SamplingParams,
+        max_new: int,
+        started: float,
+        emit: Callable[[TokenEvent], None] | None = None,
+    ) -> None:
+        self.segments = segments
+        self.resolved = resolved
+        self.sampling = sampling
+        self.max_new = max_new
+        self.started = started
+        self.prompt_tokens = sum(len(s) for s in segments)
+        self.generator = make_generator(sampling)
+        self.text = TextStream(tokenizer, eos_ids, sampling.stop, max_new)
+        self.constraint: ConstraintState | None = None  # structured output: the request's JSON matcher
+        self.cache: KVCache | None = None
+        self.fusion: FusionStats | None = None
+        self.token = 0  # fed at the next step, at ``position``
+        self.position = 0
+        self.ttft_s = 0.0
+        self.first_token_at: float | None = None
+        self._tokenizer = tokenizer
+        self._eos_ids = eos_ids
+        self._events: list[TokenEvent] = []
+        self._emit = emit if emit is not None else self._events.append
+
+    @property
+    def finished(self) -> bool:
+        return self.text.finished
+
+    def start(self, fusion: FusionResult) -> bool:
+        """Take the fused prompt (its KV and the logits of its last token) and choose the first token;
+        True when that already ended the answer."""
+        self.fusion = FusionStats.of(fusion)
+        self.cache = fusion.cache
+        self.position = self.prompt_tokens
+        vocab = fusion.logits.shape[-1]
+        self.constraint = start_constraint(self.sampling, self._tokenizer, self._eos_ids, vocab, self.max_new)
+        return self._choose(fusion.logits)
+
+    def step(self, logits: torch.Tensor) -> bool:
+        """The row's last token has been fed: choose the next one from its ``logits`` [vocab]; True when
+        the answer has ended."""
+        self.position += 1
+        return self._choose(logits)
+
+    def _choose(self, logits: torch.Tensor) -> bool:
+        token = sample_next(masked(logits, self.constraint), self.sampling, self.generator)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+            self.ttft_s = self.first_token_at - self.started
+        piece = self.text.push(token)
+        if piece is not None:
+            self._emit(TokenEvent(token, piece))
+        if self.constraint is not None and self.constraint.accept(token):
+            self.text.finish_reason = "stop"  # the JSON is complete
+        self.token = token
+        return self.text.finished
+
+    def take_events(self) -> list[TokenEvent]:
+        """The events chosen since the last call (rows made without ``emit``)."""
+        events = self._events.copy()
+        self._events.clear()  # the list ``emit`` appends to
+        return events
+
+    def result(self) -> GenerationResult:
+        """The finished answer and what producing it cost."""
+        if self.fusion is None:
+            raise RuntimeError("result() of a row that was never started")
+        return GenerationResult.build(
+            text=self.text.text,
+            token_ids=self.text.token_ids,
+            finish_reason=self.text.finish_reason or "length",
+            resolved=self.resolved,
+            segments=self.segments,
+            fusion=self.fusion,
+            ttft_s=self.ttft_s,
+            total_s=time.perf_counter() - self.started,
+        )
+
+
+def decode_step(
+    model: LayerwiseModel,
+    forward_lock: AbstractContextManager[Any],
+    rows: Sequence[DecodeRow],
+    cache: KVCache,
+) -> list[int]:
+    """Feed every row's last token at its own position in one forward over ``cache`` (row i's KV in
+    batch row i) and let each row choose its next token; returns the slots of the rows that finished."""
+    device = model.device
+    ids = torch.tensor([[row.token] for row in rows], device=device)
+    if len(rows) == 1:  # a row alone: no mask tensor, the same kernels whether or not it is batched
+        positions = torch.tensor([rows[0].position], device=device)
+    else:
+        positions = torch.tensor([[row.position] for row in rows], device=device)
+    with forward_lock:
+        logits = model.forward(ids, positions, cache)
+    return [slot for slot, row in enumerate(rows) if row.step(logits[slot])]
+
+
+def decode_alone(
+    model: LayerwiseModel, forward_lock: AbstractContextManager[Any], row: DecodeRow, fusion: FusionResult
+) -> Generator[TokenEvent, None, GenerationResult]:
+    """Decode one row by itself over the fused prompt's own cache, yielding its tokens' text as they come;
+    returns its result. Closing the generator stops the row."""
+    finished = row.start(fusion)
+    while True:
+        yield from row.take_events()
+        if finished:
+            return row.result()
+        assert row.cache is not None
+        finished = bool(decode_step(model, forward_lock, [row], row.cache))
