@@ -352,6 +352,7 @@ class BatchScheduler:
                 for segment in segments:
                     if isinstance(segment.kv, SharedChunk):
                         segment.kv.release()
+        started: list[tuple[_Pending, DecodeRow]] = []
         for i, pending in enumerate(group):
             fusion = fusions.get(i) if i in live else None
             try:
@@ -359,13 +360,22 @@ class BatchScheduler:
                     self._end_cancelled(pending)
                 elif isinstance(fusion, Exception):
                     raise fusion
-                else:
-                    self._begin_row(pending, fusion)
+                elif (row := self._first_token(pending, fusion)) is not None:
+                    started.append((pending, row))
+            except Exception as exc:
+                log.warning("request %d failed: %s", pending.handle.request_id, exc)
+                self._fail(pending, exc)
+        # every first token of the group is out before any request's KV is copied into the decode batch
+        # (a copy per request: the last request's first token would otherwise wait for all the others')
+        for pending, row in started:
+            try:
+                self._take_row(pending, row)
             except Exception as exc:
                 log.warning("request %d failed: %s", pending.handle.request_id, exc)
                 self._fail(pending, exc)
 
-    def _begin_row(self, pending: _Pending, fusion: FusionResult) -> None:
+    def _first_token(self, pending: _Pending, fusion: FusionResult) -> DecodeRow | None:
+        """The request's decode row, its first token emitted; None when that token finished it."""
         handle = pending.handle
         row = DecodeRow(
             self.model.tokenizer,
@@ -381,7 +391,11 @@ class BatchScheduler:
         handle.first_token_at = row.first_token_at
         if finished:
             self._complete(pending, row)
-            return
+            return None
+        return row
+
+    def _take_row(self, pending: _Pending, row: DecodeRow) -> None:
+        """Give a started request its row in the decode batch (its fused KV copied into the buffer)."""
         assert row.cache is not None
         self._cache.place(len(self._rows), row.cache, pending.prompt_tokens)
         row.cache = None  # its KV lives in the batch buffer now
