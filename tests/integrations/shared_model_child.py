@@ -17,8 +17,11 @@ def main(corpus_a: str, corpus_b: str) -> None:
     chat = ChatCacheBlend(corpus_dir=corpus_a, max_tokens=2)
     llm = CacheBlendLLM(corpus_dir=corpus_b, max_tokens=2)
     twin = ChatCacheBlend(corpus_dir=corpus_b, max_tokens=2)
-    assert chat.invoke("Name a colour.").content is not None
-    assert llm.complete("Name a colour.").text is not None
+    # each object really answered through its engine: tokens generated, within its max_tokens
+    answer = chat.invoke("Name a colour.")
+    assert 1 <= answer.usage_metadata["output_tokens"] <= 2, answer.usage_metadata
+    completion = llm.complete("Name a colour.")
+    assert 1 <= completion.additional_kwargs["completion_tokens"] <= 2, completion.additional_kwargs
     model = chat.frontend.engine.model
     assert chat.frontend is not llm.frontend, "two corpora, two engines"
     assert llm.frontend is twin.frontend, "one corpus, one engine"
@@ -35,7 +38,8 @@ def main(corpus_a: str, corpus_b: str) -> None:
     assert shared_models() == {}, shared_models()
     assert freed() is None, "closing every holder frees the model"
     # a closed object loads it again when used
-    assert twin.invoke("Name a fruit.").content is not None and len(shared_models()) == 1
+    again = twin.invoke("Name a fruit.")
+    assert again.usage_metadata["output_tokens"] >= 1 and len(shared_models()) == 1
     twin.close()
     print("OK")
 
