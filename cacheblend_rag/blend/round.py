@@ -132,9 +132,9 @@ def _blended_chunks(fusor: Fusor, blend: FusionResult) -> dict[tuple[tuple[int, 
         tables = model.rope.rerotation(local + start, local, torch.float32)
         keys = []
         for layer in range(model.num_layers):
-            own = torch.empty_like(cache.keys[layer][0, :, start:end])
-            Rope.apply_rerotation_into(own, cache.keys[layer][0, :, start:end], tables)
-            keys.append(own)
+            placed = cache.keys[layer][0, :, start:end]
+            keys.append(torch.empty_like(placed))
+            Rope.apply_rerotation_into(keys[-1], placed, tables)
         values = [cache.values[layer][0, :, start:end].clone() for layer in range(model.num_layers)]
         out[key] = ChunkKV(keys, values, model.fingerprint)
     return out

@@ -85,7 +85,7 @@ class Engine(PromptSegments):
         # A store given is its owner's (a corpus passes its own, Corpus.kv_store); a folder (or the
         # default) is opened as the process's shared store there and given back by close().
         self._owns_store = not isinstance(store, KVStore)
-        if not isinstance(store, KVStore):
+        if self._owns_store:
             root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
             codec = kv_dtype or settings.kv_dtype
             store = acquire_store(root, self.model.fingerprint, self.model.shape, codec)
