@@ -61,8 +61,10 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
         for label, e in summary["methods"].items()
         if label.startswith("cacheblend@") and "options" in e
     ]
+    codecs = config.get("kv_dtypes") or []
+    by_codec = f", chunk KV codecs {' / '.join(codecs)}" if len(codecs) > 1 else ""
     parts = [
-        f"## Quality vs TTFT: {config['dataset']} ({summary['cases']} cases, {config['task']})",
+        f"## Quality vs TTFT: {config['dataset']} ({summary['cases']} cases, {config['task']}{by_codec})",
         "",
         "Command(s):",
         "",
@@ -106,7 +108,6 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
                 ],
             ),
         ]
-    codecs = config.get("kv_dtypes") or []
     if len(codecs) > 1:
         parts += ["", *codec_deltas(summary["methods"], codecs)]
     if summary.get("checks"):
