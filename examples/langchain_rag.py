@@ -38,7 +38,7 @@ PROMPT = ChatPromptTemplate.from_messages(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument(
-        "--corpus", "--store", dest="corpus", type=Path, default=get_settings().home / "stores" / "sample"
+        "--corpus", dest="corpus", type=Path, default=get_settings().home / "stores" / "sample"
     )
     parser.add_argument("--lazy-kv", action="store_true", help="compute chunk KV on first use, not at ingest")
     parser.add_argument("--questions", type=int, default=4, help="how many sample questions to ask")

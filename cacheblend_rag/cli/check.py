@@ -31,7 +31,7 @@ def read_questions(path: Path) -> list[str]:
 
 
 def check_command(
-    corpus: Annotated[Path, typer.Option("--corpus", "--store", help="Corpus directory built by `ingest`.")],
+    corpus: Annotated[Path, typer.Option("--corpus", help="Corpus directory built by `ingest`.")],
     questions: Annotated[
         Path | None,
         typer.Option(

@@ -26,9 +26,7 @@ _STAGE_LABELS = {
 
 def ingest(
     paths: Annotated[list[Path], typer.Argument(help="Files or folders (.txt, .md, .html, .pdf, .jsonl).")],
-    corpus: Annotated[
-        Path, typer.Option("--corpus", "--store", help="Corpus directory (created if missing).")
-    ],
+    corpus: Annotated[Path, typer.Option("--corpus", help="Corpus directory (created if missing).")],
     chunk_tokens: Annotated[
         int | None, typer.Option("--chunk-tokens", help="Max tokens per chunk of a new corpus (default 512).")
     ] = None,

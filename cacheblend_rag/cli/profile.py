@@ -12,7 +12,7 @@ from ..errors import CacheBlendError
 
 console = Console()
 CORPUS_OPTION = typer.Option(
-    None, "--corpus", "--store", help="Measure disk reads on the disk of this corpus directory's KV store."
+    None, "--corpus", help="Measure disk reads on the disk of this corpus directory's KV store."
 )
 OUTPUT_OPTION = typer.Option(None, "--output", help="Where to save the profile (default: settings home).")
 

@@ -19,7 +19,7 @@ err_console = Console(stderr=True)
 
 
 def query(
-    corpus: Annotated[Path, typer.Option("--corpus", "--store", help="Corpus directory built by `ingest`.")],
+    corpus: Annotated[Path, typer.Option("--corpus", help="Corpus directory built by `ingest`.")],
     question: Annotated[str | None, typer.Argument(help="The question to answer.")] = None,
     top_k: Annotated[int | None, typer.Option("--top-k", help="Chunks to retrieve (default 6).")] = None,
     method: Annotated[

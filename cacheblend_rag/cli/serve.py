@@ -15,7 +15,7 @@ err_console = Console(stderr=True)
 
 
 def serve(
-    corpus: Annotated[Path, typer.Option("--corpus", "--store", help="Corpus directory built by `ingest`.")],
+    corpus: Annotated[Path, typer.Option("--corpus", help="Corpus directory built by `ingest`.")],
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to listen on.")] = 8000,
     engine: Annotated[

@@ -17,18 +17,16 @@ from .overrides import KV_REMOTE_OPTION, use_kv_remote
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the chunk KV store (DIR/kv).")
 console = Console()
 
-CORPUS_OPTION = typer.Option(
-    ..., "--corpus", "--store", help="Corpus directory (its chunk KV store lives in DIR/kv)."
-)
+CORPUS_OPTION = typer.Option(..., "--corpus", help="Corpus directory (its chunk KV store lives in DIR/kv).")
 JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON.")
 
 
 def open_kv_store(corpus_dir: Path):
     """The KV store of ``corpus_dir``; the model fingerprint comes from DIR/manifest.json, else the index."""
-    from ..store.kvstore import INDEX_NAME, KVStore
+    from ..store.kvstore import KV_INDEX_NAME, KVStore
 
     kv_root = corpus_dir / "kv"
-    if not (kv_root / INDEX_NAME).is_file():
+    if not (kv_root / KV_INDEX_NAME).is_file():
         raise StoreError(f"no KV store at {kv_root}: ingest documents into {corpus_dir} first")
     fingerprint, options = None, {}
     manifest = corpus_dir / "manifest.json"

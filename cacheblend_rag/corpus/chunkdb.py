@@ -38,8 +38,8 @@ from .manifest import FORMAT_VERSION, MANIFEST_NAME, READABLE_FORMATS, CorpusMan
 # The manifest's names are importable from here too, where the corpus's other file names live.
 __all__ = [
     "DB_NAME",
+    "FAISS_INDEX_NAME",
     "FORMAT_VERSION",
-    "INDEX_NAME",
     "MANIFEST_NAME",
     "READABLE_FORMATS",
     "ChunkDB",
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 DB_NAME = "corpus.sqlite"
-INDEX_NAME = "faiss.index"
+FAISS_INDEX_NAME = "faiss.index"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -30,7 +30,7 @@ from ..models.loader import read_shape
 from ..models.runtime import ModelShape
 from ..models.tokenizer import ModelTokenizer, load_model_tokenizer
 from ..settings import get_settings
-from ..store.index import INDEX_NAME, stored_models
+from ..store.index import KV_INDEX_NAME, stored_models
 from ..store.kvstore import KVStore
 from ..store.shared import KVStoreOptions, acquire_store, release_store
 from ..text.chunker import Chunk, Chunker, validate_chunk_id
@@ -287,7 +287,7 @@ class Corpus:
     def _model_shape(self) -> ModelShape:
         """The model's dimensions for the KV store: as its index records them, else from the model's
         config (a store with no KV of the model yet)."""
-        if (self.kv_dir / INDEX_NAME).is_file():
+        if (self.kv_dir / KV_INDEX_NAME).is_file():
             for fingerprint, _, shape in stored_models(self.kv_dir):
                 if fingerprint == self.manifest.model_fingerprint:
                     return shape

@@ -11,7 +11,7 @@ import numpy as np
 from filelock import FileLock
 
 from . import index as vector_index
-from .chunkdb import INDEX_NAME, ChunkDB, FileChanges
+from .chunkdb import FAISS_INDEX_NAME, ChunkDB, FileChanges
 from .manifest import CorpusManifest
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class CorpusVectors:
             if self._index is not None and self._version == version:
                 return self._index
             index = None
-            path = self.dir / INDEX_NAME
+            path = self.dir / FAISS_INDEX_NAME
             if path.is_file() and self.db.index_version() == version:
                 index = vector_index.read_index(path)
                 if index.ntotal != self.db.counts()["chunks"]:
@@ -121,6 +121,6 @@ class CorpusVectors:
         with FileLock(str(self.dir / ".index.lock"), mode=0o644):
             if self.db.index_version() > version:
                 return  # another process already saved a newer index
-            vector_index.write_index(index, self.dir / INDEX_NAME)
+            vector_index.write_index(index, self.dir / FAISS_INDEX_NAME)
             self.db.set_index_version(version)
         self._dirty = False

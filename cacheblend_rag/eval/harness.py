@@ -96,7 +96,9 @@ def task_question(case: EvalCase, task: str) -> str:
 
 
 @dataclass(frozen=True)
-class RetrievedChunk:
+class CaseChunk:
+    """A chunk an eval case's prompt holds: where it was cut from, its tokens and its retrieval score."""
+
     context: int  # index of the context the chunk was cut from
     chunk: int  # index of the chunk within that context
     token_ids: tuple[int, ...]
@@ -105,7 +107,7 @@ class RetrievedChunk:
 
 def retrieve_chunks(
     case: EvalCase, chunker: Chunker, embedder: Embedder | None, top_k: int, task: str
-) -> tuple[list[RetrievedChunk], int]:
+) -> tuple[list[CaseChunk], int]:
     """The chunks a case's prompt holds, in prompt order, and how many chunks the case has in all.
 
     QA: the ``top_k`` most similar to the question, best first (the paper's retrieval). Summaries: the
@@ -117,13 +119,13 @@ def retrieve_chunks(
     if not pieces:
         raise EvalDataError(f"case {case.case_id}: its contexts give no tokens")
     if task == "summary":
-        return [RetrievedChunk(i, j, ids, None) for i, j, ids, _ in pieces[:top_k]], len(pieces)
+        return [CaseChunk(i, j, ids, None) for i, j, ids, _ in pieces[:top_k]], len(pieces)
     if embedder is None:
         raise ValueError("QA retrieval needs an embedder")
     vectors = embedder.embed([text for *_, text in pieces])
     scores = vectors @ embedder.embed_query(case.question)
     order = np.argsort(-scores, kind="stable")[:top_k]
-    chosen = [RetrievedChunk(*pieces[k][:3], float(scores[k])) for k in order]
+    chosen = [CaseChunk(*pieces[k][:3], float(scores[k])) for k in order]
     return chosen, len(pieces)
 
 

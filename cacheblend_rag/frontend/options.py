@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import AliasChoices, BaseModel, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from ..blend.spec import MethodSpec
 from ..corpus.manifest import CorpusManifest
@@ -32,6 +32,18 @@ from .text import DocumentRef, PromptFrontend, TextRequest, acquire_frontend, re
 log = logging.getLogger(__name__)
 
 PROVIDER = "cacheblend"
+
+
+# Field names an earlier release accepted: refused by name (pydantic would otherwise drop them silently).
+FORMER_NAMES = {"store_dir": "corpus_dir"}
+
+
+def refuse_former_names(data: Any) -> None:
+    """Raise ValueError naming the new field when ``data`` (a model's keyword arguments) uses a former one."""
+    if isinstance(data, Mapping):
+        for old, new in FORMER_NAMES.items():
+            if old in data:
+                raise ValueError(f"{old}= was renamed {new}=; pass {new}={data[old]!r}")
 
 
 class GenerationOptions(BaseModel):
@@ -60,9 +72,8 @@ class GenerationOptions(BaseModel):
 
     corpus_dir: str | None = Field(
         default=None,
-        validation_alias=AliasChoices("corpus_dir", "store_dir"),
         description="Corpus directory (str or Path) built by `cacheblend-rag ingest` or a "
-        "CacheBlendVectorStore (also accepted as store_dir); None: no chunk recognition.",
+        "CacheBlendVectorStore; None: no chunk recognition.",
     )
     model: str | None = Field(
         default=None, description="Model name or folder (default: the corpus's model, else the settings')."
@@ -106,6 +117,12 @@ class GenerationOptions(BaseModel):
         MethodSpec.parse(value)  # an unknown method or a bad option is refused here, naming the problem
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_former_names(cls, data: Any) -> Any:
+        refuse_former_names(data)
+        return data
+
     @model_validator(mode="after")
     def _ratio_taken(self) -> GenerationOptions:
         check_request(self.method, ratio=self.ratio)  # a method without a ratio refuses one, by name
@@ -117,11 +134,6 @@ class GenerationOptions(BaseModel):
         if value is not None and value not in ENGINE_KINDS:
             raise ValueError(f"unknown engine {value!r}; available: {', '.join(ENGINE_KINDS)}")
         return value
-
-    @property
-    def store_dir(self) -> str | None:
-        """The corpus directory (its former name)."""
-        return self.corpus_dir
 
     @property
     def frontend(self) -> PromptFrontend:

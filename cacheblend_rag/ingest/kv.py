@@ -8,12 +8,8 @@ from typing import Protocol
 
 from ..blend.segments import ChunkContext
 from ..corpus.corpus import Corpus
-from ..errors import StoreError
+from ..engine.base import ModelIdentity
 from ..store.kvstore import KVStore
-
-
-class ModelIdentity(Protocol):
-    fingerprint: str
 
 
 class ChunkKVWriter(Protocol):
@@ -32,19 +28,6 @@ class ChunkKVWriter(Protocol):
     def ensure_chunk_kv(self, token_ids: Sequence[int]) -> int:
         """Compute and store the chunk's KV unless present; the bytes written."""
         ...
-
-
-def check_writer(corpus: Corpus, engine: ChunkKVWriter) -> None:
-    """Refuse an engine that would write KV the corpus cannot use (another model or chunk context)."""
-    if engine.model.fingerprint != corpus.manifest.model_fingerprint:
-        raise StoreError(
-            f"the engine given for chunk KV runs another model than corpus {corpus.corpus_dir} was built with"
-        )
-    if engine.chunk_context != corpus.chunk_context:
-        raise StoreError(
-            f"the engine given for chunk KV prefills chunks behind another chunk context than corpus "
-            f"{corpus.corpus_dir} uses; create it with chunk_context=Corpus.open(...).chunk_context"
-        )
 
 
 def precompute_pending(

@@ -21,7 +21,7 @@ from .fileformat import FileMeta
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "index.sqlite"
+KV_INDEX_NAME = "index.sqlite"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS chunks (
@@ -52,7 +52,7 @@ class KVIndex:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.path = root / INDEX_NAME
+        self.path = root / KV_INDEX_NAME
         self._lock = threading.Lock()
         writable = os.access(root, os.W_OK) and (not self.path.exists() or os.access(self.path, os.W_OK))
         self.read_only = not writable
@@ -130,9 +130,9 @@ class KVIndex:
 
 def stored_models(root: str | Path) -> list[tuple[str, str, ModelShape]]:
     """(fingerprint, kv dtype, shape) of every model whose KV the store at ``root`` holds."""
-    index = Path(root) / INDEX_NAME
+    index = Path(root) / KV_INDEX_NAME
     if not index.is_file():
-        raise StoreError(f"no KV store at {root} (missing {INDEX_NAME})")
+        raise StoreError(f"no KV store at {root} (missing {KV_INDEX_NAME})")
     try:
         with closing(connect_read_only(index)) as db:
             rows = db.execute("SELECT model_fingerprint, kv_dtype, shape FROM models").fetchall()

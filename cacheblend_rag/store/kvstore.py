@@ -35,7 +35,7 @@ from ..settings import get_settings
 from . import maintenance
 from .disk import LOCK_TIMEOUT_S, DiskChunkKV, DiskTier, make_dirs
 from .fileformat import EncodedChunk, encode
-from .index import INDEX_NAME, KVIndex, stored_models
+from .index import KV_INDEX_NAME, KVIndex, stored_models
 from .keys import check_key, chunk_key, dtype_name, resolve_codec
 from .maintenance import VerifyReport
 from .ram import RamTier
@@ -44,7 +44,7 @@ from .tier import tier_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["INDEX_NAME", "DiskChunkKV", "KVStore", "StoreCounters", "VerifyReport", "tier_of"]
+__all__ = ["KV_INDEX_NAME", "DiskChunkKV", "KVStore", "StoreCounters", "VerifyReport", "tier_of"]
 
 
 @dataclass

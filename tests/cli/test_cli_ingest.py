@@ -21,7 +21,7 @@ def run_cli(*args: str):
 
 def test_ingest_prints_summary_and_rerun_is_a_noop(tmp_path, embedder):
     store = tmp_path / "store"
-    code, output, stderr = run_cli("ingest", SAMPLE_FILE, "--store", store, "--no-kv")
+    code, output, stderr = run_cli("ingest", SAMPLE_FILE, "--corpus", store, "--no-kv")
     assert code == 0, output
     assert "1 (1 new or changed, 0 unchanged)" in output
     assert "chunks/s" in output and "tokens/s" in output
@@ -30,7 +30,7 @@ def test_ingest_prints_summary_and_rerun_is_a_noop(tmp_path, embedder):
     assert f"{stats.chunks} ({stats.chunks} new, 0 removed)" in output
     assert "embed (new chunks) ━" in stderr and f"{stats.chunks}/{stats.chunks}" in stderr  # progress bars
 
-    code, output, _ = run_cli("ingest", SAMPLE_FILE, "--store", store, "--no-kv")
+    code, output, _ = run_cli("ingest", SAMPLE_FILE, "--corpus", store, "--no-kv")
     assert code == 0, output
     assert "1 (0 new or changed, 1 unchanged)" in output
 
@@ -40,7 +40,7 @@ def test_ingest_with_kv_precompute(tmp_path, embedder):
     docs.mkdir()
     (docs / "short.md").write_text("# Note\n\nThe Rhine flows from the Swiss Alps into the North Sea.\n")
     store = tmp_path / "store"
-    code, output, _ = run_cli("ingest", docs, "--store", store, "--chunk-tokens", "32")
+    code, output, _ = run_cli("ingest", docs, "--corpus", store, "--chunk-tokens", "32")
     assert code == 0, output
     with Corpus.open(store) as corpus:
         stats = corpus.stats()
@@ -50,20 +50,20 @@ def test_ingest_with_kv_precompute(tmp_path, embedder):
 
 
 def test_errors_exit_nonzero_with_a_message_on_stderr(tmp_path, embedder):
-    code, _, stderr = run_cli("ingest", tmp_path / "missing.txt", "--store", tmp_path / "s")
+    code, _, stderr = run_cli("ingest", tmp_path / "missing.txt", "--corpus", tmp_path / "s")
     assert code == 1 and stderr.startswith("error:") and "missing.txt: no such file or directory" in stderr
     assert not (tmp_path / "s").exists()
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"id": 2}\n')
-    code, _, stderr = run_cli("ingest", bad, "--store", tmp_path / "s", "--no-kv")
+    code, _, stderr = run_cli("ingest", bad, "--corpus", tmp_path / "s", "--no-kv")
     assert code == 1 and "bad.jsonl:2: record has no 'text' field" in stderr
     assert not (tmp_path / "s").exists()
 
     shutil.copy(SAMPLE_FILE, tmp_path / "a.txt")
-    code, _, stderr = run_cli("ingest", tmp_path / "a.txt", "--store", tmp_path / "s", "--index", "annoy")
+    code, _, stderr = run_cli("ingest", tmp_path / "a.txt", "--corpus", tmp_path / "s", "--index", "annoy")
     assert code == 1 and "unknown index type 'annoy'" in stderr
-    code, _, stderr = run_cli("ingest", tmp_path / "a.txt", "--store", tmp_path / "s", "--chunk-tokens", "4")
+    code, _, stderr = run_cli("ingest", tmp_path / "a.txt", "--corpus", tmp_path / "s", "--chunk-tokens", "4")
     assert code == 1 and "at least 16 tokens" in stderr
 
 
@@ -77,12 +77,12 @@ def test_a_folder_ingest_skips_unreadable_files_names_them_and_exits_1(tmp_path,
     (folder / "empty.txt").write_bytes(b"")
     (folder / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
 
-    code, output, stderr = run_cli("ingest", folder, "--store", tmp_path / "strict", "--no-kv", "--strict")
+    code, output, stderr = run_cli("ingest", folder, "--corpus", tmp_path / "strict", "--no-kv", "--strict")
     assert code == 1 and "file is empty" in stderr  # the first problem, and nothing stored
     assert not (tmp_path / "strict").exists()
 
     store = tmp_path / "store"
-    code, output, stderr = run_cli("ingest", folder, "--store", store, "--no-kv")
+    code, output, stderr = run_cli("ingest", folder, "--corpus", store, "--no-kv")
     assert code == 1 and "2 file(s) skipped" in stderr
     assert f"{folder}/empty.txt │ file is empty" in stderr
     assert f"{folder}/latin1.txt │" in stderr and "UTF-8" in stderr
@@ -95,6 +95,6 @@ def test_a_folder_ingest_skips_unreadable_files_names_them_and_exits_1(tmp_path,
     # fixed, the same command ingests the rest and exits 0
     (folder / "empty.txt").write_text("Now it holds a sentence.\n")
     (folder / "latin1.txt").write_text("café au lait\n")
-    code, output, stderr = run_cli("ingest", folder, "--store", store, "--no-kv")
+    code, output, stderr = run_cli("ingest", folder, "--corpus", store, "--no-kv")
     assert code == 0, stderr
     assert "4 (2 new or changed, 2 unchanged)" in output

@@ -215,7 +215,7 @@ def test_query_batch_answers_like_single_queries(tmp_path, musique_case, embedde
     questions = [musique_case["question"], "Which series did Bryan Fuller develop for NBC?"]
     batch = tmp_path / "questions.jsonl"
     batch.write_text("".join(json.dumps({"question": q, "id": i}) + "\n" for i, q in enumerate(questions)))
-    options = ["--store", store, "--top-k", "2", "--max-tokens", "6"]
+    options = ["--corpus", store, "--top-k", "2", "--max-tokens", "6"]
 
     code, output = _run_cli("query", "--batch", batch, *options, "--json")
     assert code == 0, output
@@ -235,7 +235,7 @@ def test_query_batch_answers_like_single_queries(tmp_path, musique_case, embedde
 
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"question": "fine"}\n{"text": "no question"}\n')
-    result = CliRunner().invoke(app, ["query", "--batch", str(broken), "--store", str(store)])
+    result = CliRunner().invoke(app, ["query", "--batch", str(broken), "--corpus", str(store)])
     assert result.exit_code == 1 and "broken.jsonl:2" in " ".join(result.stderr.split())
-    result = CliRunner().invoke(app, ["query", "why?", "--batch", str(plain), "--store", str(store)])
+    result = CliRunner().invoke(app, ["query", "why?", "--batch", str(plain), "--corpus", str(store)])
     assert result.exit_code == 2

@@ -22,7 +22,7 @@ LINE = r"{label}\s+TTFT\s+(\d+) ms, (\d+)/(\d+) prompt tokens reused: (.+)"
 @pytest.mark.slow
 @pytest.mark.parametrize("script", list(CASES))
 def test_example_runs_and_reuses_chunk_kv(script, rag_store):
-    args = ["--store", str(rag_store), "--lazy-kv", "--questions", "1", "--top-k", "2", "--max-tokens", "8"]
+    args = ["--corpus", str(rag_store), "--lazy-kv", "--questions", "1", "--top-k", "2", "--max-tokens", "8"]
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=900
     )

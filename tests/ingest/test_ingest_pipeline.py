@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cacheblend_rag.corpus.chunkdb import DB_NAME, INDEX_NAME, MANIFEST_NAME
+from cacheblend_rag.corpus.chunkdb import DB_NAME, FAISS_INDEX_NAME, MANIFEST_NAME
 from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.errors import ChunkNotFoundError, IngestError, StoreError
 from cacheblend_rag.ingest.pipeline import ingest
@@ -37,7 +37,7 @@ def snapshot(store: Path) -> dict:
         "manifest": (store / MANIFEST_NAME).read_text(),
         "chunks": rows,
         "files": files,
-        "index": (store / INDEX_NAME).read_bytes() if (store / INDEX_NAME).exists() else None,
+        "index": (store / FAISS_INDEX_NAME).read_bytes() if (store / FAISS_INDEX_NAME).exists() else None,
     }
 
 
@@ -59,12 +59,12 @@ def test_ingest_then_unchanged_rerun_is_a_noop(tmp_path, corpus_dir, embedder):
     assert {stage for stage, _, _ in seen} == {"read", "embed", "index"}
     assert ("embed", 2, 2) in seen and ("read", 2, 2) in seen
     before = snapshot(store)
-    index_mtime = (store / INDEX_NAME).stat().st_mtime_ns
+    index_mtime = (store / FAISS_INDEX_NAME).stat().st_mtime_ns
 
     again = ingest([corpus_dir], store, precompute_kv=False)
     assert (again.files_changed, again.files_unchanged, again.chunks, again.new_chunks) == (0, 2, 0, 0)
     assert snapshot(store) == before
-    assert (store / INDEX_NAME).stat().st_mtime_ns == index_mtime
+    assert (store / FAISS_INDEX_NAME).stat().st_mtime_ns == index_mtime
     assert oct((store).stat().st_mode & 0o777) == oct(0o750)  # not world-writable
 
 
@@ -172,10 +172,10 @@ def test_index_types_and_switching(tmp_path, corpus_dir, embedder, kind):
 def test_stale_or_missing_index_is_rebuilt(tmp_path, corpus_dir, embedder):
     store = tmp_path / "store"
     ingest([corpus_dir], store, precompute_kv=False)
-    (store / INDEX_NAME).unlink()
+    (store / FAISS_INDEX_NAME).unlink()
     with Corpus.open(store) as corpus:
         assert "Danube" in corpus.search("Black Sea river", top_k=1)[0].text
-    assert (store / INDEX_NAME).exists()
+    assert (store / FAISS_INDEX_NAME).exists()
     # an index older than the chunk table (crash between commit and index write)
     with sqlite3.connect(store / DB_NAME) as db:
         db.execute("UPDATE meta SET value = '0' WHERE key = 'index_version'")

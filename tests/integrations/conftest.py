@@ -8,7 +8,7 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def store_dir(rag_store) -> str:
+def corpus_dir(rag_store) -> str:
     """The sample store every integration test shares (so they share one engine and its chunk KV)."""
     return str(rag_store)
 

@@ -36,8 +36,8 @@ def share(stride: int) -> float:
     return 1 / stride
 
 
-def test_through_the_cli(store_dir, question):
-    args = ["query", question, "--store", store_dir, "--top-k", "2", "--max-tokens", "3", "--json"]
+def test_through_the_cli(corpus_dir, question):
+    args = ["query", question, "--corpus", corpus_dir, "--top-k", "2", "--max-tokens", "3", "--json"]
     result = CliRunner().invoke(app, [*args, "--method", "test_every_nth@3"])
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
@@ -54,10 +54,10 @@ def test_through_the_cli(store_dir, question):
     )
 
 
-def test_through_the_langchain_llm(store_dir, question):
-    (doc,) = CacheBlendRetriever(corpus_dir=store_dir, k=1).invoke(question)
+def test_through_the_langchain_llm(corpus_dir, question):
+    (doc,) = CacheBlendRetriever(corpus_dir=corpus_dir, k=1).invoke(question)
     prompt = f"Context:\n{doc.page_content}\n\nQuestion: {question}"
-    llm = CacheBlendLLM(corpus_dir=store_dir, method="test_every_nth@stride=4", max_tokens=3)
+    llm = CacheBlendLLM(corpus_dir=corpus_dir, method="test_every_nth@stride=4", max_tokens=3)
     (generation,) = llm.generate([prompt]).generations[0]
     info = generation.generation_info
     assert info["method_options"] == {"method": "test_every_nth", "stride": 4}
@@ -65,7 +65,7 @@ def test_through_the_langchain_llm(store_dir, question):
     per_call = llm.invoke(prompt, method="test_every_nth@2")  # a per-call override takes the spec too
     assert isinstance(per_call, str)
     with pytest.raises(ValidationError, match="stride"):
-        CacheBlendLLM(corpus_dir=store_dir, method="test_every_nth@1")
+        CacheBlendLLM(corpus_dir=corpus_dir, method="test_every_nth@1")
 
 
 def test_through_the_eval_harness(tmp_path, model):

@@ -40,8 +40,8 @@ PROMPT = ChatPromptTemplate.from_messages(
 
 
 @pytest.fixture(scope="module")
-def retriever(store_dir) -> CacheBlendRetriever:
-    return CacheBlendRetriever(store_dir=store_dir, k=2)
+def retriever(corpus_dir) -> CacheBlendRetriever:
+    return CacheBlendRetriever(corpus_dir=corpus_dir, k=2)
 
 
 def drop_in_chain(retriever, llm):
@@ -65,18 +65,18 @@ def cache_creation(message) -> int:
     return message.usage_metadata["input_token_details"]["cache_creation"]
 
 
-def test_retriever_returns_stored_chunks_verbatim(retriever, store_dir, question):
+def test_retriever_returns_stored_chunks_verbatim(retriever, corpus_dir, question):
     docs = retriever.invoke(question)
     assert len(docs) == 2
-    stored = get_frontend(store_dir).corpus.get_chunks([d.id for d in docs])
+    stored = get_frontend(corpus_dir).corpus.get_chunks([d.id for d in docs])
     for doc, chunk in zip(docs, stored, strict=True):
         assert doc.id == doc.metadata["chunk_id"] == chunk.chunk_id
         assert doc.page_content == chunk.text
         assert doc.metadata["score"] > 0
 
 
-def test_drop_in_chain_reuses_chunk_kv_and_streams_the_same_answer(retriever, store_dir, question):
-    chain = drop_in_chain(retriever, ChatCacheBlend(store_dir=store_dir, max_tokens=MAX_TOKENS))
+def test_drop_in_chain_reuses_chunk_kv_and_streams_the_same_answer(retriever, corpus_dir, question):
+    chain = drop_in_chain(retriever, ChatCacheBlend(corpus_dir=corpus_dir, max_tokens=MAX_TOKENS))
     message = chain.invoke(question)
     meta, usage = message.response_metadata, message.usage_metadata
     chunk_ids = [d.id for d in retriever.invoke(question)]
@@ -84,7 +84,7 @@ def test_drop_in_chain_reuses_chunk_kv_and_streams_the_same_answer(retriever, st
     # read from a cache, never chunk KV computed for this request (the first answer computes it)
     assert cache_read(message) == meta["cached_tokens"] <= meta["reused_tokens"]
     assert meta["reused_tokens"] > 0 and cache_read(message) + cache_creation(message) > 0
-    chunk_tokens = sum(len(c.token_ids) for c in get_frontend(store_dir).corpus.get_chunks(chunk_ids))
+    chunk_tokens = sum(len(c.token_ids) for c in get_frontend(corpus_dir).corpus.get_chunks(chunk_ids))
     assert usage["input_tokens"] > chunk_tokens > cache_read(message)
     assert meta["method"] == "cacheblend" and 0 < meta["recompute_ratio"] < 0.5
     assert meta["ttft_s"] > 0 and usage["output_tokens"] > 0 and message.content
@@ -100,10 +100,10 @@ def test_drop_in_chain_reuses_chunk_kv_and_streams_the_same_answer(retriever, st
     assert cache_read(streamed) == meta["reused_tokens"] and cache_creation(streamed) == 0
 
 
-def test_cacheblend_at_ratio_one_equals_full_prefill(retriever, store_dir, question):
-    blend = drop_in_chain(retriever, ChatCacheBlend(store_dir=store_dir, ratio=1.0, max_tokens=MAX_TOKENS))
+def test_cacheblend_at_ratio_one_equals_full_prefill(retriever, corpus_dir, question):
+    blend = drop_in_chain(retriever, ChatCacheBlend(corpus_dir=corpus_dir, ratio=1.0, max_tokens=MAX_TOKENS))
     full = drop_in_chain(
-        retriever, ChatCacheBlend(store_dir=store_dir, method="full_recompute", max_tokens=MAX_TOKENS)
+        retriever, ChatCacheBlend(corpus_dir=corpus_dir, method="full_recompute", max_tokens=MAX_TOKENS)
     )
     blended, reference = blend.invoke(question), full.invoke(question)
     assert blended.response_metadata["recompute_ratio"] == 1.0
@@ -112,14 +112,14 @@ def test_cacheblend_at_ratio_one_equals_full_prefill(retriever, store_dir, quest
     assert blended.content == reference.content
 
 
-def test_explicit_chain_answers_as_the_core_api(retriever, store_dir, question):
-    llm = ChatCacheBlend(store_dir=store_dir, max_tokens=MAX_TOKENS)
+def test_explicit_chain_answers_as_the_core_api(retriever, corpus_dir, question):
+    llm = ChatCacheBlend(corpus_dir=corpus_dir, max_tokens=MAX_TOKENS)
     out = create_cacheblend_rag_chain(retriever, llm).invoke(question)
     ids = [d.id for d in out["context"]]
     answer = out["answer"]
     assert answer.response_metadata["chunk_ids"] == ids and cache_read(answer) > 0
     # The default prompt is the engine's: same token ids, same segments, same answer as the core API.
-    core = get_frontend(store_dir).rag.query(question, chunk_ids=ids, sampling=SamplingParams(MAX_TOKENS))
+    core = get_frontend(corpus_dir).rag.query(question, chunk_ids=ids, sampling=SamplingParams(MAX_TOKENS))
     assert answer.content.strip() == core.answer
     # the chain's call came first: what it kept was read from a cache or computed for it (then stored),
     # which the core call, after it, reads
@@ -151,7 +151,7 @@ def test_documents_from_another_retriever_are_cached_on_first_sight(sample_store
     store = tmp_path / "store"
     shutil.copytree(sample_store, store)
     other = FixedRetriever(documents=[Document(page_content=t) for t in FOREIGN])
-    llm = ChatCacheBlend(store_dir=str(store), max_tokens=6)
+    llm = ChatCacheBlend(corpus_dir=str(store), max_tokens=6)
     first = create_cacheblend_rag_chain(other, llm).invoke("Who wrote The Lamp Room?")["answer"]
     # computed on first sight (cache_creation, not cache_read), then blended like any chunk
     assert first.response_metadata["cache_read_blended_tokens"] == 0 and cache_creation(first) > 0
@@ -167,18 +167,18 @@ def test_documents_from_another_retriever_are_cached_on_first_sight(sample_store
     assert second.response_metadata["cache_read_blended_tokens"] > 0
 
 
-def test_documents_named_in_a_message_are_reused_without_recognition(retriever, store_dir, question):
+def test_documents_named_in_a_message_are_reused_without_recognition(retriever, corpus_dir, question):
     (doc,) = retriever.invoke(question, k=1)
     text = f"Context:\n{doc.page_content}\n\nQuestion: {question}"
-    llm = ChatCacheBlend(store_dir=store_dir, max_tokens=4, recognise_chunks=False)
+    llm = ChatCacheBlend(corpus_dir=corpus_dir, max_tokens=4, recognise_chunks=False)
     named = llm.invoke([HumanMessage(text, additional_kwargs={MESSAGE_CHUNK_IDS_KEY: [doc.id]})])
     plain = llm.invoke([HumanMessage(text)])
     assert named.response_metadata["chunk_ids"] == [doc.id] and cache_read(named) > 0
     assert plain.response_metadata["chunk_ids"] == [] and cache_read(plain) == 0
 
 
-async def test_async_calls_leave_the_event_loop_free(retriever, store_dir, question):
-    chain = drop_in_chain(retriever, ChatCacheBlend(store_dir=store_dir, max_tokens=MAX_TOKENS))
+async def test_async_calls_leave_the_event_loop_free(retriever, corpus_dir, question):
+    chain = drop_in_chain(retriever, ChatCacheBlend(corpus_dir=corpus_dir, max_tokens=MAX_TOKENS))
     ticks: list[float] = []
 
     async def ticker() -> None:
@@ -201,10 +201,10 @@ async def test_async_calls_leave_the_event_loop_free(retriever, store_dir, quest
     assert longest_stall < elapsed / 4, f"the event loop stalled {longest_stall:.1f} s of {elapsed:.1f} s"
 
 
-def test_llm_batches_streams_and_stops(store_dir):
-    llm = CacheBlendLLM(store_dir=store_dir, max_tokens=10)
+def test_llm_batches_streams_and_stops(corpus_dir):
+    llm = CacheBlendLLM(corpus_dir=corpus_dir, max_tokens=10)
     prompts = ["Name a colour.", "Name a fruit."]
-    stats = get_frontend(store_dir).scheduler.stats
+    stats = get_frontend(corpus_dir).scheduler.stats
     steps, rows = stats.decode_steps, stats.decode_rows
     answers = llm.batch(prompts)
     assert len(answers) == 2 and all(answers)
@@ -217,23 +217,26 @@ def test_llm_batches_streams_and_stops(store_dir):
     assert stopped == answers[0][: answers[0].index(cut)]
 
 
-def test_llm_recognises_chunks_in_a_string_prompt(retriever, store_dir, question):
+def test_llm_recognises_chunks_in_a_string_prompt(retriever, corpus_dir, question):
     prompt = PromptTemplate.from_template("Context:\n{context}\n\nQuestion: {question}\nAnswer:")
     text = prompt.format(context=format_documents(retriever.invoke(question)), question=question)
-    result = CacheBlendLLM(store_dir=store_dir, max_tokens=4).generate([text])
+    result = CacheBlendLLM(corpus_dir=corpus_dir, max_tokens=4).generate([text])
     info = result.generations[0][0].generation_info
     assert info["usage_metadata"]["input_token_details"]["cache_read"] > 0
     assert info["chunk_ids"] == [d.id for d in retriever.invoke(question)]
     assert result.llm_output["token_usage"]["cache_read"] == info["cached_tokens"]
 
 
-def test_bad_input_is_refused_clearly(store_dir):
+def test_bad_input_is_refused_clearly(corpus_dir):
     with pytest.raises(ValidationError, match="unknown method 'fastest'"):
-        ChatCacheBlend(store_dir=store_dir, method="fastest")
-    llm = ChatCacheBlend(store_dir=store_dir, max_tokens=2)
+        ChatCacheBlend(corpus_dir=corpus_dir, method="fastest")
+    llm = ChatCacheBlend(corpus_dir=corpus_dir, max_tokens=2)
     with pytest.raises(TypeError, match="unsupported option"):
         llm.invoke("hi", max_token=3)
     with pytest.raises(ValueError, match="text only"):
         llm.invoke([HumanMessage([{"type": "image_url", "image_url": {"url": "data:,"}}])])
     with pytest.raises(TypeError, match="needs a ChatCacheBlend or CacheBlendLLM"):
-        create_cacheblend_rag_chain(CacheBlendRetriever(store_dir=store_dir), object())
+        create_cacheblend_rag_chain(CacheBlendRetriever(corpus_dir=corpus_dir), object())
+    for former in (ChatCacheBlend, CacheBlendLLM, CacheBlendRetriever):  # a renamed field is refused
+        with pytest.raises(ValidationError, match="store_dir= was renamed corpus_dir="):
+            former(store_dir=corpus_dir)

@@ -28,8 +28,8 @@ STRUCTURED_MAX_TOKENS = 40
 
 
 @pytest.fixture(autouse=True)
-def _store(store_dir: str) -> None:
-    STORE["dir"] = store_dir
+def _store(corpus_dir: str) -> None:
+    STORE["dir"] = corpus_dir
 
 
 class _ChatParams:
@@ -39,7 +39,7 @@ class _ChatParams:
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        return {"store_dir": STORE["dir"]}
+        return {"corpus_dir": STORE["dir"]}
 
     @property
     def standard_chat_model_params(self) -> dict[str, Any]:
@@ -85,7 +85,7 @@ class TestChatCacheBlendIntegration(_ChatParams, ChatModelIntegrationTests):
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
         """A prompt holding one stored chunk, whose KV the answer must reuse."""
-        retriever = CacheBlendRetriever(store_dir=STORE["dir"], k=1)
+        retriever = CacheBlendRetriever(corpus_dir=STORE["dir"], k=1)
         (doc,) = retriever.invoke("Who wrote Miss Sara Sampson?")
         model = ChatCacheBlend(**self.chat_model_params, max_tokens=MAX_TOKENS)
         prompt = f"Context:\n{doc.page_content}\n\nWho wrote Miss Sara Sampson?"
@@ -107,7 +107,7 @@ class TestCacheBlendRetriever(RetrieversIntegrationTests):
 
     @property
     def retriever_constructor_params(self) -> dict[str, Any]:
-        return {"store_dir": STORE["dir"], "k": 2}
+        return {"corpus_dir": STORE["dir"], "k": 2}
 
     @property
     def retriever_query_example(self) -> str:

@@ -148,15 +148,15 @@ def test_llm_takes_response_format_as_a_call_option(musique):
         llm.close()
 
 
-def test_readme_structured_output_example(store_dir, tmp_path):
+def test_readme_structured_output_example(corpus_dir, tmp_path):
     """The README's structured-output block, run as a script after the README's LangChain chain (its
     names given as the script's globals)."""
     block = README.read_text().split("<!-- structured-output example -->", 1)[1]
     script = tmp_path / "readme_structured_output.py"
     script.write_text(re.search(r"```python\n(.*?)```", block, re.DOTALL).group(1))
-    llm = ChatCacheBlend(corpus_dir=store_dir, max_tokens=MAX_TOKENS)
+    llm = ChatCacheBlend(corpus_dir=corpus_dir, max_tokens=MAX_TOKENS)
     names = {
-        "retriever": CacheBlendRetriever(store_dir=store_dir, k=2),
+        "retriever": CacheBlendRetriever(corpus_dir=corpus_dir, k=2),
         "format_docs": format_documents,
         "prompt": PROMPT,
         "llm": llm,

@@ -224,7 +224,7 @@ def test_user_built_chain_reuses_chunk_kv(user_store, sample_questions):
     def format_docs(docs: list[Document]) -> str:
         return "\n\n".join(doc.page_content for doc in docs)
 
-    llm = ChatCacheBlend(store_dir=folder, max_tokens=8)
+    llm = ChatCacheBlend(corpus_dir=folder, max_tokens=8)
     chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | PROMPT | llm
     questions = [q["question"] for q in sample_questions[:2]]  # about the two files in the store
     for question in questions:
@@ -243,7 +243,7 @@ def test_filtered_retriever_in_a_chain(user_store, sample_questions):
     question = sample_questions[1]["question"]  # about musique_case013.txt
     retriever = store.as_retriever(search_kwargs={"k": 2, "filter": {"source": "musique_case005.md"}})
     assert {d.metadata["source"] for d in retriever.invoke(question)} == {"musique_case005.md"}
-    llm = ChatCacheBlend(store_dir=Path(folder), max_tokens=4)
+    llm = ChatCacheBlend(corpus_dir=Path(folder), max_tokens=4)
     message = (
         {
             "context": retriever | (lambda docs: "\n\n".join(d.page_content for d in docs)),

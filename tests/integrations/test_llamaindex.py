@@ -23,19 +23,19 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def llm(store_dir) -> CacheBlendLLM:
-    return CacheBlendLLM(store_dir=store_dir, max_tokens=MAX_TOKENS)
+def llm(corpus_dir) -> CacheBlendLLM:
+    return CacheBlendLLM(corpus_dir=corpus_dir, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def retriever(store_dir) -> CacheBlendRetriever:
-    return CacheBlendRetriever(store_dir, similarity_top_k=2)
+def retriever(corpus_dir) -> CacheBlendRetriever:
+    return CacheBlendRetriever(corpus_dir, similarity_top_k=2)
 
 
-def test_retriever_nodes_are_stored_chunks(retriever, store_dir, question):
+def test_retriever_nodes_are_stored_chunks(retriever, corpus_dir, question):
     nodes = retriever.retrieve(question)
     assert len(nodes) == 2
-    stored = get_frontend(store_dir).corpus.get_chunks([n.node.node_id for n in nodes])
+    stored = get_frontend(corpus_dir).corpus.get_chunks([n.node.node_id for n in nodes])
     for node, chunk in zip(nodes, stored, strict=True):
         assert node.node.node_id == node.node.metadata["chunk_id"] == chunk.chunk_id
         # what any synthesizer pastes for the LLM is the stored text, metadata hidden
@@ -43,8 +43,8 @@ def test_retriever_nodes_are_stored_chunks(retriever, store_dir, question):
         assert node.score > 0
 
 
-def test_query_engine_hands_nodes_to_the_llm_as_segments(llm, store_dir, question, llm_reports):
-    engine = CacheBlendQueryEngine.from_corpus(store_dir, llm=llm, similarity_top_k=2)
+def test_query_engine_hands_nodes_to_the_llm_as_segments(llm, corpus_dir, question, llm_reports):
+    engine = CacheBlendQueryEngine.from_corpus(corpus_dir, llm=llm, similarity_top_k=2)
     response = engine.query(question)
     (report,) = llm_reports
     node_ids = [n.node.node_id for n in response.source_nodes]
@@ -52,7 +52,7 @@ def test_query_engine_hands_nodes_to_the_llm_as_segments(llm, store_dir, questio
     assert report["reused_tokens"] > 0 and report["method"] == "cacheblend"
     assert str(response).strip()
 
-    streaming = CacheBlendQueryEngine.from_corpus(store_dir, llm=llm, similarity_top_k=2, streaming=True)
+    streaming = CacheBlendQueryEngine.from_corpus(corpus_dir, llm=llm, similarity_top_k=2, streaming=True)
     tokens = list(streaming.query(question).response_gen)
     assert len([t for t in tokens if t]) >= 3
     assert "".join(tokens) == str(response)  # greedy: the same answer, token by token
@@ -70,12 +70,12 @@ def test_stock_query_engine_benefits_by_recognition(llm, retriever, question, ll
     assert str(first) == str(second)
 
 
-async def test_async_query_and_streaming(llm, store_dir, question, llm_reports):
-    engine = CacheBlendQueryEngine.from_corpus(store_dir, llm=llm, similarity_top_k=2)
+async def test_async_query_and_streaming(llm, corpus_dir, question, llm_reports):
+    engine = CacheBlendQueryEngine.from_corpus(corpus_dir, llm=llm, similarity_top_k=2)
     response = await engine.aquery(question)
     assert llm_reports[0]["reused_tokens"] > 0 and str(response).strip()
 
-    nodes = await CacheBlendRetriever(store_dir, 2).aretrieve(QueryBundle(question))
+    nodes = await CacheBlendRetriever(corpus_dir, 2).aretrieve(QueryBundle(question))
     message = ChatMessage(role=MessageRole.USER, content=f"{nodes[0].node.get_content()}\n\n{question}")
     stream = await llm.astream_chat([message], documents=nodes[:1])
     deltas = [r.delta async for r in stream]
@@ -89,11 +89,13 @@ class Author(BaseModel):
     confident: bool
 
 
-async def test_structured_predict_decodes_under_the_output_class(store_dir, retriever, question, llm_reports):
+async def test_structured_predict_decodes_under_the_output_class(
+    corpus_dir, retriever, question, llm_reports
+):
     """``structured_predict``, ``as_structured_llm``, streamed and async: LlamaIndex's own program writes the
     prompt and parses the answer, and the answer is decoded under the class's JSON schema (the whole text
     is the object's JSON, nothing around it), reusing the KV of the chunks in the prompt."""
-    llm = CacheBlendLLM(store_dir=store_dir, max_tokens=48)
+    llm = CacheBlendLLM(corpus_dir=corpus_dir, max_tokens=48)
     context = "\n\n".join(n.node.get_content() for n in retriever.retrieve(question))
     prompt = PromptTemplate("Context:\n{context}\n\nQuestion: {question}")
     try:
@@ -124,7 +126,7 @@ def test_complete_and_chat(llm, llm_reports):
     assert llm.metadata.is_chat_model and llm.metadata.context_window == 8192
 
 
-def test_bad_input_is_refused_clearly(llm, store_dir):
+def test_bad_input_is_refused_clearly(llm, corpus_dir):
     with pytest.raises(ValueError, match="text only"):
         llm.chat([ChatMessage(role=MessageRole.USER, blocks=[ImageBlock(url="http://example.com/a.png")])])
     with pytest.raises(TypeError, match="unsupported option"):
@@ -132,4 +134,4 @@ def test_bad_input_is_refused_clearly(llm, store_dir):
     with pytest.raises(TypeError, match="needs a CacheBlendLLM"):
         CacheBlendSynthesizer(llm=object())
     with pytest.raises(ValueError, match="similarity_top_k"):
-        CacheBlendRetriever(store_dir, similarity_top_k=0)
+        CacheBlendRetriever(corpus_dir, similarity_top_k=0)

@@ -11,13 +11,13 @@ from llama_index.retrievers.cacheblend import CacheBlendRetriever
 pytestmark = pytest.mark.slow
 
 
-def test_the_usage_handler_shows_reuse_across_calls(store_dir, question, llm_reports):
+def test_the_usage_handler_shows_reuse_across_calls(corpus_dir, question, llm_reports):
     handler = CacheBlendUsageHandler()
     dispatcher = get_dispatcher()
     dispatcher.add_event_handler(handler)
-    llm = CacheBlendLLM(corpus_dir=store_dir, max_tokens=4)
+    llm = CacheBlendLLM(corpus_dir=corpus_dir, max_tokens=4)
     try:
-        engine = CacheBlendRetriever(store_dir, 2)
+        engine = CacheBlendRetriever(corpus_dir, 2)
         context = "\n\n".join(n.node.get_content() for n in engine.retrieve(question))
         prompt = f"Context:\n{context}\n\nQuestion: {question}"
         llm.complete(prompt)

@@ -29,34 +29,34 @@ def no_reuse_warnings(caplog) -> list[logging.LogRecord]:
 @pytest.mark.parametrize(
     "make, ask",
     [
-        (lambda d: ChatCacheBlend(store_dir=d, max_tokens=2), lambda m, p: m.invoke(p)),
-        (lambda d: LangChainLLM(store_dir=d, max_tokens=2), lambda m, p: m.invoke(p)),
+        (lambda d: ChatCacheBlend(corpus_dir=d, max_tokens=2), lambda m, p: m.invoke(p)),
+        (lambda d: LangChainLLM(corpus_dir=d, max_tokens=2), lambda m, p: m.invoke(p)),
         (lambda d: LlamaIndexLLM(corpus_dir=d, max_tokens=2), lambda m, p: m.complete(p)),
     ],
     ids=["langchain-chat", "langchain-llm", "llamaindex-llm"],
 )
-def test_no_reuse_is_said_once_per_object_with_the_fix(make, ask, store_dir, question, caplog):
+def test_no_reuse_is_said_once_per_object_with_the_fix(make, ask, corpus_dir, question, caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    model = make(store_dir)
+    model = make(corpus_dir)
     ask(model, "Name a colour.")
     ask(model, "Name a fruit.")
     (warning,) = no_reuse_warnings(caplog)
-    assert all(fix in warning.getMessage() for fix in FIXES) and store_dir in warning.getMessage()
-    ask(make(store_dir), "Name a colour.")  # another object says it too
+    assert all(fix in warning.getMessage() for fix in FIXES) and corpus_dir in warning.getMessage()
+    ask(make(corpus_dir), "Name a colour.")  # another object says it too
     assert len(no_reuse_warnings(caplog)) == 2
 
-    (doc,) = CacheBlendRetriever(store_dir=store_dir, k=1).invoke(question)
-    fresh = make(store_dir)
+    (doc,) = CacheBlendRetriever(corpus_dir=corpus_dir, k=1).invoke(question)
+    fresh = make(corpus_dir)
     ask(fresh, f"Context:\n{doc.page_content}\n\nQuestion: {question}")  # a stored chunk: reused, no warning
     assert len(no_reuse_warnings(caplog)) == 2
 
 
-def test_corpus_folders_are_taken_as_str_or_path(store_dir, question):
-    folder = Path(store_dir)
-    chat = ChatCacheBlend(store_dir=folder, max_tokens=2)
-    assert chat.corpus_dir == store_dir and LangChainLLM(corpus_dir=folder).corpus_dir == store_dir
-    assert LlamaIndexLLM(corpus_dir=folder).corpus_dir == store_dir
-    docs = CacheBlendRetriever(store_dir=folder, k=1).invoke(question)
+def test_corpus_folders_are_taken_as_str_or_path(corpus_dir, question):
+    folder = Path(corpus_dir)
+    chat = ChatCacheBlend(corpus_dir=folder, max_tokens=2)
+    assert chat.corpus_dir == corpus_dir and LangChainLLM(corpus_dir=folder).corpus_dir == corpus_dir
+    assert LlamaIndexLLM(corpus_dir=folder).corpus_dir == corpus_dir
+    docs = CacheBlendRetriever(corpus_dir=folder, k=1).invoke(question)
     nodes = LlamaIndexRetriever(folder, similarity_top_k=1).retrieve(question)
     assert docs[0].id == nodes[0].node.node_id
     message = chat.invoke(f"Context:\n{docs[0].page_content}\n\nQuestion: {question}")

@@ -58,10 +58,10 @@ def test_an_entry_point_registers_the_method(plugin_path):
         MethodSpec.parse("plugin_every_third@offset=3")
 
 
-def test_the_command_line_answers_with_it(plugin_path, store_dir, question):
+def test_the_command_line_answers_with_it(plugin_path, corpus_dir, question):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")])}
     cli = [sys.executable, "-c", "import sys; from cacheblend_rag.cli import app; sys.exit(app())"]
-    args = ["query", question, "--store", store_dir, "--top-k", "2", "--max-tokens", "3", "--json"]
+    args = ["query", question, "--corpus", corpus_dir, "--top-k", "2", "--max-tokens", "3", "--json"]
     done = subprocess.run(
         [*cli, *args, "--method", "plugin_every_third@2"],
         capture_output=True,

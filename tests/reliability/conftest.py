@@ -109,8 +109,8 @@ def store_copy(rel_store, tmp_path):
 
 @pytest.fixture(scope="session")
 def rag_on(model):
-    """``with rag_on(store_dir) as rag: ...`` on the session's model."""
-    return lambda store_dir: support.open_rag(store_dir, model)
+    """``with rag_on(corpus_dir) as rag: ...`` on the session's model."""
+    return lambda corpus_dir: support.open_rag(corpus_dir, model)
 
 
 # -- the fault log and its summary ---------------------------------------------------------------------

@@ -41,11 +41,11 @@ def excerpt(text: str, first: str, last: str) -> str:
 
 
 @contextmanager
-def open_rag(store_dir: Path, model) -> Iterator[CacheBlendRAG]:
-    """A CacheBlendRAG over ``store_dir`` on an already loaded model; closes its store and corpus after."""
-    engine = Engine(model=model, store=Path(store_dir) / "kv")
+def open_rag(corpus_dir: Path, model) -> Iterator[CacheBlendRAG]:
+    """A CacheBlendRAG over ``corpus_dir`` on an already loaded model; closes its store and corpus after."""
+    engine = Engine(model=model, store=Path(corpus_dir) / "kv")
     try:
-        rag = CacheBlendRAG(store_dir, engine=engine)
+        rag = CacheBlendRAG(corpus_dir, engine=engine)
         try:
             yield rag
         finally:
@@ -62,8 +62,8 @@ def answer(rag: CacheBlendRAG, question: str, method: str = "cacheblend") -> str
 class Reference:
     """Fault-free answers over the pristine shared store, computed once per (question, method)."""
 
-    def __init__(self, store_dir: Path, model) -> None:
-        self.store_dir = store_dir
+    def __init__(self, corpus_dir: Path, model) -> None:
+        self.corpus_dir = corpus_dir
         self.model = model
         self._answers: dict[tuple[str, str], str] = {}
         self._chunks: dict[str, list[str]] = {}
@@ -72,7 +72,7 @@ class Reference:
     def answer(self, question: str, method: str = "cacheblend") -> str:
         with self._lock:
             if (question, method) not in self._answers:
-                with open_rag(self.store_dir, self.model) as rag:
+                with open_rag(self.corpus_dir, self.model) as rag:
                     result = rag.query(question, top_k=TOP_K, method=method, sampling=SAMPLING)
                 self._answers[question, method] = result.answer
                 self._chunks[question] = result.chunk_ids
@@ -88,22 +88,22 @@ class Reference:
 
     def kv_keys(self, question: str) -> list[str]:
         """KV keys of the chunks retrieved for ``question``, in retrieval order."""
-        with open_rag(self.store_dir, self.model) as rag:
+        with open_rag(self.corpus_dir, self.model) as rag:
             return [c.kv_key for c in rag.corpus.get_chunks(self.chunk_ids(question))]
 
 
-def kv_path(store_dir: Path, key: str) -> Path:
-    """Where the KV store of ``store_dir`` keeps ``key``'s file."""
-    with KVStore.open_existing(Path(store_dir) / "kv") as kv:
+def kv_path(corpus_dir: Path, key: str) -> Path:
+    """Where the KV store of ``corpus_dir`` keeps ``key``'s file."""
+    with KVStore.open_existing(Path(corpus_dir) / "kv") as kv:
         return kv.path_for(key)
 
 
-def kv_files(store_dir: Path) -> list[Path]:
-    return sorted((Path(store_dir) / "kv" / "chunks").rglob("*.safetensors"))
+def kv_files(corpus_dir: Path) -> list[Path]:
+    return sorted((Path(corpus_dir) / "kv" / "chunks").rglob("*.safetensors"))
 
 
-def temp_files(store_dir: Path) -> list[Path]:
-    return sorted((Path(store_dir) / "kv" / "chunks").rglob(".*.tmp"))
+def temp_files(corpus_dir: Path) -> list[Path]:
+    return sorted((Path(corpus_dir) / "kv" / "chunks").rglob(".*.tmp"))
 
 
 _runner = CliRunner()
@@ -114,9 +114,10 @@ def invoke_cli(*args: object):
     return _runner.invoke(app, [str(a) for a in args])
 
 
-def store_verify(store_dir: Path, repair: bool = False) -> tuple[int, dict]:
+def store_verify(corpus_dir: Path, repair: bool = False) -> tuple[int, dict]:
     """``cacheblend-rag store verify --json [--repair]``: (exit code, report)."""
-    result = invoke_cli("store", "verify", "--store", store_dir, "--json", *(["--repair"] if repair else []))
+    repairing = ["--repair"] if repair else []
+    result = invoke_cli("store", "verify", "--corpus", corpus_dir, "--json", *repairing)
     try:
         return result.exit_code, json.loads(result.output)
     except ValueError:

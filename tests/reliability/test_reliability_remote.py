@@ -67,23 +67,23 @@ FORGERIES = [
 
 
 @contextmanager
-def node(store_dir: Path, model, url: str):
-    """A CacheBlendRAG over ``store_dir`` whose KV store has the remote tier at ``url``."""
-    store = KVStore(store_dir / "kv", model.fingerprint, model.shape, remote=url)
+def node(corpus_dir: Path, model, url: str):
+    """A CacheBlendRAG over ``corpus_dir`` whose KV store has the remote tier at ``url``."""
+    store = KVStore(corpus_dir / "kv", model.fingerprint, model.shape, remote=url)
     try:
-        yield CacheBlendRAG(store_dir, engine=Engine(model, store=store))
+        yield CacheBlendRAG(corpus_dir, engine=Engine(model, store=store))
     finally:
         store.close()
 
 
 @pytest.fixture
 def verify_remote(monkeypatch):
-    """``verify_remote(store_dir, url) -> (exit code, report)``: ``store verify --kv-remote --json`` in this
+    """``verify_remote(corpus_dir, url) -> (exit code, report)``: ``store verify --kv-remote --json`` in this
     process; the setting it overrides (through its environment variable) is restored after the test."""
     monkeypatch.delenv("CACHEBLEND_KV_REMOTE", raising=False)  # from here on restored at teardown
 
-    def run(store_dir: Path, url: str) -> tuple[int, dict]:
-        result = invoke_cli("store", "verify", "--corpus", store_dir, "--kv-remote", url, "--json")
+    def run(corpus_dir: Path, url: str) -> tuple[int, dict]:
+        result = invoke_cli("store", "verify", "--corpus", corpus_dir, "--kv-remote", url, "--json")
         return result.exit_code, json.loads(result.output)
 
     yield run
@@ -131,8 +131,8 @@ def test_forged_remote_value_is_detected_and_recomputed(
 
     # the recomputed chunk was written back: the tier (and both local stores) verify clean
     client.delete(tier.name_for(SWAP_SOURCE))
-    for store_dir in (publisher, reader):
-        code, report = verify_remote(store_dir, url)
+    for corpus_dir in (publisher, reader):
+        code, report = verify_remote(corpus_dir, url)
         assert code == 0 and report["clean"], report
     assert json.loads(client.hget(tier.name_for(key), "meta"))["model_fingerprint"] == model.fingerprint
 

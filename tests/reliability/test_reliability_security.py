@@ -11,7 +11,7 @@ from pathlib import Path
 import faiss
 from reliability_support import answer
 
-from cacheblend_rag.corpus.chunkdb import INDEX_NAME
+from cacheblend_rag.corpus.chunkdb import FAISS_INDEX_NAME
 from cacheblend_rag.store.kvstore import KVStore
 
 ROOT = Path(__file__).parents[2]
@@ -98,7 +98,7 @@ def test_no_pickle_no_unsafe_torch_load_no_eval_in_the_code(faults):
 
 
 def test_faiss_index_is_written_and_read_by_faiss(rel_store, faults):
-    path = rel_store / INDEX_NAME
+    path = rel_store / FAISS_INDEX_NAME
     with open(path, "rb") as fh:
         assert fh.read(4) in FAISS_FOURCCS  # faiss' own format, not a pickle or numpy dump
     index = faiss.read_index(str(path))

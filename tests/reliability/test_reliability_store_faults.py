@@ -31,7 +31,7 @@ from cacheblend_rag.blend.segments import ChunkKV
 from cacheblend_rag.corpus.chunkdb import DB_NAME
 from cacheblend_rag.errors import StoreError
 from cacheblend_rag.ingest.pipeline import ingest
-from cacheblend_rag.store.kvstore import INDEX_NAME, KVStore
+from cacheblend_rag.store.kvstore import KV_INDEX_NAME, KVStore
 
 OTHER_FINGERPRINT = "0" * 64  # no real model hashes to this
 
@@ -92,7 +92,7 @@ def swapped_file(root: Path, key: str) -> None:
 
 
 def drop_index_row(root: Path, key: str) -> None:
-    with sqlite3.connect(root / "kv" / INDEX_NAME) as db:
+    with sqlite3.connect(root / "kv" / KV_INDEX_NAME) as db:
         assert db.execute("DELETE FROM chunks WHERE key = ?", (key,)).rowcount == 1
 
 
@@ -188,7 +188,7 @@ def _snapshot(root: Path, access_times: bool = True) -> dict[str, object]:
     columns = "*" if access_times else "key, model_fingerprint, kv_dtype, num_tokens, size_bytes, checksum"
     # a read-only folder cannot hold the -shm file of a plain read-only open (nobody writes there anyway)
     mode = "ro" if os.access(root / "kv", os.W_OK) else "ro&immutable=1"
-    with closing(sqlite3.connect(f"file:{root / 'kv' / INDEX_NAME}?mode={mode}", uri=True)) as db:
+    with closing(sqlite3.connect(f"file:{root / 'kv' / KV_INDEX_NAME}?mode={mode}", uri=True)) as db:
         files["index rows"] = db.execute(f"SELECT {columns} FROM chunks ORDER BY key").fetchall()
     return files
 
@@ -303,9 +303,9 @@ def test_read_only_store_answers_and_refuses_writes_clearly(
 
     code, report = store_verify(root)
     assert code == 0 and report["clean"], report
-    refused = invoke_cli("store", "verify", "--store", root, "--repair")
+    refused = invoke_cli("store", "verify", "--corpus", root, "--repair")
     assert refused.exit_code == 1 and "read-only" in refused.output
-    refused = invoke_cli("store", "gc", "--store", root)
+    refused = invoke_cli("store", "gc", "--corpus", root)
     assert refused.exit_code == 1 and "read-only" in refused.output
     extra = tmp_path / "extra.txt"
     extra.write_text("A new document that a read-only store cannot take in.\n")

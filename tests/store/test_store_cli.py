@@ -16,7 +16,7 @@ runner = CliRunner()
 
 
 @pytest.fixture
-def store_dir(tmp_path, shape, make_kv):
+def corpus_dir(tmp_path, shape, make_kv):
     (tmp_path / "manifest.json").write_text(json.dumps({"model": "test", "model_fingerprint": FINGERPRINT}))
     store = KVStore(tmp_path / "kv", FINGERPRINT, shape, "float16")
     keys = [store.chunk_key([i]) for i in range(3)]
@@ -30,49 +30,49 @@ def invoke(*args: str):
     return runner.invoke(app, [str(a) for a in args])
 
 
-def test_stats(store_dir):
-    root, _ = store_dir
-    result = invoke("store", "stats", "--store", root, "--json")
+def test_stats(corpus_dir):
+    root, _ = corpus_dir
+    result = invoke("store", "stats", "--corpus", root, "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["disk"]["entries"] == 3 and data["model_fingerprint"] == FINGERPRINT
-    table = invoke("store", "stats", "--store", root)
+    table = invoke("store", "stats", "--corpus", root)
     assert table.exit_code == 0 and "disk" in table.output
 
 
-def test_stats_without_manifest_reads_the_index(store_dir):
-    root, _ = store_dir
+def test_stats_without_manifest_reads_the_index(corpus_dir):
+    root, _ = corpus_dir
     (root / "manifest.json").unlink()
-    result = invoke("store", "stats", "--store", root, "--json")
+    result = invoke("store", "stats", "--corpus", root, "--json")
     assert result.exit_code == 0 and json.loads(result.output)["model_fingerprint"] == FINGERPRINT
 
 
-def test_verify_fails_on_corruption_and_repairs(store_dir):
-    root, keys = store_dir
+def test_verify_fails_on_corruption_and_repairs(corpus_dir):
+    root, keys = corpus_dir
     path = root / "kv" / "chunks" / keys[1][:2] / f"{keys[1]}.safetensors"
     start, _ = tensor_span(path, "layers.0.values")
     flip_byte(path, start)
-    bad = invoke("store", "verify", "--store", root)
+    bad = invoke("store", "verify", "--corpus", root)
     assert bad.exit_code == 1 and "1 corrupt" in bad.output and "--repair" in bad.output
-    fixed = invoke("store", "verify", "--store", root, "--repair")
+    fixed = invoke("store", "verify", "--corpus", root, "--repair")
     assert fixed.exit_code == 0 and not path.exists()
-    clean = invoke("store", "verify", "--store", root, "--json")
+    clean = invoke("store", "verify", "--corpus", root, "--json")
     assert clean.exit_code == 0 and json.loads(clean.output)["clean"]
 
 
-def test_gc_and_clear(store_dir):
-    root, _ = store_dir
-    result = invoke("store", "gc", "--store", root, "--json")
+def test_gc_and_clear(corpus_dir):
+    root, _ = corpus_dir
+    result = invoke("store", "gc", "--corpus", root, "--json")
     assert result.exit_code == 0 and json.loads(result.output)["evicted"] == 0
-    refused = runner.invoke(app, ["store", "clear", "--store", str(root)], input="n\n")
+    refused = runner.invoke(app, ["store", "clear", "--corpus", str(root)], input="n\n")
     assert refused.exit_code != 0 and len(list((root / "kv" / "chunks").rglob("*.safetensors"))) == 3
-    cleared = invoke("store", "clear", "--store", root, "--yes")
+    cleared = invoke("store", "clear", "--corpus", root, "--yes")
     assert cleared.exit_code == 0 and "removed 3" in cleared.output
     assert not list((root / "kv" / "chunks").rglob("*.safetensors"))
 
 
 def test_missing_store_is_a_clear_error(tmp_path):
-    result = invoke("store", "stats", "--store", tmp_path / "nowhere")
+    result = invoke("store", "stats", "--corpus", tmp_path / "nowhere")
     assert result.exit_code == 1 and "no KV store" in result.output
 
 

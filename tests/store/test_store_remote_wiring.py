@@ -99,7 +99,7 @@ def test_ingest_pins_the_corpus_and_a_node_ingesting_it_again_computes_nothing(
     url = redis_server.url
     code, out = cli(
         "query",
-        "--store",
+        "--corpus",
         tmp_path / "d",
         "--kv-remote",
         url,
@@ -145,15 +145,15 @@ def _invoke(*args) -> tuple[int, str]:
 
 
 def test_store_commands_cover_the_remote_tier(tmp_path, redis_server, model, real_chunks, cli):
-    store_dir = tmp_path / "store"
-    store = KVStore(store_dir / "kv", model.fingerprint, model.shape, "float16", remote=redis_server.url)
+    corpus_dir = tmp_path / "store"
+    store = KVStore(corpus_dir / "kv", model.fingerprint, model.shape, "float16", remote=redis_server.url)
     keys = [store.chunk_key(ids) for ids, _ in real_chunks]
     store.put(keys[0], real_chunks[0][1])  # pinned corpus
     store.put(keys[1], real_chunks[1][1], pinned=False)  # request traffic
     tier = store.remote
     url = redis_server.url
 
-    code, out = cli("store", "stats", "--store", store_dir, "--kv-remote", url, "--json")
+    code, out = cli("store", "stats", "--corpus", corpus_dir, "--kv-remote", url, "--json")
     remote = json.loads(out)["remote"]
     assert (
         code == 0
@@ -161,34 +161,34 @@ def test_store_commands_cover_the_remote_tier(tmp_path, redis_server, model, rea
         and (remote["entries"], remote["pinned"], remote["adhoc"]) == (2, 1, 1)
     )
     assert remote["bytes"] == sum(kv.to(store.kv_dtype).nbytes for _, kv in real_chunks)
-    code, out = cli("store", "stats", "--store", store_dir, "--kv-remote", url)
+    code, out = cli("store", "stats", "--corpus", corpus_dir, "--kv-remote", url)
     assert code == 0 and "remote" in out and "2 (1 pinned)" in out
 
-    code, out = cli("store", "verify", "--store", store_dir, "--kv-remote", url, "--json")
+    code, out = cli("store", "verify", "--corpus", corpus_dir, "--kv-remote", url, "--json")
     report = json.loads(out)
     assert code == 0 and report["clean"] and report["remote"]["ok"] == 2 and report["remote"]["pinned"] == 1
 
     client = redis_server.client()
     forge_layer_bytes(client, tier.name_for(keys[0]), {})
     client.set(f"{tier.prefix}:not-a-chunk", b"junk")
-    code, out = cli("store", "verify", "--store", store_dir, "--kv-remote", url, "--json")
+    code, out = cli("store", "verify", "--corpus", corpus_dir, "--kv-remote", url, "--json")
     report = json.loads(out)
     assert code == 1 and not report["clean"] and report["ok"] == 2  # the local files are fine
     assert [bad["key"] for bad in report["remote"]["corrupt"]] == [keys[0]]
     assert report["remote"]["stray_keys"] == [f"{tier.prefix}:not-a-chunk"]
     assert "layer 3 checksum mismatch" in report["remote"]["corrupt"][0]["reason"]
-    code, out = cli("store", "verify", "--store", store_dir, "--kv-remote", url)
+    code, out = cli("store", "verify", "--corpus", corpus_dir, "--kv-remote", url)
     assert code == 1 and "corrupt remote" in out and "--repair" in out
 
     client.set(f"{tier.prefix}:another-stray", b"junk")
-    code, out = cli("store", "gc", "--store", store_dir, "--kv-remote", url, "--json")
+    code, out = cli("store", "gc", "--corpus", corpus_dir, "--kv-remote", url, "--json")
     assert code == 0 and json.loads(out)["remote_stray_removed"] == 2
-    code, out = cli("store", "verify", "--store", store_dir, "--kv-remote", url, "--repair", "--json")
+    code, out = cli("store", "verify", "--corpus", corpus_dir, "--kv-remote", url, "--repair", "--json")
     assert code == 0 and json.loads(out)["remote"]["repaired"]
-    code, out = cli("store", "verify", "--store", store_dir, "--kv-remote", url, "--json")
+    code, out = cli("store", "verify", "--corpus", corpus_dir, "--kv-remote", url, "--json")
     assert code == 0 and json.loads(out)["remote"]["checked"] == 1  # the forged value was deleted
     assert list(pinned_keys(redis_server)) == [tier.name_for(keys[1]).encode()]
 
-    code, out = cli("store", "stats", "--store", store_dir, "--kv-remote", "http://127.0.0.1:1")
+    code, out = cli("store", "stats", "--corpus", corpus_dir, "--kv-remote", "http://127.0.0.1:1")
     assert code == 1 and "redis://HOST:PORT/DB" in out
     store.close()

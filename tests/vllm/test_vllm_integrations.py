@@ -59,10 +59,10 @@ def test_langchain_chain_on_vllm_answers_as_pytorch(corpus_dir, questions):
             ("human", "Context:\n{context}\n\nQuestion: {question}"),
         ]
     )
-    retriever = CacheBlendRetriever(store_dir=corpus_dir, k=2)
+    retriever = CacheBlendRetriever(corpus_dir=corpus_dir, k=2)
 
     def chain(engine: str):
-        llm = ChatCacheBlend(store_dir=corpus_dir, engine=engine, max_tokens=MAX_TOKENS)
+        llm = ChatCacheBlend(corpus_dir=corpus_dir, engine=engine, max_tokens=MAX_TOKENS)
         return {"context": retriever | format_documents, "question": RunnablePassthrough()} | prompt | llm
 
     on_vllm, on_torch = chain("vllm"), chain("torch")
@@ -117,7 +117,7 @@ def test_llamaindex_query_engine_on_vllm_answers_as_pytorch(corpus_dir, question
 
     answers = {}
     for engine in ("vllm", "torch"):
-        llm = CacheBlendLLM(store_dir=corpus_dir, engine=engine, max_tokens=MAX_TOKENS)
+        llm = CacheBlendLLM(corpus_dir=corpus_dir, engine=engine, max_tokens=MAX_TOKENS)
         query_engine = CacheBlendQueryEngine.from_corpus(corpus_dir, llm=llm, similarity_top_k=2)
         with _Reports() as reports:
             response = query_engine.query(questions[1])

@@ -8,10 +8,11 @@ from typing import Any
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from cacheblend_rag.corpus import RetrievedChunk
 from cacheblend_rag.frontend import get_corpus
+from cacheblend_rag.frontend.options import refuse_former_names
 from cacheblend_rag.settings import get_settings
 
 
@@ -26,11 +27,15 @@ class CacheBlendRetriever(BaseRetriever):
     """
 
     corpus_dir: str = Field(
-        validation_alias=AliasChoices("corpus_dir", "store_dir"),
-        description="Corpus directory (str or Path) built by `cacheblend-rag ingest` (also accepted as "
-        "store_dir).",
+        description="Corpus directory (str or Path) built by `cacheblend-rag ingest`.",
     )
     k: int = Field(default_factory=lambda: get_settings().top_k, ge=1, description="Documents to return.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_former_names(cls, data: Any) -> Any:
+        refuse_former_names(data)
+        return data
 
     @field_validator("corpus_dir", mode="before")
     @classmethod
