@@ -27,7 +27,6 @@ from .engine.fidelity import (
     store_in_ram,
 )
 from .models.runtime import LayerwiseModel
-from .settings import get_settings
 
 if TYPE_CHECKING:
     from .rag import CacheBlendRAG
@@ -124,12 +123,10 @@ def sample_questions(corpus: Corpus, n: int) -> list[str]:
     return list(questions)
 
 
-def method_runs(
-    engine: RecordingEngine, method: str | None, ratios: Sequence[float | None]
-) -> list[MethodRun]:
-    """Full prefill, then ``method`` (default: the settings') once per ratio; once as given when it has
-    no ratio or names its own."""
-    base = MethodSpec.parse(method or get_settings().method)
+def method_runs(engine: RecordingEngine, method: str, ratios: Sequence[float | None]) -> list[MethodRun]:
+    """Full prefill, then ``method`` once per ratio; once as given when it has no ratio or names its
+    own."""
+    base = MethodSpec.parse(method)
     if base.label == REFERENCE:
         raise ValueError(f"{REFERENCE} is the reference check compares against; name another method")
     specs = [base] if base.method_class.ratio_option is None or base.ratio is not None else None
@@ -149,8 +146,8 @@ def run_check(
     sample: int = 20,
     top_k: int | None = None,
 ) -> CheckReport:
-    """See :meth:`CacheBlendRAG.check`."""
-    ratios = list(ratios) if ratios is not None else [get_settings().ratio]
+    """See :meth:`CacheBlendRAG.check` (the defaults are ``rag.config``'s)."""
+    ratios = list(ratios) if ratios is not None else [rag.config.ratio]
     check_options(ratios, target_agreement, max_new_tokens, sample)
     sampled = questions is None
     asked = sample_questions(rag.corpus, sample) if questions is None else clean_questions(questions)
@@ -158,8 +155,8 @@ def run_check(
         raise ValueError("check needs the PyTorch engine (it reads each method's first-token logits)")
     base = rag.engine
     # the RAG's model, store, prompts and chunk context, recording each fusion's logits and cache
-    engine = RecordingEngine(base.model, base.store, base.prompts, base.chunk_context)
-    runs = method_runs(engine, method, ratios)
+    engine = RecordingEngine(base.model, base.store, base.prompts, base.chunk_context, config=rag.config)
+    runs = method_runs(engine, method or rag.config.method, ratios)
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
     cases = []
     for number, question in enumerate(asked):
