@@ -13,11 +13,12 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .blend.spec import MethodSpec
-from .corpus.corpus import Corpus
-from .engine import ChunkRef, SamplingParams
+from .config import Config
+from .corpus.corpus import Corpus, RetrievedChunk
+from .engine import ChunkRef, EngineProtocol, SamplingParams
 from .engine.fidelity import (
     REFERENCE,
     MethodRun,
@@ -28,10 +29,19 @@ from .engine.fidelity import (
 )
 from .models.runtime import LayerwiseModel
 
-if TYPE_CHECKING:
-    from .rag import CacheBlendRAG
-
 log = logging.getLogger(__name__)
+
+
+class CheckedRAG(Protocol):
+    """What :func:`run_check` reads of the :class:`~cacheblend_rag.rag.CacheBlendRAG` it checks (typed by
+    what it uses: ``rag`` calls this module, so this module does not import it back)."""
+
+    corpus: Corpus
+    engine: EngineProtocol
+    config: Config
+
+    def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]: ...
+
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")
 _QUESTION_WORDS = 12  # words of a chunk's first sentence a sampled question quotes
@@ -137,7 +147,7 @@ def method_runs(engine: RecordingEngine, method: str, ratios: Sequence[float | N
 
 
 def run_check(
-    rag: CacheBlendRAG,
+    rag: CheckedRAG,
     questions: Sequence[str] | None = None,
     ratios: Sequence[float | None] | None = None,
     method: str | None = None,

@@ -3,9 +3,13 @@
 For every package of ``cacheblend_rag`` the script links its direct children (modules, subpackages and its
 own ``__init__``): A -> B when a module of A imports, at module level, a module of B. A cycle among them
 (two modules of ``engine/`` importing each other, say) is reported with the imports that close it, and the
-script exits 1. Imports inside functions (deferred on purpose) and under ``if TYPE_CHECKING:`` are not
-module-level and are not counted. Between the top-level packages the import-linter layers contract
-(pyproject.toml) already forbids cycles; this check covers the modules within each package.
+script exits 1. Imports under ``if TYPE_CHECKING:`` count (two modules that name each other's types are
+tied together all the same); imports inside functions (deferred on purpose) do not. Between the top-level
+packages the import-linter layers contract (pyproject.toml) already forbids cycles; this check covers the
+modules within each package.
+
+:data:`KNOWN_CYCLES` lists the cycles still to be untied (issue 24 found three; ``check`` <-> ``rag`` is
+gone): they are reported and tolerated, any other fails.
 
     python scripts/check_import_cycles.py [ROOT_DIR]     # default: the cacheblend_rag package folder
 """
@@ -18,6 +22,18 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = "cacheblend_rag"
+# (package, its children in the cycle): type-only back-references still to be replaced by protocols
+KNOWN_CYCLES = {
+    ("cacheblend_rag.corpus", ("cacheblend_rag.corpus.corpus", "cacheblend_rag.corpus.documents")),
+    (
+        "cacheblend_rag.store.remote",
+        (
+            "cacheblend_rag.store.remote.admin",
+            "cacheblend_rag.store.remote.source",
+            "cacheblend_rag.store.remote.tier",
+        ),
+    ),
+}
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -31,15 +47,9 @@ def module_names(root: Path) -> dict[str, Path]:
     return names
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """The imports a module runs when it is imported: its body's, and those of top-level ``if``/``try``/
-    ``with`` blocks, but not under ``if TYPE_CHECKING:`` nor in functions or classes."""
+    """The imports at a module's level: its body's and those of top-level ``if`` (``TYPE_CHECKING``
+    included), ``try`` and ``with`` blocks, not those in functions or classes."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(statements: list[ast.stmt]) -> None:
@@ -47,8 +57,7 @@ def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 found.append(node)
             elif isinstance(node, ast.If):
-                if not _is_type_checking(node.test):
-                    visit(node.body)
+                visit(node.body)
                 visit(node.orelse)
             elif isinstance(node, ast.Try):
                 for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
@@ -166,7 +175,13 @@ def strongly_connected(links: dict[str, set[str]]) -> list[set[str]]:
 
 def main(argv: list[str]) -> int:
     root = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parent.parent / PACKAGE
-    found = cycles(import_graph(root))
+    found = []
+    for package, members, evidence in cycles(import_graph(root)):
+        if (package, tuple(members)) in KNOWN_CYCLES:
+            names = " <-> ".join(m.rsplit(".", 1)[-1] for m in members)
+            print(f"known import cycle in {package} (to untie): {names}")
+            continue
+        found.append((package, members, evidence))
     for package, members, evidence in found:
         print(f"import cycle in {package}: {' <-> '.join(m.rsplit('.', 1)[-1] for m in members)}")
         for line in evidence:

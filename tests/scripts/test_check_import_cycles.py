@@ -61,18 +61,16 @@ def test_a_cycle_through_subpackages_fails(tmp_path):
     assert done.returncode == 1 and "import cycle in cacheblend_rag: corpus <-> store" in done.stdout
 
 
-def test_deferred_and_type_checking_imports_are_not_cycles(tmp_path):
-    package = write_package(
-        tmp_path,
-        {
-            "engine/__init__.py": "",
-            "engine/engine.py": "from .scheduler import BatchScheduler\n",
-            "engine/scheduler.py": (
-                "from typing import TYPE_CHECKING\n\n"
-                "if TYPE_CHECKING:\n    from .engine import Engine\n\n"
-                "def make():\n    from .engine import Engine\n\n    return Engine\n"
-            ),
-        },
-    )
-    done = run(str(package))
+def test_a_deferred_import_is_not_a_cycle_but_a_type_checking_one_is(tmp_path):
+    files = {
+        "engine/__init__.py": "",
+        "engine/engine.py": "from .scheduler import BatchScheduler\n",
+        "engine/scheduler.py": "def make():\n    from .engine import Engine\n\n    return Engine\n",
+    }
+    done = run(str(write_package(tmp_path / "deferred", files)))
     assert done.returncode == 0, done.stdout
+    files["engine/scheduler.py"] = (
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .engine import E\n"
+    )
+    done = run(str(write_package(tmp_path / "typed", files)))
+    assert done.returncode == 1 and "engine <-> scheduler" in done.stdout
