@@ -367,7 +367,7 @@ class PromptFrontend:
         return self._segments(text, spans, request.method)
 
 
-_FrontendKey = tuple[str | None, str | None, str, Config]
+_FrontendKey = tuple[str | None, str | None, str]
 _frontends: dict[_FrontendKey, PromptFrontend] = {}
 _holders: dict[_FrontendKey, int] = {}
 _corpora: dict[str, Corpus] = {}
@@ -385,7 +385,7 @@ def _frontend_key(
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
     directory = _dir_key(corpus_dir) if corpus_dir is not None else None
-    return (directory, str(model) if model else None, kind, config)
+    return (directory, str(model) if model else None, kind)
 
 
 def acquire_frontend(
@@ -394,9 +394,11 @@ def acquire_frontend(
     engine: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), loaded on
-    first use; give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default:
-    ``config.engine``); ``config``: the caller's settings."""
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), loaded on first use;
+    give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default: ``config.engine``);
+    ``config``: the caller's settings, which the frontend keeps when this call loads it (every edge passes
+    the process's, so every holder shares one engine, as a retriever, a chat model and an LLM object over
+    one corpus do)."""
     key = _frontend_key(corpus_dir, model, engine, config)
     with _shared_lock:
         if key not in _frontends:
@@ -425,8 +427,8 @@ def get_frontend(
     engine: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), kept for
-    the rest of the process."""
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), kept for the rest of the
+    process (``config``: as for :func:`acquire_frontend`)."""
     return acquire_frontend(corpus_dir, model, engine, config)
 
 
