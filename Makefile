@@ -29,7 +29,9 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS)) | $(PY)
 	@if $(PIP) show --quiet torchvision 2>/dev/null; then $(PIP) uninstall --yes torchvision; fi
 	touch $@
 
-# What `make lint` checks: ruff, the import layers (import-linter, contract in pyproject.toml) and, with
+# What `make lint` checks: ruff, the import layers (import-linter, contracts in pyproject.toml: the layers,
+# settings read at the edges only), no module-level import cycle inside a package
+# (scripts/check_import_cycles.py) and, with
 # pylint's duplicate-code check only, that no block of 6+ lines repeats in the package or integrations.
 PYLINT_PATHS := cacheblend_rag integrations/langchain-cacheblend/langchain_cacheblend \
 	integrations/llama-index-llms-cacheblend/llama_index/llms/cacheblend \
@@ -39,6 +41,7 @@ PYLINT_PATHS := cacheblend_rag integrations/langchain-cacheblend/langchain_cache
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_import_cycles.py
 	$(VENV)/bin/pylint $(PYLINT_PATHS)
 	$(PY) -m pytest -q
 	$(MAKE) test-vllm
@@ -85,6 +88,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(PY) scripts/check_import_cycles.py
 	$(VENV)/bin/pylint $(PYLINT_PATHS)
 
 demo: install

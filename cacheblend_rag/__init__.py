@@ -13,7 +13,8 @@ The public names, importable from here (``from cacheblend_rag import CacheBlendR
   (your own embedding model), :class:`KVStore` (its chunk KV store);
 - integrations: :class:`PromptFrontend`, :class:`GenerationOptions`, :class:`DocumentCollection` (what the
   vector stores keep documents in);
-- :func:`get_settings`, :class:`SettingsError` and :class:`CacheBlendError`.
+- :func:`get_settings`, :class:`Settings` (read at the edges), :class:`Config` (the values the core takes:
+  ``config=get_settings()`` passes the settings down), :class:`SettingsError` and :class:`CacheBlendError`.
 
 They load on first use: importing the package stays cheap for the command line and vLLM's worker
 processes, which import single modules of it.
@@ -53,6 +54,7 @@ _EXPORTS = {
     "DocumentCollection": "frontend",
     "get_settings": "settings",
     "Settings": "settings",
+    "Config": "config",
     "SettingsError": "settings",
     "CacheBlendError": "errors",
 }
@@ -63,6 +65,7 @@ __all__ = [
     "CacheBlendError",
     "CacheBlendRAG",
     "ChunkRef",
+    "Config",
     "Corpus",
     "CorpusManifest",
     "DocumentCollection",
@@ -92,6 +95,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .blend import MethodSpec, RecomputeMethod, Reuse, Segment, available_methods, register_method
+    from .config import Config
     from .corpus import Corpus, CorpusManifest, ExternalEmbedder
     from .engine import (
         BatchRequest,

@@ -13,11 +13,12 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .blend.spec import MethodSpec
-from .corpus.corpus import Corpus
-from .engine import ChunkRef, SamplingParams
+from .config import Config
+from .corpus.corpus import Corpus, RetrievedChunk
+from .engine import ChunkRef, EngineProtocol, SamplingParams
 from .engine.fidelity import (
     REFERENCE,
     MethodRun,
@@ -27,12 +28,20 @@ from .engine.fidelity import (
     store_in_ram,
 )
 from .models.runtime import LayerwiseModel
-from .settings import get_settings
-
-if TYPE_CHECKING:
-    from .rag import CacheBlendRAG
 
 log = logging.getLogger(__name__)
+
+
+class CheckedRAG(Protocol):
+    """What :func:`run_check` reads of the :class:`~cacheblend_rag.rag.CacheBlendRAG` it checks (typed by
+    what it uses: ``rag`` calls this module, so this module does not import it back)."""
+
+    corpus: Corpus
+    engine: EngineProtocol
+    config: Config
+
+    def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]: ...
+
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")
 _QUESTION_WORDS = 12  # words of a chunk's first sentence a sampled question quotes
@@ -124,12 +133,10 @@ def sample_questions(corpus: Corpus, n: int) -> list[str]:
     return list(questions)
 
 
-def method_runs(
-    engine: RecordingEngine, method: str | None, ratios: Sequence[float | None]
-) -> list[MethodRun]:
-    """Full prefill, then ``method`` (default: the settings') once per ratio; once as given when it has
-    no ratio or names its own."""
-    base = MethodSpec.parse(method or get_settings().method)
+def method_runs(engine: RecordingEngine, method: str, ratios: Sequence[float | None]) -> list[MethodRun]:
+    """Full prefill, then ``method`` once per ratio; once as given when it has no ratio or names its
+    own."""
+    base = MethodSpec.parse(method)
     if base.label == REFERENCE:
         raise ValueError(f"{REFERENCE} is the reference check compares against; name another method")
     specs = [base] if base.method_class.ratio_option is None or base.ratio is not None else None
@@ -140,7 +147,7 @@ def method_runs(
 
 
 def run_check(
-    rag: CacheBlendRAG,
+    rag: CheckedRAG,
     questions: Sequence[str] | None = None,
     ratios: Sequence[float | None] | None = None,
     method: str | None = None,
@@ -149,8 +156,8 @@ def run_check(
     sample: int = 20,
     top_k: int | None = None,
 ) -> CheckReport:
-    """See :meth:`CacheBlendRAG.check`."""
-    ratios = list(ratios) if ratios is not None else [get_settings().ratio]
+    """See :meth:`CacheBlendRAG.check` (the defaults are ``rag.config``'s)."""
+    ratios = list(ratios) if ratios is not None else [rag.config.ratio]
     check_options(ratios, target_agreement, max_new_tokens, sample)
     sampled = questions is None
     asked = sample_questions(rag.corpus, sample) if questions is None else clean_questions(questions)
@@ -158,8 +165,8 @@ def run_check(
         raise ValueError("check needs the PyTorch engine (it reads each method's first-token logits)")
     base = rag.engine
     # the RAG's model, store, prompts and chunk context, recording each fusion's logits and cache
-    engine = RecordingEngine(base.model, base.store, base.prompts, base.chunk_context)
-    runs = method_runs(engine, method, ratios)
+    engine = RecordingEngine(base.model, base.store, base.prompts, base.chunk_context, config=rag.config)
+    runs = method_runs(engine, method or rag.config.method, ratios)
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
     cases = []
     for number, question in enumerate(asked):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .blend.spec import MethodSpec
+from .config import Config
 from .corpus.corpus import Corpus, RetrievedChunk
 from .corpus.pinning import pin_corpus
 from .engine import (
@@ -26,6 +27,7 @@ from .engine.base import PromptAccounting
 from .engine.bounds import check_request
 from .errors import StoreError
 from .settings import get_settings
+from .store.shared import KVStoreOptions
 
 if TYPE_CHECKING:
     from .check import CheckReport
@@ -88,7 +90,8 @@ class CacheBlendRAG:
 
     ``method`` (a name or spec, default the settings') and ``ratio`` (the recompute ratio of a method
     that has one) are per call; without a ratio the engine's loading controller chooses it, and results
-    report its decision in ``controller``."""
+    report its decision in ``controller``. ``config``: the values to run with (default: the process's
+    settings, ``CACHEBLEND_*``); what is not given per call comes from it."""
 
     def __init__(
         self,
@@ -96,6 +99,7 @@ class CacheBlendRAG:
         engine: EngineProtocol | str | None = None,
         model: str | Path | None = None,
         engine_kind: str | None = None,
+        config: Config | None = None,
     ):
         """Open the corpus at ``corpus_dir`` (or use an opened :class:`Corpus`). ``engine``: an engine over
         the corpus's model, or the kind of engine to build over it ("torch" or "vllm"; also accepted as
@@ -106,17 +110,23 @@ class CacheBlendRAG:
             if engine_kind is not None and engine_kind != engine:
                 raise ValueError(f"engine={engine!r} and engine_kind={engine_kind!r} disagree")
             engine, engine_kind = None, engine
+        self.config = get_settings() if config is None else config
         self._owned_corpus = not isinstance(corpus_dir, Corpus)
-        self.corpus = corpus_dir if isinstance(corpus_dir, Corpus) else Corpus.open(corpus_dir)
+        self.corpus = (
+            corpus_dir
+            if isinstance(corpus_dir, Corpus)
+            else Corpus.open(corpus_dir, kv_options=KVStoreOptions.of(self.config))
+        )
         corpus_dir = self.corpus.corpus_dir
         manifest = self.corpus.manifest
         self._owned_engine = engine is None
         if engine is None:
             engine = create_engine(
-                engine_kind,
+                engine_kind or self.config.engine,
                 model or self.corpus.model_source,
                 store=self.corpus.kv_store,
                 chunk_context=self.corpus.chunk_context,
+                config=self.config,
             )
         self.engine = engine
         if manifest.model_fingerprint != self.engine.model.fingerprint:
@@ -157,7 +167,7 @@ class CacheBlendRAG:
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:
         """The ``top_k`` chunks nearest ``question`` (None: the ``top_k`` setting; 0 is refused)."""
-        return self.corpus.search(question, top_k)
+        return self.corpus.search(question, self.config.top_k if top_k is None else top_k)
 
     def query(
         self,
@@ -181,7 +191,7 @@ class CacheBlendRAG:
         sampling: SamplingParams | None = None,
     ) -> TokenStream[QueryResult]:
         """Like :meth:`query`; iterate the handle for tokens as they come, then ``.result()``."""
-        spec = _spec(method, ratio, question, top_k)
+        spec = self._spec(method, ratio, question, top_k)
         prepared = self._prepare(question, top_k, chunk_ids, spec)
         handle = self.engine.stream(prepared.segments, spec, sampling)
 
@@ -227,9 +237,13 @@ class CacheBlendRAG:
             shared = [c.chunk_id for c in self.retrieve("\n".join(questions), top_k)]
         return self._answer_together(questions, top_k, shared, spec, sampling, self.engine.generate_round)
 
-    @staticmethod
-    def _checked(method, ratio, top_k, questions: Sequence[str]) -> MethodSpec:
-        spec = _spec(method, ratio, None, top_k)
+    def _spec(
+        self, method: str | None, ratio: float | None, question: str | None, top_k: int | None
+    ) -> MethodSpec:
+        return check_request(method or self.config.method, ratio=ratio, question=question, top_k=top_k)
+
+    def _checked(self, method, ratio, top_k, questions: Sequence[str]) -> MethodSpec:
+        spec = self._spec(method, ratio, None, top_k)
         for question in questions:
             check_request(spec, question=question)
         return spec
@@ -272,7 +286,3 @@ class CacheBlendRAG:
         retrieval_s = time.perf_counter() - started
         refs = [ChunkRef(c.token_ids, c.chunk_id) for c in chunks]
         return _Prepared(chunks, self.engine.rag_segments(question, refs, method), retrieval_s)
-
-
-def _spec(method: str | None, ratio: float | None, question: str | None, top_k: int | None) -> MethodSpec:
-    return check_request(method or get_settings().method, ratio=ratio, question=question, top_k=top_k)

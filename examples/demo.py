@@ -29,10 +29,11 @@ METHODS = ("full_recompute", "cacheblend")
 
 def main() -> None:
     console = Console()
-    corpus = get_settings().home / "stores" / "sample"
+    settings = get_settings()  # read here, in the application, and passed down
+    corpus = settings.home / "stores" / "sample"
     console.print(f"[bold]Ingesting[/bold] {DATA / 'corpus'} into {corpus} (unchanged files are skipped)…")
-    engine = Engine(store=corpus / "kv")
-    summary = ingest([DATA / "corpus"], corpus, engine=engine)
+    engine = Engine(store=corpus / "kv", config=settings)
+    summary = ingest([DATA / "corpus"], corpus, engine=engine, config=settings)
     console.print(
         f"  {summary.files} files, {summary.chunks} chunks ({summary.new_chunks} new), "
         f"{summary.kv_bytes / 1e6:.1f} MB of KV written, {summary.seconds:.1f} s"

@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    ingest([DATA / "corpus"], args.corpus, precompute_kv=not args.lazy_kv)  # unchanged files are skipped
+    # unchanged files are skipped; the settings (CACHEBLEND_*) are passed down as the integrations do
+    ingest([DATA / "corpus"], args.corpus, precompute_kv=not args.lazy_kv, config=get_settings())
 
     retriever = CacheBlendRetriever(corpus_dir=str(args.corpus), k=args.top_k)
     llm = ChatCacheBlend(corpus_dir=str(args.corpus), max_tokens=args.max_tokens)

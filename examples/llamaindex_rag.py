@@ -54,7 +54,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    ingest([DATA / "corpus"], args.corpus, precompute_kv=not args.lazy_kv)  # unchanged files are skipped
+    # unchanged files are skipped; the settings (CACHEBLEND_*) are passed down as the integrations do
+    ingest([DATA / "corpus"], args.corpus, precompute_kv=not args.lazy_kv, config=get_settings())
 
     reports = EngineReports()
     get_dispatcher().add_event_handler(reports)

@@ -29,9 +29,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
-    # Ingest once: unchanged files are skipped on later runs. The engine precomputes every chunk's KV.
-    engine = Engine(store=args.corpus / "kv")
-    summary = ingest([DATA / "corpus"], args.corpus, engine=engine, precompute_kv=not args.lazy_kv)
+    # Ingest once: unchanged files are skipped on later runs. The engine precomputes every chunk's KV. The
+    # settings (CACHEBLEND_*) are read here, in the application, and passed down.
+    settings = get_settings()
+    engine = Engine(store=args.corpus / "kv", config=settings)
+    summary = ingest(
+        [DATA / "corpus"], args.corpus, engine=engine, precompute_kv=not args.lazy_kv, config=settings
+    )
     print(
         f"corpus {args.corpus}: {summary.chunks} chunks ingested in this run, {summary.kv_chunks} KV computed"
     )

@@ -24,6 +24,7 @@ from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
 from cacheblend_rag.eval.datasets import load_dataset
 from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.models.tokenizer import chunk_context_ids
+from cacheblend_rag.settings import get_settings
 from cacheblend_rag.text.chunker import Chunker
 
 
@@ -62,7 +63,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     args = parser.parse_args()
 
-    model = load_model()
+    model = load_model(config=get_settings())  # CACHEBLEND_THREADS, _DEVICE... as before
     segments = build_prompt(model, args.chunks, args.chunk_tokens)
     fusor = Fusor(model)
     print(f"prompt: {sum(len(s) for s in segments)} tokens, {torch.get_num_threads()} threads")

@@ -16,9 +16,9 @@ DATA_DIR = Path(__file__).parent / "data"
 
 @pytest.fixture(autouse=True)
 def _settings_environment_restored():
-    """A command run in-process with ``--kv-remote`` writes ``CACHEBLEND_KV_REMOTE`` to the environment
-    (so child processes inherit it); put every ``CACHEBLEND_*`` variable back after each test so a later
-    test never talks to a Redis server that is gone."""
+    """Put every ``CACHEBLEND_*`` variable back after each test (a test that sets one by hand and fails
+    before undoing it must not leave a later test talking to a Redis server that is gone), and drop the
+    cached settings."""
     from cacheblend_rag.settings import ENV_PREFIX, get_settings
 
     before = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
@@ -35,8 +35,11 @@ def _settings_environment_restored():
 
 @pytest.fixture(scope="session")
 def model() -> LayerwiseModel:
-    """The default model (SmolLM2-135M-Instruct), fp32 on CPU."""
-    return load_model()
+    """The default model (SmolLM2-135M-Instruct), fp32 on CPU, loaded with the test process's settings (its
+    threads: CACHEBLEND_THREADS)."""
+    from cacheblend_rag.settings import get_settings
+
+    return load_model(config=get_settings())
 
 
 @pytest.fixture(scope="session")

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from ..config import DEFAULT_RATIO, default_home
 from ..models.runtime import AttentionMask, LayerwiseModel
-from ..settings import get_settings
 
 PROFILE_VERSION = 1
 # Relative cost of keeping a byte in each tier; only the order matters (cheapest is tried first).
@@ -45,7 +45,7 @@ def device_tag(device: torch.device | str) -> str:
 
 def profile_path(model_fingerprint: str, device: torch.device | str, home: Path | None = None) -> Path:
     """Where the profile of a model on a device is saved."""
-    home = get_settings().home if home is None else home
+    home = default_home() if home is None else home
     return home / "profiles" / f"{model_fingerprint[:16]}-{device_tag(device)}.json"
 
 
@@ -145,15 +145,15 @@ class Decision:
 class LoadingController:
     """Chooses the recompute ratio and the tier from a :class:`Profile` (or falls back to the floor)."""
 
-    def __init__(self, profile: Profile | None, r_floor: float | None = None) -> None:
+    def __init__(self, profile: Profile | None, r_floor: float = DEFAULT_RATIO) -> None:
         self.profile = profile
-        self.r_floor = get_settings().ratio if r_floor is None else r_floor
+        self.r_floor = r_floor
         if not 0.0 <= self.r_floor <= 1.0:
             raise ValueError(f"r_floor must lie in [0, 1], got {self.r_floor}")
 
     @classmethod
     def for_model(
-        cls, model: LayerwiseModel, r_floor: float | None = None, home: Path | None = None
+        cls, model: LayerwiseModel, r_floor: float = DEFAULT_RATIO, home: Path | None = None
     ) -> LoadingController:
         """The controller for ``model`` on its device, with the saved profile if there is one."""
         return cls.for_fingerprint(model.fingerprint, model.device, r_floor, home)
@@ -163,7 +163,7 @@ class LoadingController:
         cls,
         fingerprint: str,
         device: torch.device | str,
-        r_floor: float | None = None,
+        r_floor: float = DEFAULT_RATIO,
         home: Path | None = None,
     ) -> LoadingController:
         """The controller for the model of ``fingerprint`` on ``device`` (a saved profile if any), for

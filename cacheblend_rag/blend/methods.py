@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ..config import DEFAULT_RATIO
 from ..errors import MethodOptionError
 from .plan import FusionPlan, LayerState
 
@@ -170,7 +171,9 @@ class CacheBlend(RecomputeMethod):
     shorthand = "ratio"
     ratio_option = "ratio"
 
-    ratio: float = Field(0.15, ge=0.0, le=1.0, description="share of cached tokens recomputed, in [0, 1]")
+    ratio: float = Field(
+        DEFAULT_RATIO, ge=0.0, le=1.0, description="share of cached tokens recomputed, in [0, 1]"
+    )
     selection: Literal["query", "hkvd"] = Field(
         "query", description="which cached tokens to recompute: 'query' (question attention) or 'hkvd'"
     )

@@ -15,6 +15,7 @@ from rich.table import Table
 from ..engine import SamplingParams
 from ..errors import CacheBlendError
 from ..rag import CacheBlendRAG
+from ..settings import Settings
 
 console = Console()
 err_console = Console(stderr=True)
@@ -57,11 +58,13 @@ def query_batch_command(
     as_json: bool,
     model: str | None,
     engine: str | None = None,
+    settings: Settings | None = None,
 ) -> None:
-    """What ``query --batch FILE`` does: answer every question of FILE and print the answers (or JSON)."""
+    """What ``query --batch FILE`` does: answer every question of FILE and print the answers (or JSON).
+    ``settings``: the command's (default: the process's)."""
     try:
         questions = read_questions(batch)
-        rag = CacheBlendRAG(corpus, model=model, engine_kind=engine)
+        rag = CacheBlendRAG(corpus, model=model, engine_kind=engine, config=settings)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
         started = time.perf_counter()
         results = rag.query_batch(questions, top_k, method, ratio, chunk_ids, sampling)

@@ -72,12 +72,12 @@ def check_command(
     asked = read_questions(questions) if questions is not None else None
     try:
         check_options(ratio_list or [None], target_agreement, max_tokens, sample)
-        use_kv_remote(kv_remote)
+        settings = use_kv_remote(kv_remote)
     except (CacheBlendError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     try:
-        rag = CacheBlendRAG(corpus, model=model, engine_kind="torch")
+        rag = CacheBlendRAG(corpus, model=model, engine_kind="torch", config=settings)
         try:
             report = rag.check(asked, ratio_list, method, target_agreement, max_tokens, sample, top_k)
         finally:

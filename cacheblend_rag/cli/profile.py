@@ -39,18 +39,25 @@ def profile(
     """Measure one layer's full-prefill time vs context length and each tier's load throughput."""
     from ..blend.controller import LoadingController, profile_path
     from ..models.loader import load_model
+    from ..settings import get_settings
     from ..store.profile import profile_device
 
+    settings = get_settings()
     try:
-        m = load_model(model)
-        work_dir = corpus / "kv" if corpus is not None else None
+        m = load_model(model or settings.model, config=settings)
+        work_dir = corpus / "kv" if corpus is not None else settings.home
         result = profile_device(
-            m, _lengths(lengths), kv_dtype, chunk_tokens=chunk_tokens, repeats=repeats, work_dir=work_dir
+            m,
+            _lengths(lengths),
+            kv_dtype or settings.kv_dtype,
+            chunk_tokens=chunk_tokens,
+            repeats=repeats,
+            work_dir=work_dir,
         )
     except CacheBlendError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc
-    path = result.save(output or profile_path(m.fingerprint, m.device))
+    path = result.save(output or profile_path(m.fingerprint, m.device, settings.home))
 
     table = Table(title=f"{m.name} on {result.device} ({result.compute_dtype}, {result.threads} threads)")
     table.add_column("context tokens", justify="right")
@@ -62,7 +69,7 @@ def profile(
         console.print(
             f"load from {tier}: {rate / 1e9:.2f} GB/s ({result.kv_dtype} -> {result.compute_dtype})"
         )
-    controller = LoadingController(result)
+    controller = LoadingController(result, settings.ratio)
     example = controller.choose(6 * chunk_tokens, 6 * chunk_tokens + 64, "disk")
     console.print(
         f"example, 6 x {chunk_tokens} cached tokens from disk: r={example.ratio:.3f} ({example.reason})"

@@ -62,13 +62,12 @@ def query(
     from ..engine import SamplingParams
     from ..engine.bounds import check_request
     from ..rag import CacheBlendRAG
-    from ..settings import get_settings
 
     try:
-        use_kv_remote(kv_remote)
+        settings = use_kv_remote(kv_remote)
         # every bound before the model loads (seconds), worded as every other entry point words it
         check_request(
-            method or get_settings().method,
+            method or settings.method,
             ratio=ratio,
             question=question,
             top_k=top_k,
@@ -88,11 +87,22 @@ def query(
         from .batch_query import query_batch_command
 
         query_batch_command(
-            batch, corpus, top_k, method, ratio, max_tokens, temperature, chunk_id, as_json, model, engine
+            batch,
+            corpus,
+            top_k,
+            method,
+            ratio,
+            max_tokens,
+            temperature,
+            chunk_id,
+            as_json,
+            model,
+            engine,
+            settings,
         )
         return
     try:
-        rag = CacheBlendRAG(corpus, model=model, engine_kind=engine)
+        rag = CacheBlendRAG(corpus, model=model, engine_kind=engine, config=settings)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
         handle = rag.stream(question, top_k, method, ratio, chunk_id, sampling)
         for event in handle:

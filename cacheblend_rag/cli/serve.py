@@ -54,8 +54,10 @@ def serve(
     try:
         if engine is not None and engine not in ENGINE_KINDS:
             raise CacheBlendError(f"unknown engine {engine!r}; available: {', '.join(ENGINE_KINDS)}")
-        use_kv_remote(kv_remote)
-        backend = EngineBackend(corpus, model=model, served_name=served_model_name, engine_kind=engine)
+        settings = use_kv_remote(kv_remote)
+        backend = EngineBackend(
+            corpus, model=model, served_name=served_model_name, engine_kind=engine, config=settings
+        )
     except (CacheBlendError, ValueError) as exc:
         err_console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(1) from exc

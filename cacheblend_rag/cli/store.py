@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import CacheBlendError, StoreError
+from ..settings import Settings, get_settings
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the chunk KV store (DIR/kv).")
@@ -21,9 +22,11 @@ CORPUS_OPTION = typer.Option(..., "--corpus", help="Corpus directory (its chunk 
 JSON_OPTION = typer.Option(False, "--json", help="Print the result as JSON.")
 
 
-def open_kv_store(corpus_dir: Path):
-    """The KV store of ``corpus_dir``; the model fingerprint comes from DIR/manifest.json, else the index."""
+def open_kv_store(corpus_dir: Path, settings: Settings | None = None):
+    """The KV store of ``corpus_dir``; the model fingerprint comes from DIR/manifest.json, else the index.
+    ``settings``: the command's (its budgets, remote tier and preferred codec; default: the process's)."""
     from ..store.kvstore import KV_INDEX_NAME, KVStore
+    from ..store.shared import KVStoreOptions
 
     kv_root = corpus_dir / "kv"
     if not (kv_root / KV_INDEX_NAME).is_file():
@@ -38,13 +41,14 @@ def open_kv_store(corpus_dir: Path):
                 options["kv_dtype"] = recorded["kv_dtype"]
         except (ValueError, AttributeError) as exc:
             raise StoreError(f"unreadable corpus manifest {manifest}: {exc}") from exc
-    return KVStore.open_existing(kv_root, fingerprint, **options)
+    settings = get_settings() if settings is None else settings
+    options.update(KVStoreOptions.of(settings).store_kwargs())
+    return KVStore.open_existing(kv_root, fingerprint, settings.kv_dtype, **options)
 
 
 def _run(corpus_dir: Path, action, kv_remote: str | None = None):
     try:
-        use_kv_remote(kv_remote)
-        store = open_kv_store(corpus_dir)
+        store = open_kv_store(corpus_dir, use_kv_remote(kv_remote))
         try:
             return action(store)
         finally:
@@ -202,11 +206,9 @@ def recode(
     """Convert the corpus's chunk KV to another codec in place (crash-safe: run it again after a crash
     to finish); with a remote tier, its values too."""
     from ..corpus.recode import recode_corpus
-    from ..settings import get_settings
 
     try:
-        use_kv_remote(kv_remote)
-        settings = get_settings()
+        settings = use_kv_remote(kv_remote)
         report = recode_corpus(corpus, kv_dtype, settings.kv_dtype, settings.kv_remote)
     except (CacheBlendError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")

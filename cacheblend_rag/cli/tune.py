@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from ..config import DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
 from .eval import command_line
 
@@ -26,7 +27,9 @@ def tune_command(
     limit: Annotated[int | None, typer.Option(min=1, help="Cases (default: all).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the case selection.")] = 0,
     skip: Annotated[int, typer.Option(min=0, help="Leave out the first N cases of the seeded order.")] = 0,
-    chunk_tokens: Annotated[int, typer.Option("--chunk-tokens", min=16, help="Most tokens per chunk.")] = 512,
+    chunk_tokens: Annotated[
+        int, typer.Option("--chunk-tokens", min=16, help="Most tokens per chunk.")
+    ] = DEFAULT_CHUNK_TOKENS,
     top_k: Annotated[int, typer.Option("--top-k", min=1, help="Chunks per prompt.")] = 6,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Results file; rerunning with it skips finished cases.")

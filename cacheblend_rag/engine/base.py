@@ -35,6 +35,7 @@ from ..blend.fusor import FusionResult
 from ..blend.methods import RecomputeMethod, Reuse
 from ..blend.segments import ChunkContext, ChunkKVSource, Segment
 from ..blend.spec import MethodSpec, ResolvedMethod
+from ..config import DEFAULT_METHOD
 from ..errors import ContextLengthError, FusionInputError, MaxTokensError, RequestCancelledError
 from ..store.kvstore import KVStore
 from .prompt import ChunkRef, PromptBuilder, PromptPart
@@ -203,7 +204,7 @@ class BatchRequest:
     """One request of ``generate_batch``: what ``generate`` takes."""
 
     segments: list[Segment]
-    method: Method = "cacheblend"
+    method: Method = DEFAULT_METHOD
     sampling: SamplingParams | None = None
     method_options: dict[str, Any] = field(default_factory=dict)
 

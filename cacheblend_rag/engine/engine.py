@@ -24,14 +24,14 @@ from ..blend.segments import (
     prefill_context,
 )
 from ..blend.spec import resolve_method, reuse_of
+from ..config import DEFAULT_METHOD, DEFAULTS, Config
 from ..errors import ContextLengthError, CorruptKVError, StoreError
 from ..models.runtime import KVCache, LayerwiseModel
 from ..models.shared import acquire_model, release_model
 from ..models.tokenizer import chunk_context_ids
-from ..settings import get_settings
 from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader
-from ..store.shared import acquire_store, release_store
+from ..store.shared import KVStoreOptions, acquire_store, release_store
 from .base import (
     BatchRequest,
     GenerationResult,
@@ -57,7 +57,12 @@ class Engine(PromptSegments):
     a folder whose process-wide store it opens); implements
     :class:`~cacheblend_rag.engine.base.EngineProtocol`. Thread-safe: one forward at a time, under
     :attr:`forward_lock`. Its :meth:`stream` decodes one request; concurrent callers share a
-    :class:`BatchScheduler` over it (hence ``batches_requests`` is False)."""
+    :class:`BatchScheduler` over it (hence ``batches_requests`` is False).
+
+    ``config`` gives what the caller did not: how a model named is loaded (device, dtype, threads, cache
+    directory), the default chunk context, the default store folder with its codec, budgets and remote
+    tier, and the loading controller's ratio floor. The edges pass their settings; the default is
+    :data:`~cacheblend_rag.config.DEFAULTS`."""
 
     batches_requests = False
 
@@ -68,15 +73,16 @@ class Engine(PromptSegments):
         prompt_builder: PromptBuilder | None = None,
         chunk_context: ChunkContext | None = None,
         kv_dtype: str | None = None,
+        config: Config = DEFAULTS,
     ) -> None:
-        settings = get_settings()
         # A model named (or the default) is the process's shared copy (one load per model and device),
         # given back by close(); a model object passed in stays its owner's.
+        self.config = config  # also the batch limits of generate_batch
         self._owns_model = not isinstance(model, LayerwiseModel)
-        self.model = acquire_model(model) if self._owns_model else model
+        self.model = acquire_model(model, config=config) if self._owns_model else model
         # What chunks are prefilled behind (docs/fusor.md); a corpus passes the one it was built with.
         if chunk_context is None:
-            chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, settings.chunk_context))
+            chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, config.chunk_context))
         self.chunk_context = chunk_context
         self._context_cache: KVCache | None = None
         # template openings seen lately, by token ids: their exact KV (see _exact_head)
@@ -86,9 +92,10 @@ class Engine(PromptSegments):
         # default) is opened as the process's shared store there and given back by close().
         self._owns_store = not isinstance(store, KVStore)
         if self._owns_store:
-            root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
-            codec = kv_dtype or settings.kv_dtype
-            store = acquire_store(root, self.model.fingerprint, self.model.shape, codec)
+            root = Path(store) if store is not None else config.home / "kv" / self.model.fingerprint[:16]
+            codec = kv_dtype or config.kv_dtype
+            options = KVStoreOptions.of(config).store_kwargs()
+            store = acquire_store(root, self.model.fingerprint, self.model.shape, codec, **options)
         self.store = store
         self.fusor = Fusor(self.model)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
@@ -99,7 +106,7 @@ class Engine(PromptSegments):
         self.eos_ids = eos_token_ids(
             self.model.tokenizer, getattr(self.model.hf_model.generation_config, "eos_token_id", None)
         )
-        self.controller = LoadingController.for_model(self.model)
+        self.controller = LoadingController.for_model(self.model, config.ratio, config.home)
 
     @property
     def context_window(self) -> int:
@@ -287,7 +294,7 @@ class Engine(PromptSegments):
     def stream(
         self,
         segments: list[Segment],
-        method: Method = "cacheblend",
+        method: Method = DEFAULT_METHOD,
         sampling: SamplingParams | None = None,
         **method_options: Any,
     ) -> TokenStream[GenerationResult]:
@@ -311,7 +318,7 @@ class Engine(PromptSegments):
     def generate(
         self,
         segments: list[Segment],
-        method: Method = "cacheblend",
+        method: Method = DEFAULT_METHOD,
         sampling: SamplingParams | None = None,
         **method_options: Any,
     ) -> GenerationResult:
@@ -326,11 +333,11 @@ class Engine(PromptSegments):
         kv_budget_bytes: int | None = None,
     ) -> list[GenerationResult]:
         """Serve ``requests`` together through a :class:`BatchScheduler` (``max_batch`` rows at most,
-        default: the ``batch_max_requests`` setting); results in order. Requests admitted together that
-        read the same chunks share one blend of them (``rounds``, default: the ``batch_rounds``
-        setting); other greedy answers equal :meth:`generate`'s."""
-        with BatchScheduler(
-            self, max_batch=max_batch, rounds=rounds, kv_budget_bytes=kv_budget_bytes
+        default: the engine's ``config.batch_max_requests``); results in order. Requests admitted
+        together that read the same chunks share one blend of them (``rounds``, default:
+        ``config.batch_rounds``); other greedy answers equal :meth:`generate`'s."""
+        with BatchScheduler.of(
+            self, self.config, max_batch=max_batch, rounds=rounds, kv_budget_bytes=kv_budget_bytes
         ) as scheduler:
             return scheduler.generate_batch(requests)
 

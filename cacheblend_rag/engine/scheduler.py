@@ -37,9 +37,9 @@ from ..blend.fusor import FusionResult, Fusor
 from ..blend.methods import RecomputeMethod
 from ..blend.segments import Segment
 from ..blend.spec import ResolvedMethod, resolve_method
+from ..config import DEFAULT_BATCH_KV_BUDGET_BYTES, DEFAULT_BATCH_MAX_REQUESTS, DEFAULT_METHOD, Config
 from ..errors import AdmissionError, RequestCancelledError, SchedulerClosedError
 from ..models.runtime import LayerwiseModel
-from ..settings import get_settings
 from ..store.keys import kv_bytes_per_token
 from .base import BatchRequest, GenerationResult, Method, generation_budget
 from .batch_kv import DecodeCache, SharedChunk, fusion_batches, share_chunks
@@ -116,10 +116,11 @@ class _Pending:
 class BatchScheduler:
     """Serves concurrent requests over one :class:`Engine` in batches (see the module docstring).
 
-    ``max_batch``: most requests decoded together (default: the ``batch_max_requests`` setting).
-    ``kv_budget_bytes``: most bytes the decode batch's KV may take, counted as rows x the longest row's
-    capacity (prompt + max new tokens) x KV bytes per token in the compute dtype, which is exactly what
-    its buffer allocates (default: the ``batch_kv_budget_bytes`` setting). Transient memory is not counted:
+    ``max_batch``: most requests decoded together (the ``batch_max_requests`` setting, whose default is
+    this one's). ``kv_budget_bytes``: most bytes the decode batch's KV may take, counted as rows x the
+    longest row's capacity (prompt + max new tokens) x KV bytes per token in the compute dtype, which is
+    exactly what its buffer allocates (the ``batch_kv_budget_bytes`` setting). ``rounds``: the
+    ``batch_rounds`` setting. Transient memory is not counted:
     the one request being fused and the layers of the chunks its group still has to fuse. :meth:`submit`
     is thread-safe; use the scheduler as a context manager, or call :meth:`close`, to stop its worker.
     """
@@ -127,22 +128,19 @@ class BatchScheduler:
     def __init__(
         self,
         engine: FusingEngine,
-        max_batch: int | None = None,
-        kv_budget_bytes: int | None = None,
+        max_batch: int = DEFAULT_BATCH_MAX_REQUESTS,
+        kv_budget_bytes: int = DEFAULT_BATCH_KV_BUDGET_BYTES,
         batched_fusion: bool = True,
-        rounds: bool | None = None,
+        rounds: bool = True,
     ):
-        settings = get_settings()
         self.engine = engine
         # fuse an admission group's prompts together (Engine.fuse_many) rather than one at a time
         self.batched_fusion = batched_fusion
         # requests of a group that read the same chunks share one blend of them (blend/round.py)
-        self.rounds = rounds if rounds is not None else settings.batch_rounds
+        self.rounds = rounds
         self.model = engine.model
-        self.max_batch = max_batch if max_batch is not None else settings.batch_max_requests
-        self.kv_budget_bytes = (
-            kv_budget_bytes if kv_budget_bytes is not None else settings.batch_kv_budget_bytes
-        )
+        self.max_batch = max_batch
+        self.kv_budget_bytes = kv_budget_bytes
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.kv_budget_bytes < 1:
@@ -158,12 +156,24 @@ class BatchScheduler:
         self._thread = threading.Thread(target=self._run, name="batch-scheduler", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def of(cls, engine: FusingEngine, config: Config, **options: Any) -> BatchScheduler:
+        """A scheduler over ``engine`` with ``config``'s batch limits (``batch_max_requests``,
+        ``batch_kv_budget_bytes``, ``batch_rounds``); ``options`` not None override them."""
+        limits: dict[str, Any] = {
+            "max_batch": config.batch_max_requests,
+            "kv_budget_bytes": config.batch_kv_budget_bytes,
+            "rounds": config.batch_rounds,
+        }
+        limits.update({name: value for name, value in options.items() if value is not None})
+        return cls(engine, **limits)
+
     # -- submitting ----------------------------------------------------------------------------------
 
     def submit(
         self,
         segments: list[Segment],
-        method: Method = "cacheblend",
+        method: Method = DEFAULT_METHOD,
         sampling: SamplingParams | None = None,
         **method_options,
     ) -> RequestHandle:

@@ -30,6 +30,7 @@ from ..blend.fusor import FusionResult
 from ..blend.methods import Reuse
 from ..blend.segments import ChunkContext
 from ..blend.spec import reuse_of
+from ..config import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
 from ..corpus.embedder import Embedder
 from ..engine import ChunkRef, Engine, PromptBuilder, SamplingParams
 from ..engine.fidelity import (
@@ -39,11 +40,12 @@ from ..engine.fidelity import (
     store_in_ram,
 )
 from ..errors import EvalDataError
-from ..models.runtime import LayerwiseModel
+from ..models.runtime import LayerwiseModel, ModelShape
 from ..models.tokenizer import chunk_context_ids
 from ..settings import get_settings
 from ..store.keys import dtype_name
 from ..store.kvstore import KVStore
+from ..store.shared import KVStoreOptions
 from ..text.chunker import Chunker
 from .datasets import Dataset, EvalCase, load_dataset, select_cases
 from .metrics import continuation_nll, qa_f1, rouge_l
@@ -75,6 +77,16 @@ _RESUME_KEYS = (
     "prompt",
     "chunk_context",
 )
+
+
+def settings_store(
+    root: Path, fingerprint: str, shape: ModelShape, codec: str | None = None, **options: Any
+) -> KVStore:
+    """A chunk KV store for eval and bench at ``root``: in ``codec`` (default: the ``kv_dtype`` setting),
+    with the settings' tier budgets and remote tier; ``options`` (:class:`KVStore`'s) override them."""
+    settings = get_settings()
+    kwargs = {**KVStoreOptions.of(settings).store_kwargs(), **options}
+    return KVStore(root, fingerprint, shape, codec or settings.kv_dtype, **kwargs)
 
 
 def default_kv_dir(model: LayerwiseModel) -> Path:
@@ -141,8 +153,8 @@ class EvalConfig:
     ratios: Sequence[float] = DEFAULT_RATIOS
     limit: int | None = None
     seed: int = 0
-    top_k: int = 6
-    chunk_tokens: int = 512
+    top_k: int = DEFAULT_TOP_K
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     max_new_tokens: int | None = None  # default per task: DEFAULT_MAX_NEW_TOKENS
     task: str = "auto"
     model: str | None = None
@@ -181,7 +193,7 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
         raise ValueError(f"top_k must be >= 1, got {config.top_k}")
     codecs = [dtype_name(c) for c in config.kv_dtypes] or [dtype_name(get_settings().kv_dtype)]
     specs = method_variants(config.methods, config.ratios, codecs)
-    model = model or load_model(config.model)
+    model = model or load_model(config.model, config=get_settings())
     kv_dir = Path(config.kv_dir) if config.kv_dir is not None else default_kv_dir(model)
     context = config.chunk_context or get_settings().chunk_context
     engines: dict[str, RecordingEngine] = {}
@@ -192,10 +204,10 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
             continue
         codec = variant.kv_dtype or codecs[0]
         if codec not in stores:
-            stores[codec] = KVStore(kv_dir, model.fingerprint, model.shape, codec)
+            stores[codec] = settings_store(kv_dir, model.fingerprint, model.shape, codec)
         chunk_context = ChunkContext(chunk_context_ids(model.tokenizer, variant.context or context))
         engines[name] = RecordingEngine(
-            model, stores[codec], prompt_builder(model.tokenizer, task), chunk_context
+            model, stores[codec], prompt_builder(model.tokenizer, task), chunk_context, config=get_settings()
         )
     engine = engines[engine_name(Variant(REFERENCE, specs[0].spec), context, codecs[0])]
     max_new = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..config import DEFAULT_CHUNK_TOKENS
 from .markdown import checks_list, fmt, machine_line, relative_link, table
 from .plots import log_x, pyplot, save_figure
 
@@ -17,9 +18,9 @@ def selection(config: dict[str, Any]) -> str:
 
 def eval_section_name(results: dict[str, Any]) -> str:
     config = results["config"]
-    tokens = config.get("chunk_tokens", 512)
+    tokens = config.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)
     codecs = "-codecs" if len(config.get("kv_dtypes") or []) > 1 else ""  # beside the plain run's section
-    return f"eval-{config['dataset']}" + (f"-{tokens}" if tokens != 512 else "") + codecs
+    return f"eval-{config['dataset']}" + (f"-{tokens}" if tokens != DEFAULT_CHUNK_TOKENS else "") + codecs
 
 
 def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = None) -> str:

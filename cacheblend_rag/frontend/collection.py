@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from ..check import CheckReport
+from ..config import DEFAULTS, Config
 from ..corpus.chunkdb import FileChanges, StoredDocument
 from ..corpus.corpus import Corpus
 from ..corpus.documents import DocumentHit
@@ -26,6 +27,7 @@ from ..corpus.manifest import CorpusManifest, check_compatible
 from ..errors import StoreError
 from ..ingest.kv import precompute_pending
 from ..models.tokenizer import load_model_tokenizer
+from ..store.shared import KVStoreOptions
 from .text import PromptFrontend, acquire_frontend, get_corpus, release_frontend
 
 
@@ -45,16 +47,27 @@ def ensure_corpus(
     embedder: EmbedderLike | None = None,
     chunk_tokens: int | None = None,
     index_type: str | None = None,
+    config: Config = DEFAULTS,
 ) -> None:
-    """Make an empty or missing folder an empty corpus (for ``model``'s tokenizer, default: the settings'
-    model), as every integration object over a folder does (vector stores and LLMs alike); an existing
-    corpus is checked against ``model`` and ``chunk_tokens`` when given."""
+    """Make an empty or missing folder an empty corpus (for ``model``'s tokenizer, default:
+    ``config.model``), as every integration object over a folder does (vector stores and LLMs alike); an
+    existing corpus is checked against ``model`` and ``chunk_tokens`` when given. ``config``: the caller's
+    settings (a new corpus's embedder, chunk size, index, codec and chunk context when not given)."""
     manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
     if manifest is None:
-        tokenizer = load_model_tokenizer(model)
-        Corpus.create(corpus_dir, tokenizer, embedder or get_embedder(), chunk_tokens, index_type).close()
+        tokenizer = load_model_tokenizer(model or config.model, config.home)
+        Corpus.create(
+            corpus_dir,
+            tokenizer,
+            embedder or get_embedder(config.embedder),
+            chunk_tokens or config.chunk_tokens,
+            index_type or config.index_type,
+            kv_options=KVStoreOptions.of(config),
+            chunk_context=config.chunk_context,
+        ).close()
     elif model is not None or chunk_tokens is not None:
-        check_compatible(corpus_dir, manifest, load_model_tokenizer(model), None, chunk_tokens)
+        found = load_model_tokenizer(model or config.model, config.home)
+        check_compatible(corpus_dir, manifest, found, None, chunk_tokens)
 
 
 class DocumentCollection:
@@ -65,7 +78,8 @@ class DocumentCollection:
     default sentence embedder (a corpus built by ``cacheblend-rag ingest`` is opened this way). ``model``:
     the LLM whose tokens chunks are cut into and whose KV is precomputed (default: the corpus's, else the
     settings' model); ``chunk_tokens`` and ``index_type`` apply to a new corpus (an existing one refuses
-    another chunk size). Thread-safe.
+    another chunk size). ``config``: the caller's settings (see :func:`ensure_corpus`, and the engine's).
+    Thread-safe.
     """
 
     def __init__(
@@ -77,12 +91,14 @@ class DocumentCollection:
         chunk_tokens: int | None = None,
         index_type: str | None = None,
         precompute_kv: bool = True,
+        config: Config = DEFAULTS,
     ) -> None:
+        self.config = config
         self.corpus_dir = Path(corpus_dir).expanduser()
         self.model = os.fspath(model) if model is not None else None
         self.precompute_kv = precompute_kv
-        ensure_corpus(self.corpus_dir, self.model, embedder, chunk_tokens, index_type)
-        self.corpus: Corpus = get_corpus(self.corpus_dir, embedder)
+        ensure_corpus(self.corpus_dir, self.model, embedder, chunk_tokens, index_type, config)
+        self.corpus: Corpus = get_corpus(self.corpus_dir, embedder, config)
         if embedder is None and is_external(self.corpus.manifest.embedder):
             raise StoreError(
                 f"corpus {self.corpus_dir} was built with the embedder {self.corpus.manifest.embedder} "
@@ -98,7 +114,7 @@ class DocumentCollection:
         """The process's shared frontend (engine) over this corpus, acquired on first use."""
         with self._lock:
             if self._frontend is None or self._frontend.closed:
-                self._frontend = acquire_frontend(self.corpus_dir, self.model)
+                self._frontend = acquire_frontend(self.corpus_dir, self.model, config=self.config)
             return self._frontend
 
     def close(self) -> None:

@@ -7,6 +7,9 @@ report; a framework class only adapts types (its methods are named apart from th
 the same corpus, model and engine kind shares one engine in the process (:func:`~.text.acquire_frontend`),
 and every engine the model's weights; ``close()`` gives the object's hold back. ``engine="vllm"`` serves it
 with vLLM.
+
+:class:`GenerationOptions` is the integrations' edge: its fields are the integration classes' own, so it
+reads the settings (``CACHEBLEND_*``) as they do, and passes them down to the frontend.
 """
 
 from __future__ import annotations
@@ -140,10 +143,11 @@ class GenerationOptions(BaseModel):
         """The shared frontend for this corpus, model and engine kind (the engine is loaded on first use,
         and held until :meth:`close`)."""
         if self._frontend is None or self._frontend.closed:
+            settings = get_settings()
             if self.corpus_dir is not None:
                 # an empty or missing folder becomes a corpus, as for the vector stores
-                ensure_corpus(Path(self.corpus_dir).expanduser(), self.model)
-            self._frontend = acquire_frontend(self.corpus_dir, self.model, self.engine)
+                ensure_corpus(Path(self.corpus_dir).expanduser(), self.model, config=settings)
+            self._frontend = acquire_frontend(self.corpus_dir, self.model, self.engine, settings)
         return self._frontend
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from ..blend.segments import Segment
 from ..blend.spec import MethodSpec
+from ..config import DEFAULT_METHOD, DEFAULTS, Config
 from ..corpus.corpus import Corpus
 from ..corpus.embedder import EmbedderLike
 from ..engine import (
@@ -57,7 +58,7 @@ from ..engine import (
 from ..engine.bounds import check_request
 from ..errors import ChunkNotFoundError, InvalidChunkIdError
 from ..rag import CacheBlendRAG
-from ..settings import get_settings
+from ..store.shared import KVStoreOptions
 from ..text.chunker import Chunker, validate_chunk_id
 from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex
 
@@ -78,7 +79,7 @@ class TextRequest:
 
     text: str
     documents: tuple[DocumentRef, ...] = ()
-    method: MethodSpec = field(default_factory=lambda: MethodSpec.parse(get_settings().method))
+    method: MethodSpec = field(default_factory=lambda: MethodSpec.parse(DEFAULT_METHOD))
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
@@ -100,7 +101,7 @@ def text_request(
     ``cacheblend@0.3``) defaults to the settings'; ``ratio`` sets the recompute ratio of a method that has
     one, and without it the loading controller chooses; ``constraint`` makes the answer JSON (structured
     output, :func:`~.structured.constraint_of`). A bad method or option is refused here."""
-    spec = check_request(method or get_settings().method, ratio=ratio)
+    spec = check_request(method or DEFAULT_METHOD, ratio=ratio)
     sampling = SamplingParams(
         max_new_tokens=max_tokens,
         temperature=temperature,
@@ -118,9 +119,10 @@ class PromptFrontend:
 
     ``corpus_dir``: an ingested corpus (chunks are recognised in it and documents added to it); without one,
     nothing is recognised and explicit documents are only KV-cached (in the engine's default KV store).
-    ``model``: default the corpus's model (or the settings' model without a corpus); ``engine``: an
+    ``model``: default the corpus's model (or ``config.model`` without a corpus); ``engine``: an
     already loaded engine over the corpus's model instead; ``engine_kind``: the kind of engine to load
-    ("torch" or "vllm", default: the ``engine`` setting).
+    ("torch" or "vllm", default: ``config.engine``). ``config``: the caller's settings (the engine's,
+    the corpus's KV store options, the chunk size without a corpus, the batch scheduler's limits).
     """
 
     def __init__(
@@ -129,18 +131,26 @@ class PromptFrontend:
         model: str | Path | None = None,
         engine: EngineProtocol | None = None,
         engine_kind: str | None = None,
+        config: Config = DEFAULTS,
     ) -> None:
+        self.config = config
         self._owned_engine: EngineProtocol | None = None
         if corpus_dir is not None:
             self.rag: CacheBlendRAG | None = CacheBlendRAG(
-                get_corpus(corpus_dir), engine=engine, model=model, engine_kind=engine_kind
+                get_corpus(corpus_dir, config=config),
+                engine=engine,
+                model=model,
+                engine_kind=engine_kind,
+                config=config,
             )
             self.engine: EngineProtocol = self.rag.engine
             self.corpus: Corpus | None = self.rag.corpus
             self.index: ChunkTextIndex | None = ChunkTextIndex(self.rag.corpus)
         else:
             self.rag, self.corpus, self.index = None, None, None
-            self.engine = engine or create_engine(engine_kind, model)
+            self.engine = engine or create_engine(
+                engine_kind or config.engine, model or config.model, config=config
+            )
             self._owned_engine = None if engine is not None else self.engine
         self._chunker: Chunker | None = None
         self._scheduler: BatchScheduler | None = None
@@ -221,7 +231,7 @@ class PromptFrontend:
         self,
         text: str,
         documents: Sequence[DocumentRef] = (),
-        method: str | MethodSpec = "cacheblend",
+        method: str | MethodSpec = DEFAULT_METHOD,
         recognise: bool = True,
         remember: bool = True,
     ) -> list[Segment]:
@@ -283,7 +293,7 @@ class PromptFrontend:
         if self.corpus is not None:
             return self.corpus.chunker
         if self._chunker is None:
-            self._chunker = Chunker(self.engine.model.tokenizer, get_settings().chunk_tokens)
+            self._chunker = Chunker(self.engine.model.tokenizer, self.config.chunk_tokens)
         return self._chunker
 
     # -- generation ----------------------------------------------------------------------------------
@@ -299,7 +309,7 @@ class PromptFrontend:
             if self.closed:
                 raise EngineClosedError("this frontend is closed (its model was given back)")
             if self._scheduler is None:
-                self._scheduler = BatchScheduler(self.engine)
+                self._scheduler = BatchScheduler.of(self.engine, self.config)
             return self._scheduler
 
     def stream(
@@ -357,8 +367,9 @@ class PromptFrontend:
         return self._segments(text, spans, request.method)
 
 
-_frontends: dict[tuple[str | None, str | None, str], PromptFrontend] = {}
-_holders: dict[tuple[str | None, str | None, str], int] = {}
+_FrontendKey = tuple[str | None, str | None, str]
+_frontends: dict[_FrontendKey, PromptFrontend] = {}
+_holders: dict[_FrontendKey, int] = {}
 _corpora: dict[str, Corpus] = {}
 _shared_lock = threading.RLock()  # re-entered: a frontend opens its corpus through get_corpus
 
@@ -368,24 +379,30 @@ def _dir_key(corpus_dir: str | Path) -> str:
 
 
 def _frontend_key(
-    corpus_dir: str | Path | None, model: str | Path | None, engine: str | None
-) -> tuple[str | None, str | None, str]:
-    kind = engine or get_settings().engine
+    corpus_dir: str | Path | None, model: str | Path | None, engine: str | None, config: Config
+) -> _FrontendKey:
+    kind = engine or config.engine
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
-    return (_dir_key(corpus_dir) if corpus_dir is not None else None, str(model) if model else None, kind)
+    directory = _dir_key(corpus_dir) if corpus_dir is not None else None
+    return (directory, str(model) if model else None, kind)
 
 
 def acquire_frontend(
-    corpus_dir: str | Path | None = None, model: str | Path | None = None, engine: str | None = None
+    corpus_dir: str | Path | None = None,
+    model: str | Path | None = None,
+    engine: str | None = None,
+    config: Config = DEFAULTS,
 ) -> PromptFrontend:
     """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), loaded on first use;
-    give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default: the ``engine``
-    setting)."""
-    key = _frontend_key(corpus_dir, model, engine)
+    give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default: ``config.engine``);
+    ``config``: the caller's settings, which the frontend keeps when this call loads it (every edge passes
+    the process's, so every holder shares one engine, as a retriever, a chat model and an LLM object over
+    one corpus do)."""
+    key = _frontend_key(corpus_dir, model, engine, config)
     with _shared_lock:
         if key not in _frontends:
-            _frontends[key] = PromptFrontend(key[0], model, engine_kind=key[2])
+            _frontends[key] = PromptFrontend(key[0], model, engine_kind=key[2], config=config)
             _holders[key] = 0
         _holders[key] += 1
         return _frontends[key]
@@ -405,21 +422,27 @@ def release_frontend(frontend: PromptFrontend) -> None:
 
 
 def get_frontend(
-    corpus_dir: str | Path | None = None, model: str | Path | None = None, engine: str | None = None
+    corpus_dir: str | Path | None = None,
+    model: str | Path | None = None,
+    engine: str | None = None,
+    config: Config = DEFAULTS,
 ) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), kept for the rest of
-    the process."""
-    return acquire_frontend(corpus_dir, model, engine)
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), kept for the rest of the
+    process (``config``: as for :func:`acquire_frontend`)."""
+    return acquire_frontend(corpus_dir, model, engine, config)
 
 
-def get_corpus(corpus_dir: str | Path, embedder: EmbedderLike | None = None) -> Corpus:
+def get_corpus(
+    corpus_dir: str | Path, embedder: EmbedderLike | None = None, config: Config = DEFAULTS
+) -> Corpus:
     """The process-wide :class:`Corpus` of a corpus directory (for retrievers: no model is loaded).
-    ``embedder``: the one the corpus was built with (checked), for a corpus built with an external one."""
+    ``embedder``: the one the corpus was built with (checked), for a corpus built with an external one;
+    ``config``: the caller's settings, whose KV store options the first opener's corpus keeps."""
     key = _dir_key(corpus_dir)
     with _shared_lock:
         corpus = _corpora.get(key)
         if corpus is None:
-            corpus = _corpora[key] = Corpus.open(key, embedder)
+            corpus = _corpora[key] = Corpus.open(key, embedder, KVStoreOptions.of(config))
         elif embedder is not None:
             corpus.use_embedder(embedder)
         return corpus

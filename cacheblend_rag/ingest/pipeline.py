@@ -33,6 +33,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from ..blend.segments import ChunkContext
+from ..config import DEFAULTS, Config
 from ..corpus.context import new_chunk_context
 from ..corpus.corpus import Corpus
 from ..corpus.embedder import get_embedder
@@ -42,7 +43,7 @@ from ..corpus.pinning import pin_corpus
 from ..engine import create_engine
 from ..errors import IngestError, StoreError
 from ..models.tokenizer import load_model_tokenizer
-from ..settings import get_settings
+from ..store.shared import KVStoreOptions
 from ..text import Chunk, Chunker, Document
 from .kv import ChunkKVWriter, precompute_pending
 from .readers import discover, read_bytes, read_file
@@ -112,11 +113,14 @@ def ingest(
     precompute_kv: bool = True,
     engine: ChunkKVWriter | None = None,
     skip_unreadable: bool = False,
+    config: Config = DEFAULTS,
 ) -> IngestSummary:
     """Ingest ``paths`` (files or folders) into ``corpus_dir``; see the module docstring.
 
-    ``model``: model name or local folder (default: the settings' model). ``chunk_tokens``,
-    ``index_type``, ``embedder``: for a new corpus (default from settings); an existing corpus keeps its
+    ``config``: the caller's settings, for what is not given here (the edges pass theirs). ``model``:
+    model name or local folder (default: ``config.model``). ``chunk_tokens``, ``index_type``,
+    ``embedder``: for a new corpus (default: ``config``'s, as its codec and chunk context, and the KV
+    store's budgets and remote tier for every corpus); an existing corpus keeps its
     chunk size and embedder (passing others is refused) and adopts a new index type. ``engine``: an
     already loaded engine for the KV stage (any :class:`ChunkKVWriter`; by default the PyTorch engine is
     loaded on ``corpus_dir/kv``); with ``precompute_kv=False`` chunk KV is left for the engine to compute
@@ -131,13 +135,13 @@ def ingest(
     if index_type is not None:
         check_index_type(index_type)
     files = discover(paths)
-    tokenizer = load_model_tokenizer(model)
+    tokenizer = load_model_tokenizer(model or config.model, config.home)
     if engine is not None and engine.model.fingerprint != tokenizer.fingerprint:
         raise StoreError(
             "the engine given for the KV stage runs another model than the one chunks are cut for"
         )
 
-    embedder_model = get_embedder(embedder)
+    embedder_model = get_embedder(embedder or config.embedder)
     manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
     if manifest is not None:
         check_compatible(corpus_dir, manifest, tokenizer, embedder_model, chunk_tokens)
@@ -146,20 +150,24 @@ def ingest(
         check_new_corpus_dir(corpus_dir)
     # an older corpus is upgraded to the current chunk context when opened for writing below
     current = manifest is not None and manifest.format_version >= FORMAT_VERSION
-    context = ChunkContext(manifest.chunk_context) if current else new_chunk_context(tokenizer)
+    context = (
+        ChunkContext(manifest.chunk_context)
+        if current
+        else new_chunk_context(tokenizer, config.chunk_context)
+    )
     if engine is not None and engine.chunk_context != context:
         raise StoreError(
             f"the engine given for the KV stage prefills chunks behind another chunk context than corpus "
             f"{corpus_dir} uses; create it with chunk_context=Corpus.open(...).chunk_context"
         )
-    codec = (manifest.kv_dtype if manifest is not None else "") or get_settings().kv_dtype
+    codec = (manifest.kv_dtype if manifest is not None else "") or config.kv_dtype
     if engine is not None and engine.store.kv_dtype_name != codec:
         raise StoreError(
             f"the engine given for the KV stage stores chunk KV in {engine.store.kv_dtype_name}, corpus "
             f"{corpus_dir} in {codec}; create it with store=Corpus.open(...).kv_store (or run "
             "cacheblend-rag store recode)"
         )
-    chunker = Chunker(tokenizer.tokenizer, chunk_tokens or get_settings().chunk_tokens)
+    chunker = Chunker(tokenizer.tokenizer, chunk_tokens or config.chunk_tokens)
     summary = IngestSummary(corpus_dir=str(corpus_dir), files=len(files))
     summary.stage_seconds["load"] = time.perf_counter() - started
 
@@ -181,9 +189,14 @@ def ingest(
         ) from exc
     corpus: Corpus | None = None
     kv_store = engine.store if engine is not None else None  # the corpus's store is the engine's
+    opening = {
+        "kv_options": KVStoreOptions.of(config),
+        "kv_store": kv_store,
+        "chunk_context": config.chunk_context,
+    }
     try:
         corpus = (
-            Corpus.create(corpus_dir, tokenizer, embedder_model, chunk_tokens, index_type, kv_store=kv_store)
+            Corpus.create(corpus_dir, tokenizer, embedder_model, chunk_tokens, index_type, **opening)
             if manifest is not None
             else None
         )
@@ -192,13 +205,13 @@ def ingest(
             _prune_stage(corpus, paths, files, engine, summary)
         if corpus is None:
             corpus = Corpus.create(
-                corpus_dir, tokenizer, embedder_model, chunker.max_tokens, index_type, kv_store=kv_store
+                corpus_dir, tokenizer, embedder_model, chunker.max_tokens, index_type, **opening
             )
         index_changed = index_type is not None and manifest is not None and index_type != manifest.index_type
         removed_kv = corpus.stale_kv_keys + _embed_stage(plans, corpus, summary, notify)
         _index_stage(corpus, index_changed, summary, notify)
         if precompute_kv:
-            _kv_stage(corpus, tokenizer.path, engine, removed_kv, summary, notify)
+            _kv_stage(corpus, tokenizer.path, engine, removed_kv, summary, notify, config)
         else:
             corpus.documents.drop_kv(removed_kv)
     except BaseException:
@@ -349,6 +362,7 @@ def _kv_stage(
     removed_kv: Sequence[str],
     summary: IngestSummary,
     notify: ProgressCallback,
+    config: Config,
 ) -> None:
     t0 = time.perf_counter()
     pending = len(corpus.db.pending_kv())
@@ -357,7 +371,11 @@ def _kv_stage(
     if pending and engine is None:
         loading = time.perf_counter()
         engine = owned = create_engine(
-            "torch", model=model_path, store=corpus.kv_store, chunk_context=corpus.chunk_context
+            "torch",
+            model=model_path,
+            store=corpus.kv_store,
+            chunk_context=corpus.chunk_context,
+            config=config,
         )
         loaded = time.perf_counter() - loading
         summary.stage_seconds["load"] += loaded

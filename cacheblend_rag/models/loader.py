@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import DEFAULTS, Config, default_home
 from ..errors import ModelNotFoundError, UnsupportedModelError
-from ..settings import get_settings
 from .provision import resolve_model_path
 from .rope import Rope
 from .runtime import LayerwiseModel, ModelShape
@@ -41,8 +41,9 @@ def pick_dtype(spec: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {spec!r}: use auto, float32, bfloat16 or float16") from None
 
 
-def configure_threads() -> None:
-    threads = get_settings().threads or os.cpu_count() or 1
+def configure_threads(threads: int = 0) -> None:
+    """Torch's intra-op threads: ``threads`` (0: one per core)."""
+    threads = threads or os.cpu_count() or 1
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
 
@@ -82,11 +83,12 @@ def model_shape(config, family: str) -> ModelShape:
     )
 
 
-def read_shape(model: str | Path) -> ModelShape:
-    """The dimensions of ``model`` (a name or local folder) from its config, without loading weights."""
+def read_shape(model: str | Path, home: Path | None = None) -> ModelShape:
+    """The dimensions of ``model`` (a name or local folder; the default model is provisioned under
+    ``home``) from its config, without loading weights."""
     from transformers import AutoConfig
 
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, home)
     config = AutoConfig.from_pretrained(path)
     return model_shape(config, check_supported(config, path))
 
@@ -106,18 +108,22 @@ def config_rope(config) -> Rope:
 
 
 def load_model(
-    model: str | Path | None = None, device: str | None = None, dtype: str | None = None
+    model: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    config: Config = DEFAULTS,
 ) -> LayerwiseModel:
-    """Load ``model`` (the default model's name, or a local HF folder) for layer-wise execution."""
+    """Load ``model`` (the default model's name, or a local HF folder) for layer-wise execution on
+    ``device`` in ``dtype`` (default: ``config``'s ``device`` and ``compute_dtype``); ``config`` also gives
+    the threads and the cache directory (``home``)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    settings = get_settings()
-    path = resolve_model_path(model)
-    config = AutoConfig.from_pretrained(path)
-    family = check_supported(config, path)
-    configure_threads()
-    dev = pick_device(device or settings.device)
-    compute_dtype = pick_dtype(dtype or settings.compute_dtype, dev)
+    path = resolve_model_path(model, config.home)
+    hf_config = AutoConfig.from_pretrained(path)
+    family = check_supported(hf_config, path)
+    configure_threads(config.threads)
+    dev = pick_device(device or config.device)
+    compute_dtype = pick_dtype(dtype or config.compute_dtype, dev)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -132,29 +138,30 @@ def load_model(
     hf_model.to(dev).eval()
     return LayerwiseModel(
         hf_model,
-        model_shape(config, family),
-        config_rope(config),
+        model_shape(hf_config, family),
+        config_rope(hf_config),
         compute_dtype,
         dev,
         tokenizer=tokenizer,
-        fingerprint=model_fingerprint(path, family),
+        fingerprint=model_fingerprint(path, family, config.home),
         name=path.name,
     )
 
 
-def model_fingerprint(path: Path, family: str) -> str:
-    """sha256 over architecture, config, tokenizer files and the full weights, cached per file stat."""
+def model_fingerprint(path: Path, family: str, home: Path | None = None) -> str:
+    """sha256 over architecture, config, tokenizer files and the full weights, cached per file stat (under
+    ``home``, the cache directory)."""
+    cache_dir = (default_home() if home is None else home) / "checksums"
     digest = hashlib.sha256(f"family={family}\n".encode())
     for name in sorted(os.listdir(path)):
         file = path / name
         if file.is_file() and (name.endswith((".json", ".safetensors", ".model", ".jinja", ".txt"))):
-            digest.update(f"{name}:{_file_sha256(file)}\n".encode())
+            digest.update(f"{name}:{_file_sha256(file, cache_dir)}\n".encode())
     return digest.hexdigest()
 
 
-def _file_sha256(file: Path) -> str:
+def _file_sha256(file: Path, cache_dir: Path) -> str:
     stat = file.stat()
-    cache_dir = get_settings().home / "checksums"
     key = hashlib.sha256(f"{file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
     cached = cache_dir / f"{key}.json"
     if cached.is_file():

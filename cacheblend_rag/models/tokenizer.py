@@ -23,13 +23,14 @@ class ModelTokenizer:
     tokenizer: Any  # a fast Hugging Face tokenizer
 
 
-def load_model_tokenizer(model: str | Path | None = None) -> ModelTokenizer:
-    """Tokenizer and fingerprint of ``model`` (default model name or local HF folder), without its weights."""
-    return _load(str(resolve_model_path(model)))
+def load_model_tokenizer(model: str | Path | None = None, home: Path | None = None) -> ModelTokenizer:
+    """Tokenizer and fingerprint of ``model`` (default model name or local HF folder), without its weights.
+    ``home``: the cache directory (where the default model is provisioned and checksums are kept)."""
+    return _load(str(resolve_model_path(model, home)), home)
 
 
 @lru_cache(maxsize=4)
-def _load(path_str: str) -> ModelTokenizer:
+def _load(path_str: str, home: Path | None) -> ModelTokenizer:
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path_str)
@@ -38,7 +39,7 @@ def _load(path_str: str) -> ModelTokenizer:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot load the tokenizer of {path}: {exc}") from exc
-    return ModelTokenizer(path.name, path, model_fingerprint(path, family), tokenizer)
+    return ModelTokenizer(path.name, path, model_fingerprint(path, family, home), tokenizer)
 
 
 def generation_config(path: Path) -> Any:

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..config import Config
 from ..engine import BatchScheduler, GenerationResult, StreamHandle
 from ..errors import (
     AdmissionError,
@@ -34,6 +35,7 @@ from ..errors import (
     StructuredOutputError,
 )
 from ..frontend import DocumentRef, PromptFrontend, TextRequest, constraint_of, text_request
+from ..settings import get_settings
 from .errors import APIError, draining_error
 from .protocol import Answer, GenerationSpec
 
@@ -125,7 +127,8 @@ class EngineBackend:
 
     ``corpus_dir``: a corpus built by ``cacheblend-rag ingest``; ``model``: default the corpus's;
     ``engine_kind``: "torch" or "vllm" (default: the ``engine`` setting). ``served_name``: the model id
-    clients name (default the model's name).
+    clients name (default the model's name). ``config``: the values to serve with (default: the
+    process's settings, ``CACHEBLEND_*``): the engine's, the batch scheduler's, the default method.
     """
 
     def __init__(
@@ -134,9 +137,11 @@ class EngineBackend:
         model: str | None = None,
         served_name: str | None = None,
         engine_kind: str | None = None,
+        config: Config | None = None,
     ) -> None:
         self.corpus_dir = Path(corpus_dir)
-        self.frontend = PromptFrontend(corpus_dir, model, engine_kind=engine_kind)
+        self.config = get_settings() if config is None else config
+        self.frontend = PromptFrontend(corpus_dir, model, engine_kind=engine_kind, config=self.config)
         self.engine = self.frontend.engine
         # the batch scheduler serves the PyTorch engine; vLLM schedules and batches its own requests
         self.scheduler: BatchScheduler | None = self.frontend.scheduler
@@ -173,7 +178,7 @@ class EngineBackend:
             return text_request(
                 text or "",
                 documents,
-                method=spec.method,
+                method=spec.method or self.config.method,
                 ratio=spec.ratio,
                 max_tokens=spec.max_tokens,
                 temperature=spec.temperature,

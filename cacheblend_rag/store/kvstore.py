@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from ..blend.segments import ChunkKV, ChunkKVSource
+from ..config import DEFAULT_DISK_BUDGET_BYTES, DEFAULT_KV_DTYPE, DEFAULT_RAM_BUDGET_BYTES
 from ..errors import CorruptKVError, StoreError
 from ..models.runtime import ModelShape
-from ..settings import get_settings
 from . import maintenance
 from .disk import LOCK_TIMEOUT_S, DiskChunkKV, DiskTier, make_dirs
 from .fileformat import EncodedChunk, encode
@@ -73,8 +73,8 @@ class StoreCounters:
 class KVStore:
     """Chunk KV of one model and storage codec (``kv_dtype``: float16, bfloat16, float32, int8, int4; see
     :mod:`.codec`): RAM tier (LRU, byte budget) over disk files (LRU, budget),
-    over an optional shared remote tier (``remote``: a :class:`RedisKVTier` or its URL; None: the
-    ``kv_remote`` setting; '': none).
+    over an optional shared remote tier (``remote``: a :class:`RedisKVTier` or its URL; None or '': none).
+    The defaults of the codec and budgets are those of :mod:`cacheblend_rag.config`.
 
     Safe for several threads and several processes on the same root. Returned sources implement
     :class:`ChunkKVSource`; their tensors are in :attr:`kv_dtype` (the codec's decoded dtype: float16 for
@@ -86,23 +86,21 @@ class KVStore:
         root: str | Path,
         model_fingerprint: str,
         shape: ModelShape,
-        kv_dtype: torch.dtype | str | None = None,
-        ram_budget_bytes: int | None = None,
-        disk_budget_bytes: int | None = None,
+        kv_dtype: torch.dtype | str = DEFAULT_KV_DTYPE,
+        ram_budget_bytes: int = DEFAULT_RAM_BUDGET_BYTES,
+        disk_budget_bytes: int = DEFAULT_DISK_BUDGET_BYTES,
         promote_on_read: bool = True,
         remote: RedisKVTier | str | None = None,
     ) -> None:
-        settings = get_settings()
         if not model_fingerprint:
             raise StoreError("KVStore needs the model fingerprint (LayerwiseModel.fingerprint)")
         self.root = Path(root)
         self.fingerprint = model_fingerprint
         self.shape = shape
-        self.codec = resolve_codec(kv_dtype if kv_dtype is not None else settings.kv_dtype)
+        self.codec = resolve_codec(kv_dtype)
         self.kv_dtype = self.codec.dtype  # what sources serve
         self.kv_dtype_name = self.codec.name
-        disk_budget = settings.disk_budget_bytes if disk_budget_bytes is None else disk_budget_bytes
-        ram_budget = settings.ram_budget_bytes if ram_budget_bytes is None else ram_budget_bytes
+        disk_budget, ram_budget = disk_budget_bytes, ram_budget_bytes
         if ram_budget < 0 or disk_budget < 0:
             raise ValueError("store byte budgets must be >= 0")
         self.promote_on_read = promote_on_read
@@ -128,9 +126,7 @@ class KVStore:
             on_layer_read=self._count_layer_read,
             forget=self.ram.delete,
         )
-        self.remote = connect_remote(
-            settings.kv_remote if remote is None else remote, self.fingerprint, shape, self.codec.name
-        )
+        self.remote = connect_remote(remote, self.fingerprint, shape, self.codec.name)
         self._owns_remote = not isinstance(remote, RedisKVTier)  # a tier given may serve other stores
         if not self.read_only:
             self.index.add_model(self.fingerprint, self.kv_dtype_name, shape)
@@ -150,8 +146,16 @@ class KVStore:
     # -- opening -------------------------------------------------------------------------------------
 
     @classmethod
-    def open_existing(cls, root: str | Path, model_fingerprint: str | None = None, **kwargs: Any) -> KVStore:
-        """Open a store that already exists, taking the model shape and dtype from its index.
+    def open_existing(
+        cls,
+        root: str | Path,
+        model_fingerprint: str | None = None,
+        prefer_kv_dtype: torch.dtype | str = DEFAULT_KV_DTYPE,
+        **kwargs: Any,
+    ) -> KVStore:
+        """Open a store that already exists, taking the model shape and dtype from its index (of a model
+        stored in several codecs, ``prefer_kv_dtype`` if it is one of them). ``kwargs``: as for
+        :class:`KVStore`.
 
         Without ``model_fingerprint`` the store must hold KV of exactly one model.
         """
@@ -166,8 +170,8 @@ class KVStore:
                 f"the KV store at {root} holds KV of several models ({', '.join(r[0][:12] for r in rows)}); "
                 "name one with its fingerprint"
             )
-        # one model may have been stored in several dtypes: prefer the configured one
-        configured = dtype_name(get_settings().kv_dtype)
+        # one model may have been stored in several dtypes: prefer the caller's
+        configured = dtype_name(prefer_kv_dtype)
         fingerprint, kv_dtype, shape = next((r for r in rows if r[1] == configured), rows[0])
         kwargs.setdefault("kv_dtype", kv_dtype)
         return cls(root, fingerprint, shape, **kwargs)

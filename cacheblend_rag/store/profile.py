@@ -20,8 +20,8 @@ import torch
 
 from ..blend.controller import DEFAULT_TIER_COST, Profile, measure_prefill_per_layer
 from ..blend.segments import ChunkKV, ChunkKVSource
+from ..config import DEFAULT_KV_DTYPE, default_home
 from ..models.runtime import LayerwiseModel, ModelShape
-from ..settings import get_settings
 from .keys import chunk_payload_bytes, dtype_name, kv_bytes_per_token_per_layer
 from .kvstore import KVStore
 from .pipeline import LayerKV, PipelinedLayerLoader
@@ -79,7 +79,7 @@ def measure_tier_throughput(
     shape: ModelShape,
     compute_dtype: torch.dtype,
     device: torch.device | str,
-    kv_dtype: torch.dtype | str | None = None,
+    kv_dtype: torch.dtype | str = DEFAULT_KV_DTYPE,
     tokens: int = 512,
     chunks: int = 2,
     repeats: int = 3,
@@ -87,9 +87,8 @@ def measure_tier_throughput(
 ) -> dict[str, float]:
     """Bytes per second (storage-dtype bytes) of loading chunk KV into ``compute_dtype`` on ``device``:
     from the RAM tier, from disk with a warm page cache, and from disk after dropping the page cache."""
-    kv_dtype = kv_dtype if kv_dtype is not None else get_settings().kv_dtype
     fingerprint = "0" * 64
-    work_dir = work_dir if work_dir is not None else get_settings().home
+    work_dir = work_dir if work_dir is not None else default_home()
     work_dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="profile-kv-", dir=work_dir))
     try:
@@ -131,13 +130,12 @@ def _timed_load(store: KVStore, keys: list[str], dtype: torch.dtype, device: tor
 def profile_device(
     model: LayerwiseModel,
     lengths: Sequence[int] = (256, 512, 1024, 2048, 4096),
-    kv_dtype: torch.dtype | str | None = None,
+    kv_dtype: torch.dtype | str = DEFAULT_KV_DTYPE,
     chunk_tokens: int = 512,
     repeats: int = 3,
     work_dir: Path | None = None,
 ) -> Profile:
     """Measure what the loading controller needs for ``model`` on its device."""
-    kv_dtype = kv_dtype if kv_dtype is not None else get_settings().kv_dtype
     lengths = [n for n in lengths if n <= model.shape.max_context]
     prefill = measure_prefill_per_layer(model, lengths, repeats=repeats)
     throughput = measure_tier_throughput(

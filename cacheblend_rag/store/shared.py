@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..config import Config
 from ..models.runtime import ModelShape
 from ..models.shared import Shared
 from .keys import resolve_codec
@@ -25,13 +26,19 @@ from .remote import RedisKVTier
 @dataclass(frozen=True)
 class KVStoreOptions:
     """How a corpus opens its KV store besides the model and codec its manifest records: tier budgets and
-    the shared remote tier, values the caller resolved (None: the store's default, its setting; remote
-    '': none). ``kv_dtype``: the codec of a corpus made before codecs were recorded."""
+    the shared remote tier, values the caller resolved (None: the store's default; remote None or '':
+    none; :meth:`of` takes them from a configuration). ``kv_dtype``: the codec of a corpus made before
+    codecs were recorded."""
 
     ram_budget_bytes: int | None = None
     disk_budget_bytes: int | None = None
     remote: RedisKVTier | str | None = None
     kv_dtype: str | None = None
+
+    @classmethod
+    def of(cls, config: Config) -> KVStoreOptions:
+        """The budgets, remote tier and codec ``config`` names (the edges pass their settings)."""
+        return cls(config.ram_budget_bytes, config.disk_budget_bytes, config.kv_remote, config.kv_dtype)
 
     def store_kwargs(self) -> dict[str, Any]:
         """The options :class:`KVStore` takes, those given."""

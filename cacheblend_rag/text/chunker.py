@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import DEFAULT_CHUNK_TOKENS
 from ..errors import IngestError, InvalidChunkIdError
 
 CHUNK_ID_HEX_CHARS = 32
@@ -100,7 +101,7 @@ class Chunk:
 class Chunker:
     """Token-budgeted splitter bound to one (fast) Hugging Face tokenizer."""
 
-    def __init__(self, tokenizer: Any, max_tokens: int = 512) -> None:
+    def __init__(self, tokenizer: Any, max_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         if max_tokens < MIN_CHUNK_TOKENS:
             raise ValueError(f"chunk size must be at least {MIN_CHUNK_TOKENS} tokens, got {max_tokens}")
         backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -57,7 +57,8 @@ def test_an_int8_corpus_keys_and_reads_its_chunks_in_int8_whatever_the_setting(
     corpus_dir = tmp_path / "store"
     monkeypatch.setenv("CACHEBLEND_KV_DTYPE", "int8")
     get_settings.cache_clear()
-    ingest([docs], corpus_dir, chunk_tokens=32)  # the KV stage's engine writes through the corpus's store
+    # the settings passed down, as the CLI does; the KV stage's engine writes through the corpus's store
+    ingest([docs], corpus_dir, chunk_tokens=32, config=get_settings())
     monkeypatch.setenv("CACHEBLEND_KV_DTYPE", "float16")  # the setting now disagrees with the corpus
     get_settings.cache_clear()
 

@@ -79,7 +79,7 @@ def node(corpus_dir: Path, model, url: str):
 @pytest.fixture
 def verify_remote(monkeypatch):
     """``verify_remote(corpus_dir, url) -> (exit code, report)``: ``store verify --kv-remote --json`` in this
-    process; the setting it overrides (through its environment variable) is restored after the test."""
+    process (``--kv-remote`` overrides the setting for that command only)."""
     monkeypatch.delenv("CACHEBLEND_KV_REMOTE", raising=False)  # from here on restored at teardown
 
     def run(corpus_dir: Path, url: str) -> tuple[int, dict]:

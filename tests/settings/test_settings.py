@@ -3,11 +3,15 @@ get_settings() and from every CLI command."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from typer.testing import CliRunner
 
+from cacheblend_rag.blend.methods import CacheBlend
 from cacheblend_rag.cli import app
-from cacheblend_rag.settings import SettingsError, get_settings
+from cacheblend_rag.config import DEFAULTS, Config
+from cacheblend_rag.settings import SettingsError, get_settings, settings_with
 
 
 @pytest.fixture(autouse=True)
@@ -63,3 +67,32 @@ def test_good_values_load(monkeypatch):
         "cuda:1",
         "hnsw",
     )
+
+
+def test_a_setting_overridden_for_one_command_leaves_the_environment_alone(monkeypatch, tmp_path):
+    monkeypatch.delenv("CACHEBLEND_KV_REMOTE", raising=False)
+    monkeypatch.setenv("CACHEBLEND_RATIO", "0.3")
+    before = get_settings()
+    changed = settings_with(kv_remote="redis://localhost:6379/0")
+    assert (changed.kv_remote, changed.ratio) == ("redis://localhost:6379/0", 0.3)  # the rest is the base's
+    assert get_settings() is before and before.kv_remote is None
+    assert "CACHEBLEND_KV_REMOTE" not in os.environ
+    with pytest.raises(SettingsError, match="CACHEBLEND_KV_REMOTE='http://cache'"):
+        settings_with(kv_remote="http://cache")
+    with pytest.raises(ValueError, match="unknown setting"):
+        settings_with(colour="blue")
+    # a command's --kv-remote (the store it names does not exist: the command fails after reading it)
+    result = CliRunner().invoke(
+        app, ["store", "stats", "--corpus", str(tmp_path), "--kv-remote", "redis://localhost:1/0"]
+    )
+    assert result.exit_code == 1 and "no KV store" in result.output
+    assert "CACHEBLEND_KV_REMOTE" not in os.environ and get_settings().kv_remote is None
+
+
+def test_the_core_defaults_are_the_settings_defaults(monkeypatch):
+    """One default per concept: an unset variable gives the value a core constructor uses by default."""
+    for name in Config.model_fields:
+        monkeypatch.delenv(f"CACHEBLEND_{name.upper()}", raising=False)
+    get_settings.cache_clear()
+    assert get_settings().model_dump() == DEFAULTS.model_dump()
+    assert CacheBlend().ratio == DEFAULTS.ratio == get_settings().ratio

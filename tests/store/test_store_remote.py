@@ -26,6 +26,7 @@ from cacheblend_rag.store.fileformat import build_metadata, metadata_crc
 from cacheblend_rag.store.keys import chunk_key
 from cacheblend_rag.store.kvstore import KVStore, tier_of
 from cacheblend_rag.store.remote import RedisKVTier, RemoteChunkKV
+from cacheblend_rag.store.shared import KVStoreOptions
 
 DATA_DIR = Path(__file__).parents[1] / "data"
 REMOTE_LOGGER = "cacheblend_rag.store.remote"
@@ -170,13 +171,16 @@ def test_ingest_pins_what_is_stored_anywhere_and_recomputes_nothing(tmp_path, re
 
 
 def test_setting_kv_remote_wires_every_store(tmp_path, redis_server, model, real_chunks, monkeypatch):
+    """The setting reaches every store opened with the settings' options (what the edges pass down); a
+    store opened without them reads no environment: it has no remote tier."""
     ids, kv = real_chunks[0]
     monkeypatch.setenv("CACHEBLEND_KV_REMOTE", redis_server.url)
     get_settings.cache_clear()
     try:
-        a = KVStore(tmp_path / "a", model.fingerprint, model.shape, "float16")
-        b = KVStore(tmp_path / "b", model.fingerprint, model.shape, "float16")
-        off = KVStore(tmp_path / "c", model.fingerprint, model.shape, "float16", remote="")
+        options = KVStoreOptions.of(get_settings()).store_kwargs()
+        a = KVStore(tmp_path / "a", model.fingerprint, model.shape, "float16", **options)
+        b = KVStore(tmp_path / "b", model.fingerprint, model.shape, "float16", **options)
+        off = KVStore(tmp_path / "c", model.fingerprint, model.shape, "float16")
     finally:
         get_settings.cache_clear()
     assert off.remote is None and a.remote is not None

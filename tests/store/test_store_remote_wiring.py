@@ -131,9 +131,8 @@ def test_ingest_pins_the_corpus_and_a_node_ingesting_it_again_computes_nothing(
 
 @pytest.fixture
 def cli(monkeypatch):
-    """``cli(ARGS...) -> (exit code, output)`` in this process; ``--kv-remote`` overrides the setting
-    through its environment variable, which tests/conftest.py restores after every test (monkeypatch
-    does not: ``delenv`` of an unset variable records nothing to undo)."""
+    """``cli(ARGS...) -> (exit code, output)`` in this process, with no remote tier from the caller's
+    environment; ``--kv-remote`` overrides the setting for its command only."""
     monkeypatch.delenv("CACHEBLEND_KV_REMOTE", raising=False)  # a URL from the caller's environment
     get_settings.cache_clear()
     yield _invoke

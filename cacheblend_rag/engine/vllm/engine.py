@@ -36,15 +36,15 @@ from ...blend.controller import LoadingController
 from ...blend.methods import Reuse
 from ...blend.segments import ChunkContext, ChunkKVSource, Segment
 from ...blend.spec import reuse_of
+from ...config import DEFAULT_METHOD, DEFAULTS, Config
 from ...errors import CacheBlendError, StoreError
 from ...models.loader import check_supported, pick_device, pick_dtype
 from ...models.provision import resolve_model_path
 from ...models.runtime import ModelShape
 from ...models.tokenizer import chunk_context_ids, generation_config, load_model_tokenizer
-from ...settings import get_settings
 from ...store.keys import dtype_name
 from ...store.kvstore import KVStore
-from ...store.shared import acquire_store, release_store
+from ...store.shared import KVStoreOptions, acquire_store, release_store
 from ..base import BatchRequest, Method, PromptSegments, TokenEvent, TokenStream, eos_token_ids
 from ..prompt import ChunkRef, PromptBuilder, PromptPart, layout_segments
 from ..sampling import SamplingParams
@@ -133,28 +133,29 @@ class VLLMEngine(PromptSegments):
         chunk_context: ChunkContext | None = None,
         share_weights: bool = True,
         kv_dtype: str | None = None,
+        config: Config = DEFAULTS,
     ) -> None:
         vllm = import_vllm()
         from transformers import AutoConfig
         from vllm.config import KVTransferConfig
 
-        settings = get_settings()
-        path = resolve_model_path(model)
+        path = resolve_model_path(model, config.home)
         # fusion runs our layer-wise runtime: a family or RoPE it cannot run exactly fails before vLLM starts
         check_supported(AutoConfig.from_pretrained(path), path)
         # the model's identity without its weights (name, folder, fingerprint, tokenizer)
-        self.model = load_model_tokenizer(path)
+        self.model = load_model_tokenizer(path, config.home)
         # what chunks are prefilled behind; the worker's engine precomputes with the same context
         if chunk_context is None:
-            chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, settings.chunk_context))
+            chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, config.chunk_context))
         self.chunk_context = chunk_context
-        device = pick_device(settings.device)
-        dtype = pick_dtype(settings.compute_dtype, device)
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.compute_dtype, device)
         if isinstance(store, KVStore):
             root, kv_dtype = store.root, store.kv_dtype_name
         else:
-            root = Path(store) if store is not None else settings.home / "kv" / self.model.fingerprint[:16]
-            kv_dtype = dtype_name(kv_dtype or settings.kv_dtype)  # a corpus passes the codec it records
+            root = Path(store) if store is not None else config.home / "kv" / self.model.fingerprint[:16]
+            kv_dtype = dtype_name(kv_dtype or config.kv_dtype)  # a corpus passes the codec it records
+        store_options = KVStoreOptions.of(config)
         options: dict[str, Any] = {
             "model": str(path),
             "tokenizer": str(path),
@@ -168,10 +169,15 @@ class VLLMEngine(PromptSegments):
                 # it only ever loads KV into vLLM; nothing is handed back
                 kv_role="kv_consumer",
                 kv_load_failure_policy="recompute",
+                # everything the worker process needs is here: it reads no settings or environment
                 kv_connector_extra_config={
                     "model": str(path),
+                    "home": str(config.home),
                     "store": str(root),
                     "kv_dtype": kv_dtype,
+                    "ram_budget_bytes": store_options.ram_budget_bytes,
+                    "disk_budget_bytes": store_options.disk_budget_bytes,
+                    "kv_remote": store_options.remote or "",
                     "chunk_context": list(self.chunk_context.token_ids),
                     "share_weights": share_weights,
                 },
@@ -217,14 +223,18 @@ class VLLMEngine(PromptSegments):
         self.store = (
             store
             if isinstance(store, KVStore)
-            else acquire_store(root, self.model.fingerprint, self.shape, kv_dtype)
+            else acquire_store(
+                root, self.model.fingerprint, self.shape, kv_dtype, **store_options.store_kwargs()
+            )
         )
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
         self.eos_ids = eos_token_ids(
             self.model.tokenizer, getattr(generation_config(path), "eos_token_id", None)
         )
-        self.controller = LoadingController.for_fingerprint(self.model.fingerprint, device)
+        self.controller = LoadingController.for_fingerprint(
+            self.model.fingerprint, device, config.ratio, config.home
+        )
 
     @property
     def fingerprint(self) -> str:
@@ -374,7 +384,7 @@ class VLLMEngine(PromptSegments):
     def stream(
         self,
         segments: list[Segment],
-        method: Method = "cacheblend",
+        method: Method = DEFAULT_METHOD,
         sampling: SamplingParams | None = None,
         **method_options: Any,
     ) -> TokenStream[VLLMGenerationResult]:
@@ -396,7 +406,7 @@ class VLLMEngine(PromptSegments):
     def generate(
         self,
         segments: list[Segment],
-        method: Method = "cacheblend",
+        method: Method = DEFAULT_METHOD,
         sampling: SamplingParams | None = None,
         **method_options: Any,
     ) -> VLLMGenerationResult:

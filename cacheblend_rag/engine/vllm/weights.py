@@ -222,9 +222,12 @@ def layout_problem(vllm_model: nn.Module, config: Any) -> str | None:
     return None
 
 
-def layerwise_over_vllm(vllm_model: nn.Module, path: Path, dtype: torch.dtype) -> LayerwiseModel:
+def layerwise_over_vllm(
+    vllm_model: nn.Module, path: Path, dtype: torch.dtype, home: Path | None = None
+) -> LayerwiseModel:
     """A :class:`LayerwiseModel` over ``vllm_model``'s own modules (the model at ``path``, loaded by vLLM
-    in ``dtype``); raises :class:`UnknownLayoutError` when they are not laid out as expected."""
+    in ``dtype``; ``home``: the cache directory of its checksums); raises :class:`UnknownLayoutError`
+    when they are not laid out as expected."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -236,7 +239,7 @@ def layerwise_over_vllm(vllm_model: nn.Module, path: Path, dtype: torch.dtype) -
     if weight.dtype != dtype:
         raise UnknownLayoutError(f"vLLM's weights are {weight.dtype}, fusion computes in {dtype}")
     shape = model_shape(config, family)
-    identity = load_model_tokenizer(path)
+    identity = load_model_tokenizer(path, home)
     return LayerwiseModel(
         CausalLMView(vllm_model, shape.vocab_size, generation_config(path)).eval(),
         shape,

@@ -29,10 +29,12 @@ from torch import nn
 from ...blend.fusor import FusionResult
 from ...blend.methods import get_method
 from ...blend.segments import ChunkContext, Segment
+from ...config import DEFAULTS, Config
 from ...errors import CacheBlendError
 from ...models.loader import load_model
 from ...models.runtime import LayerwiseModel
 from ...store.kvstore import KVStore
+from ...store.shared import KVStoreOptions
 from ..engine import Engine
 from .protocol import BlendRequest
 from .weights import UnknownLayoutError, layerwise_over_vllm, sharing_report
@@ -52,11 +54,13 @@ def fusion_model(
     config: dict[str, Any], vllm_model: nn.Module, dtype: torch.dtype
 ) -> tuple[LayerwiseModel, str]:
     """The model the fusor runs on and where its weights come from (:data:`SHARED` or :data:`COPY`):
-    vLLM's own modules when their layout is known, else our own copy of the model."""
+    vLLM's own modules when their layout is known, else our own copy of the model. ``config``: the
+    connector's extra config (``model``, and ``home``, the cache directory, when the engine sent one)."""
     path = Path(config["model"])
+    values = Config(home=Path(config["home"])) if config.get("home") else DEFAULTS
     if config.get("share_weights", True):
         try:
-            return layerwise_over_vllm(vllm_model, path, dtype), SHARED
+            return layerwise_over_vllm(vllm_model, path, dtype, values.home), SHARED
         except UnknownLayoutError as exc:
             log.warning(
                 "CacheBlend fusion loads its own copy of %s (a second copy of the weights): vLLM's %s is "
@@ -71,7 +75,9 @@ def fusion_model(
     # vLLM sized this process's thread pool for serving; loading our model must not change it.
     threads = torch.get_num_threads()
     try:
-        layerwise = load_model(path, device=str(device), dtype=str(dtype).removeprefix("torch."))
+        layerwise = load_model(
+            path, device=str(device), dtype=str(dtype).removeprefix("torch."), config=values
+        )
     finally:
         torch.set_num_threads(threads)
     return layerwise, COPY
@@ -109,11 +115,13 @@ class WorkerBlender:
         store: str,
         kv_dtype: str,
         chunk_context: Sequence[int] = (),
+        store_options: KVStoreOptions | None = None,
     ) -> None:
         self.weights = weights
+        options = (store_options or KVStoreOptions()).store_kwargs()  # the driver's budgets, remote tier
         self.engine = Engine(
             model,
-            store=KVStore(Path(store), model.fingerprint, model.shape, kv_dtype),
+            store=KVStore(Path(store), model.fingerprint, model.shape, kv_dtype, **options),
             chunk_context=ChunkContext(tuple(chunk_context)),  # the driver's: both key chunks alike
         )
         self._stats: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -150,15 +158,25 @@ class WorkerBlender:
 
 def start_blender(config: dict[str, Any], vllm_model: nn.Module, dtype: torch.dtype) -> WorkerBlender:
     """Create this process's blender (once) from the connector's ``kv_connector_extra_config`` and vLLM's
-    loaded model."""
+    loaded model (see :func:`create_blender`)."""
     global _blender
     with _blender_lock:
         if _blender is None:
-            model, weights = fusion_model(config, vllm_model, dtype)
-            _blender = WorkerBlender(
-                model, weights, config["store"], config["kv_dtype"], config.get("chunk_context", ())
-            )
+            _blender = create_blender(config, vllm_model, dtype)
         return _blender
+
+
+def create_blender(config: dict[str, Any], vllm_model: nn.Module, dtype: torch.dtype) -> WorkerBlender:
+    """A blender over the store the connector's ``kv_connector_extra_config`` names (``config``), with the
+    driver's codec, tier budgets, remote tier and chunk context from there too: the worker reads no
+    settings or environment of its own."""
+    model, weights = fusion_model(config, vllm_model, dtype)
+    store_options = KVStoreOptions(
+        config.get("ram_budget_bytes"), config.get("disk_budget_bytes"), config.get("kv_remote")
+    )
+    return WorkerBlender(
+        model, weights, config["store"], config["kv_dtype"], config.get("chunk_context", ()), store_options
+    )
 
 
 def current_blender() -> WorkerBlender:

@@ -17,7 +17,7 @@ from ...settings import get_settings
 from ...store.keys import chunk_key
 from ...store.kvstore import KVStore
 from ...store.remote import RedisKVTier
-from ..harness import RecordingEngine, store_in_ram
+from ..harness import RecordingEngine, settings_store, store_in_ram
 from ..markdown import fmt, table
 from .config import BenchContext
 from .ttft import _engine_ttft
@@ -33,7 +33,9 @@ def section_codec(ctx: BenchContext) -> dict[str, Any]:
     if config.quick:  # a smoke test: a few chunks of the sample corpus
         sample = sample[: config.num_chunks]
     long_chunks = ctx.chunk_ids(config.num_chunks, config.chunk_tokens)
-    stores = {c: KVStore(ctx.work_dir / f"codec-{c}", model.fingerprint, model.shape, c) for c in CODECS}
+    stores = {
+        c: settings_store(ctx.work_dir / f"codec-{c}", model.fingerprint, model.shape, c) for c in CODECS
+    }
     try:
         return {
             "codecs": list(CODECS),
@@ -69,7 +71,9 @@ def _bytes_per_token(ctx: BenchContext, chunks: list[tuple[int, ...]], tag: str)
     """File bytes (metadata included) per token of ``chunks`` stored in each codec."""
     model = ctx.model
     stores = {
-        c: KVStore(ctx.work_dir / f"codec-bytes-{tag}-{c}", model.fingerprint, model.shape, c, 0)
+        c: settings_store(
+            ctx.work_dir / f"codec-bytes-{tag}-{c}", model.fingerprint, model.shape, c, ram_budget_bytes=0
+        )
         for c in CODECS
     }
     sizes = dict.fromkeys(CODECS, 0)
@@ -100,7 +104,9 @@ def _ingest_rate(ctx: BenchContext, chunks: list[tuple[int, ...]]) -> dict[str, 
     seconds = dict.fromkeys(CODECS, 0.0)
     engines = {
         c: RecordingEngine(
-            model, KVStore(ctx.work_dir / f"codec-ingest-{c}", model.fingerprint, model.shape, c)
+            model,
+            settings_store(ctx.work_dir / f"codec-ingest-{c}", model.fingerprint, model.shape, c),
+            config=get_settings(),
         )
         for c in CODECS
     }
@@ -127,7 +133,7 @@ def _ttft(ctx: BenchContext, stores: dict[str, KVStore], chunks: list[tuple[int,
     """cacheblend TTFT from the RAM tier and a cold disk per codec, interleaved, median of the repeats."""
     config = ctx.config
     refs = [ChunkRef(ids) for ids in chunks]
-    engines = {c: RecordingEngine(ctx.model, store) for c, store in stores.items()}
+    engines = {c: RecordingEngine(ctx.model, store, config=get_settings()) for c, store in stores.items()}
     samples: dict[str, dict[str, list[float]]] = {c: {"ram": [], "disk": []} for c in CODECS}
     for engine in engines.values():
         store_in_ram(engine, ctx.question, refs)

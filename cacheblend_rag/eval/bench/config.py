@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ...config import DEFAULT_CHUNK_TOKENS, DEFAULT_RATIO, DEFAULT_TOP_K
 from ...models.runtime import LayerwiseModel
 from ...settings import get_settings
 from ..datasets import load_dataset
@@ -26,15 +27,15 @@ class BenchConfig:
     quick: bool = False
     sections: tuple[str, ...] = SECTIONS
     repeats: int = 3
-    ratio: float = 0.15
+    ratio: float = DEFAULT_RATIO
     num_chunks: int = 6
-    chunk_tokens: int = 512
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     chunk_counts: tuple[int, ...] = (3, 6, 12)
     chunk_lengths: tuple[int, ...] = (256, 512, 1024)
     prefill_tokens: int = 3072
     deviation_prompts: int = 20
     deviation_ratios: tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3)
-    top_k: int = 6
+    top_k: int = DEFAULT_TOP_K
     throughput_requests: int = 8
     throughput_levels: tuple[int, ...] = (1, 4, 8, 16)
     throughput_max_new_tokens: int = 16

@@ -12,6 +12,7 @@ from ...engine import Engine, SamplingParams
 from ...errors import EvalDataError
 from ...ingest import ingest
 from ...rag import CacheBlendRAG
+from ...settings import get_settings
 from .config import BenchConfig, BenchContext
 
 SAMPLE_CORPUS = Path(__file__).resolve().parents[3] / "examples" / "data"
@@ -22,10 +23,12 @@ def section_ingest(ctx: BenchContext) -> dict[str, Any]:
     """Issue 5: ingest the sample corpus (KV included) into a fresh store, then query TTFT per method."""
     config = ctx.config
     sources, questions = copy_sample_corpus(ctx, "sources")
-    engine = Engine(ctx.model, ctx.work_dir / "ingest-kv")
+    engine = Engine(ctx.model, ctx.work_dir / "ingest-kv", config=get_settings())
     corpus_dir = ctx.work_dir / "ingest-corpus"
     try:
-        summary = ingest([sources], corpus_dir, chunk_tokens=config.chunk_tokens, engine=engine)
+        summary = ingest(
+            [sources], corpus_dir, chunk_tokens=config.chunk_tokens, engine=engine, config=get_settings()
+        )
         rag = CacheBlendRAG(corpus_dir, engine=engine)
         sampling = SamplingParams(max_new_tokens=config.query_max_new_tokens)
         queries: dict[str, list[dict[str, Any]]] = {m: [] for m in QUERY_METHODS}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ...corpus.embedder import get_embedder
 from ...engine import ChunkRef, Engine
+from ...settings import get_settings
 from ...text.chunker import Chunker
 from ..datasets import load_dataset, select_cases
 from ..harness import default_kv_dir, prompt_builder, retrieve_chunks
@@ -40,7 +41,7 @@ def rag_prompts(engine: Engine, config: BenchConfig, count: int) -> list[RagQues
 def eval_engine(ctx: BenchContext) -> Engine:
     """An engine over the persistent KV store ``eval`` uses, with eval's QA prompt."""
     kv_dir = ctx.config.kv_dir or default_kv_dir(ctx.model)
-    return Engine(ctx.model, kv_dir, prompt_builder(ctx.model.tokenizer, "qa"))
+    return Engine(ctx.model, kv_dir, prompt_builder(ctx.model.tokenizer, "qa"), config=get_settings())
 
 
 def overlapping_musique_requests(

@@ -11,6 +11,7 @@ from typing import Any
 
 from ...models.loader import load_model
 from ...models.runtime import LayerwiseModel
+from ...settings import get_settings
 from .codec import section_codec
 from .config import BenchConfig, BenchContext, make_context
 from .deviation import section_deviation
@@ -49,7 +50,7 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run the configured sections; sections not run are kept from ``previous`` (an earlier results
     object) so a partial rerun still yields a complete report."""
-    model = model or load_model(config.model)
+    model = model or load_model(config.model, config=get_settings())
     ctx = make_context(config, model)
     results = new_results(config, model, previous)
     try:

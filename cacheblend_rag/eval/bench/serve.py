@@ -31,6 +31,7 @@ from ...corpus.corpus import Corpus
 from ...engine import Engine
 from ...engine.prompt import CHUNK_SEPARATOR, DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
 from ...ingest import ingest
+from ...settings import get_settings
 from .config import BenchContext
 from .ingest import copy_sample_corpus
 from .throughput import throughput_row
@@ -219,9 +220,9 @@ def section_serve(ctx: BenchContext) -> dict[str, Any]:
     config = ctx.config
     sources, questions = copy_sample_corpus(ctx, "serve-sources")
     corpus_dir = ctx.work_dir / "serve-corpus"
-    engine = Engine(ctx.model, corpus_dir / "kv")
+    engine = Engine(ctx.model, corpus_dir / "kv", config=get_settings())
     try:
-        ingest([sources], corpus_dir, chunk_tokens=config.chunk_tokens, engine=engine)
+        ingest([sources], corpus_dir, chunk_tokens=config.chunk_tokens, engine=engine, config=get_settings())
     finally:
         engine.close()
     load = ServeLoadConfig(

@@ -18,9 +18,9 @@ from ...blend.segments import ChunkKVSource, prefill_chunk_kv
 from ...models.runtime import AttentionMask, LayerwiseModel, ModelShape
 from ...settings import get_settings
 from ...store.keys import KV_DTYPES, chunk_payload_bytes, kv_bytes_per_token
-from ...store.kvstore import KVStore
 from ...store.pipeline import LayerKV
 from ...store.profile import ComputeLayer, drop_page_cache, load_all_layers, synthetic_chunk
+from ..harness import settings_store
 from .config import BenchContext
 
 
@@ -46,7 +46,7 @@ def storage_cost(shape: ModelShape, num_tokens: int = 512) -> dict[str, dict[str
     out = {}
     for name, dtype in KV_DTYPES.items():  # codec name -> the dtype it decodes to
         with tempfile.TemporaryDirectory() as root:
-            store = KVStore(root, fingerprint, shape, name, ram_budget_bytes=0)
+            store = settings_store(Path(root), fingerprint, shape, name, ram_budget_bytes=0)
             kv = synthetic_chunk(shape, num_tokens, dtype, fingerprint, seed=0)
             file_bytes = store.put(store.chunk_key(range(num_tokens)), kv)
             store.close()
@@ -133,7 +133,7 @@ def bench_loading(
     root = Path(tempfile.mkdtemp(prefix="bench-kv-", dir=work_dir))
     compute = compute_layer if compute_layer is not None else RecomputeWorkload(model, total, ratio)
     try:
-        store = KVStore(root, model.fingerprint, model.shape, kv_dtype, promote_on_read=False)
+        store = settings_store(root, model.fingerprint, model.shape, kv_dtype, promote_on_read=False)
         keys = [store.chunk_key(ids) for ids in chunk_token_ids]
         for key, kv in zip(keys, chunks, strict=True):
             store.put(key, kv)

@@ -12,6 +12,7 @@ import numpy as np
 
 from ...blend.spec import parse_method
 from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
+from ...settings import get_settings
 from ..datasets import load_dataset, select_cases
 from ..harness import store_in_ram
 from .config import BenchConfig, BenchContext
@@ -42,7 +43,9 @@ def bench_runner(
     """Serve ``prompts``, all arriving at once, through a :class:`BatchScheduler`. Building each prompt's
     segments is timed, as it is for the sequential runner; the chunks' KV should already be in the store."""
     spec = parse_method(method).with_ratio(ratio, where_taken=True)
-    with BatchScheduler(engine, max_batch=max_batch, batched_fusion=batched_fusion) as scheduler:
+    with BatchScheduler.of(
+        engine, get_settings(), max_batch=max_batch, batched_fusion=batched_fusion
+    ) as scheduler:
         started = time.perf_counter()
         requests = [
             BatchRequest(engine.rag_segments(p.question, p.refs, spec), spec, sampling) for p in prompts

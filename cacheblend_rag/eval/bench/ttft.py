@@ -17,9 +17,9 @@ from ...blend.methods import Reuse
 from ...blend.spec import parse_method
 from ...engine import ChunkRef, SamplingParams
 from ...models.runtime import LayerwiseModel
-from ...store.kvstore import KVStore
+from ...settings import get_settings
 from ...store.profile import drop_page_cache
-from ..harness import RecordingEngine, store_in_ram
+from ..harness import RecordingEngine, settings_store, store_in_ram
 from .config import BenchContext
 
 # The TTFT table's columns, in order: label -> (method, KV tier). "transformers" is the HF peer;
@@ -117,8 +117,8 @@ def measure_ttft_point(
 
 def section_ttft(ctx: BenchContext) -> dict[str, Any]:
     config = ctx.config
-    store = KVStore(ctx.work_dir / "ttft-kv", ctx.model.fingerprint, ctx.model.shape)
-    engine = RecordingEngine(ctx.model, store)
+    store = settings_store(ctx.work_dir / "ttft-kv", ctx.model.fingerprint, ctx.model.shape)
+    engine = RecordingEngine(ctx.model, store, config=get_settings())
     try:
         points = sorted(
             {(n, config.chunk_tokens) for n in config.chunk_counts}

@@ -24,6 +24,7 @@ from typing import Any
 from ...blend.spec import parse_method
 from ...engine import ChunkRef, SamplingParams
 from ...errors import EvalDataError
+from ...settings import get_settings
 from ..datasets import load_dataset
 from .config import BenchConfig, BenchContext
 
@@ -55,6 +56,7 @@ def _engine(config: BenchConfig, ctx: BenchContext, store: str, share_weights: b
         enable_prefix_caching=False,
         max_model_len=config.num_chunks * config.chunk_tokens + 512,
         share_weights=share_weights,
+        config=get_settings(),
     )
 
 

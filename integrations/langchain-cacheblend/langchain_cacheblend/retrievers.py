@@ -47,7 +47,8 @@ class CacheBlendRetriever(BaseRetriever):
     ) -> list[Document]:
         if kwargs:
             raise TypeError(f"unsupported option(s) {', '.join(sorted(kwargs))}; supported: k")
-        chunks = get_corpus(self.corpus_dir).search(query, self.k if k is None else k)
+        corpus = get_corpus(self.corpus_dir, config=get_settings())
+        chunks = corpus.search(query, self.k if k is None else k)
         return [chunk_document(c) for c in chunks]
 
 

@@ -18,6 +18,7 @@ from langchain_core.vectorstores.utils import maximal_marginal_relevance
 from cacheblend_rag.check import CheckReport
 from cacheblend_rag.corpus import DocumentHit, ExternalEmbedder
 from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
+from cacheblend_rag.settings import get_settings
 
 # what LangChain's indexing API passes along with the documents; a corpus writes in one transaction
 _IGNORED_OPTIONS = frozenset({"batch_size"})
@@ -66,7 +67,7 @@ class CacheBlendVectorStore(VectorStore):
         if embedding is not None:
             name = embedding_name or embeddings_name(embedding)
             embedder = ExternalEmbedder(name, embedding.embed_documents, embedding.embed_query)
-        self._documents = DocumentCollection(corpus_dir, embedder, **options)
+        self._documents = DocumentCollection(corpus_dir, embedder, config=get_settings(), **options)
 
     @property
     def embeddings(self) -> Embeddings | None:

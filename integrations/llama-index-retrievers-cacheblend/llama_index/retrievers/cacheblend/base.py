@@ -37,7 +37,8 @@ class CacheBlendRetriever(BaseRetriever):
         super().__init__(callback_manager=callback_manager, verbose=verbose)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        chunks = get_corpus(self.corpus_dir).search(query_bundle.query_str, self.similarity_top_k)
+        corpus = get_corpus(self.corpus_dir, config=get_settings())
+        chunks = corpus.search(query_bundle.query_str, self.similarity_top_k)
         return [NodeWithScore(node=chunk_node(c), score=c.score) for c in chunks]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

@@ -26,6 +26,7 @@ from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_
 from cacheblend_rag.check import CheckReport
 from cacheblend_rag.corpus import AllOf, AnyOf, Condition, ExternalEmbedder, Filter, KeyIn, Not
 from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
+from cacheblend_rag.settings import get_settings
 
 _OPERATORS = {
     FilterOperator.EQ: "eq",
@@ -80,7 +81,7 @@ class CacheBlendVectorStore(BasePydanticVectorStore):
         embedder = ExternalEmbedder(
             name, self._embed_model.get_text_embedding_batch, self._embed_model.get_query_embedding
         )
-        self._documents = DocumentCollection(corpus_dir, embedder, **options)
+        self._documents = DocumentCollection(corpus_dir, embedder, config=get_settings(), **options)
 
     @classmethod
     def class_name(cls) -> str:
