@@ -334,6 +334,11 @@ class _Run:
         self.attended_counts.append(self.positions.numel())
         return q, keys, values, self.mask
 
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        return self.model.attend(q, keys, values, mask)
+
     def result(self) -> FusionResult:
         logits = self.model.logits(self.hidden[:, -1])[0]  # the last prompt token is always selected
         self.cache.length = self.plan.num_tokens
