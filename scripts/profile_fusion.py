@@ -1,17 +1,19 @@
 """Profile one fused prefill (and full prefill, full reuse) with torch.profiler.
 
     .venv/bin/python scripts/profile_fusion.py [--chunks 6] [--chunk-tokens 512] [--methods ...]
-        [--trace DIR] [--rows 25]
+        [--trace DIR] [--rows 25] [--time N]
 
 Builds a RAG prompt of ``--chunks`` MuSiQue chunks of ``--chunk-tokens`` tokens (chunk KV precomputed
 behind the chunk context, held in RAM as the RAM tier holds it), warms up, then profiles each method once
 and prints the operators that took the most self CPU time, plus wall time per method. ``--trace`` saves a
-Chrome trace per method (open in chrome://tracing or Perfetto). Run it on a quiet machine.
+Chrome trace per method (open in chrome://tracing or Perfetto). ``--time N`` profiles nothing: it times
+N fusions per method (after the warm-up) and prints their median. Run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -61,6 +63,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["full_recompute", "full_reuse", "cacheblend"])
     parser.add_argument("--trace", type=Path, default=None, help="folder for Chrome traces")
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--time", type=int, default=0, help="time N runs per method, no profiler")
     args = parser.parse_args()
 
     model = load_model(config=get_settings())  # CACHEBLEND_THREADS, _DEVICE... as before
@@ -73,6 +76,15 @@ def main() -> None:
         prompt = [Segment.fresh(s.token_ids) for s in segments] if name == "full_recompute" else segments
         used = [s.kv for s in prompt if s.kv is not None]
         fusor.fuse(prompt, method, DirectLayerKV(used))  # warm-up
+        if args.time:
+            walls = []
+            for _ in range(args.time):
+                started = time.perf_counter()
+                fusor.fuse(prompt, method, DirectLayerKV(used))
+                walls.append(time.perf_counter() - started)
+            shown = " ".join(f"{w:.3f}" for w in walls)
+            print(f"{name}: median {statistics.median(walls):.3f} s wall over {args.time} ({shown})")
+            continue
         started = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(name):
             fusor.fuse(prompt, method, DirectLayerKV(used))

@@ -225,13 +225,14 @@ class Fusor:
         rotations: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         """Write each cached chunk's K/V at its prompt positions, keys re-rotated from 0..n-1."""
-        device, dtype = self.model.device, self.model.dtype
+        device = self.model.device
         for (k, v), (start, end), tables in zip(layer_kv, spans, rotations, strict=True):
+            # copy_ converts dtype and device in one pass, with no temporary the size of the chunk
             if start == 0:  # already at its own positions (a prompt's head)
-                cache.keys[layer][0, :, :end] = k.to(device, dtype)
+                cache.keys[layer][0, :, :end].copy_(k)
             else:  # rotated straight into the cache slice (no temporaries the size of the keys)
                 Rope.apply_rerotation_into(cache.keys[layer][0, :, start:end], k.to(device), tables)
-            cache.values[layer][0, :, start:end] = v.to(device, dtype)
+            cache.values[layer][0, :, start:end].copy_(v)
 
     @staticmethod
     def _check_selection(plan: FusionPlan, chosen: torch.Tensor, previous: torch.Tensor | None) -> None:
@@ -333,6 +334,11 @@ class _Run:
             self.observer(layer, self.positions, q, keys, self.mask)
         self.attended_counts.append(self.positions.numel())
         return q, keys, values, self.mask
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        return self.model.attend(q, keys, values, mask)
 
     def result(self) -> FusionResult:
         logits = self.model.logits(self.hidden[:, -1])[0]  # the last prompt token is always selected

@@ -30,6 +30,13 @@ class LayerPass(Protocol):
         (q, keys, values, mask) to attend with; may narrow ``hidden``/``positions`` (and q with them)."""
         ...
 
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """Attention output [1, S, H * d] of what :meth:`attention_inputs` returned (a pass that already
+        has its attention probabilities reuses them; others call ``LayerwiseModel.attend``)."""
+        ...
+
 
 @torch.inference_mode()
 def run_layer(model: LayerwiseModel, layer: int, passes: list[LayerPass], finish: bool = True) -> None:
@@ -54,7 +61,7 @@ def run_layer(model: LayerwiseModel, layer: int, passes: list[LayerPass], finish
             layer, qkv.q[:, :, rows], qkv.k[:, :, rows], qkv.v[:, :, rows]
         )
         if finish:
-            attended.append(model.attend(q, keys, values, mask))
+            attended.append(one.attend(q, keys, values, mask))
     if not finish:
         return
     if len(passes) == 1:

@@ -6,7 +6,9 @@ its cached K/V at every layer (as ``full_reuse`` does) and only the fresh text i
 percent of a full prefill. At each layer it records the attention probabilities of the query rows (the
 fresh text after the last cached chunk: the question and the generation prompt, whose last token
 produces the answer) over every position, summed over heads and query rows and then over layers, and
-the same weighted by each position's value norm (what the position adds to the attention output).
+the same weighted by each position's value norm (what the position adds to the attention output). The
+probabilities come from one float32 batched matmul and softmax per layer over every fresh row, and the
+fresh text's attention output is those probabilities times the values (no second attention kernel).
 
 The probe leaves every cached chunk's K/V placed in the cache (re-rotated to its prompt positions), so
 the pass that follows only overwrites the positions it recomputes; nothing is loaded or rotated twice.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
+from ..models.runtime import AttentionMask, KVCache, LayerwiseModel, ModelShape
 from .plan import FusionPlan
 from .segments import LayerKVProvider
 
@@ -78,8 +80,10 @@ class ProbePass:
         self.hidden = model.embed(plan.token_ids[self.positions.cpu()][None].to(device)).to(model.dtype)
         self.cos_sin = model.rope.cos_sin(self.positions, model.dtype)
         self.mask = AttentionMask.for_positions(self.positions, n)
-        # query row i sees the keys at positions <= queries[i]
-        self.visible = torch.arange(n, device=device)[None, :] <= self.queries[:, None]  # [m, T]
+        # the query rows are the fresh rows' suffix (query_positions), so one slice of the probabilities
+        self.query_start = int(self.rows[0])
+        self.grouped_mask = _grouped_causal_mask(self.positions, n, model.shape)
+        self.probabilities: torch.Tensor | None = None
         self.attention = torch.zeros(n, dtype=torch.float32, device=device)
         self.contribution = torch.zeros(n, dtype=torch.float32, device=device)
         self.load_wait = 0.0
@@ -92,11 +96,23 @@ class ProbePass:
         self.cache.write(layer, self.positions, k, v)
         n = self.plan.num_tokens
         keys, values = self.cache.keys[layer][:, :, :n], self.cache.values[layer][:, :, :n]
-        mass = _attention_mass(q[0, :, self.rows], keys[0], self.visible, self.model.scaling)  # [Hkv, T]
+        # every fresh row's probabilities: the query rows' give the mass, and attend() reuses them all
+        # for the fresh text's attention output (no second attention kernel over the same scores)
+        probabilities = _probabilities(q[0], keys[0], self.grouped_mask, self.model.scaling)
+        mass = probabilities[:, :, self.query_start :].sum(dim=(1, 2))  # [Hkv, T]
         self.attention += mass.sum(dim=0)
         # what a token adds to the attention output scales with its value's norm too
         self.contribution += (mass * values[0].float().norm(dim=-1)).sum(dim=0)
+        self.probabilities = probabilities
         return q, keys, values, self.mask
+
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        """The fresh rows' attention output [1, m, H * d] from this layer's probabilities."""
+        probabilities, self.probabilities = self.probabilities, None
+        self.model.attention_token_layers += q.shape[2]
+        return _attention_output(probabilities, values[0]).to(q.dtype)
 
     def result(self) -> ProbeResult:
         return ProbeResult(
@@ -109,14 +125,31 @@ class ProbePass:
         )
 
 
-def _attention_mass(
-    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scaling: float
+def _grouped_causal_mask(positions: torch.Tensor, n: int, shape: ModelShape) -> torch.Tensor:
+    """Additive float32 causal mask of rows at ``positions`` over keys 0..n-1, stacked once per head of a
+    KV group (the row order of :func:`_probabilities`): [1, g*m, n], built once for every layer."""
+    visible = torch.arange(n, device=positions.device)[None, :] <= positions[:, None]  # [m, n]
+    additive = torch.zeros(visible.shape, dtype=torch.float32, device=positions.device)
+    additive.masked_fill_(~visible, float("-inf"))
+    return additive.repeat(shape.num_heads // shape.num_kv_heads, 1)[None]
+
+
+def _probabilities(
+    q: torch.Tensor, keys: torch.Tensor, grouped_mask: torch.Tensor, scaling: float
 ) -> torch.Tensor:
-    """Softmax attention of ``q`` [H, m, d] over ``keys`` [Hkv, T, d] (grouped-query heads share a KV
-    head), summed over the query rows and the heads of each KV head: [Hkv, T]."""
+    """Softmax attention (float32) of ``q`` [H, m, d] over ``keys`` [Hkv, T, d] under ``grouped_mask``
+    (:func:`_grouped_causal_mask`): [Hkv, g, m, T], g heads per KV head (grouped-query heads of one KV
+    head are adjacent). One batched matmul per layer, the scale and mask folded into it."""
     heads, m, d = q.shape
     kv_heads = keys.shape[0]
-    grouped = q.float().reshape(kv_heads, (heads // kv_heads) * m, d)  # heads of one group are adjacent
-    scores = grouped @ keys.float().transpose(1, 2) * scaling  # [Hkv, g*m, T]
-    scores = scores.view(kv_heads, heads // kv_heads, m, -1).masked_fill(~visible, float("-inf"))
-    return torch.softmax(scores, dim=-1).sum(dim=(1, 2))
+    grouped = q.float().reshape(kv_heads, (heads // kv_heads) * m, d)
+    scores = torch.baddbmm(grouped_mask, grouped, keys.float().transpose(1, 2), alpha=scaling)
+    return torch.softmax(scores, dim=-1).view(kv_heads, heads // kv_heads, m, -1)
+
+
+def _attention_output(probabilities: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention output of :func:`_probabilities` ([Hkv, g, m, T]) over ``values`` [Hkv, T, d], heads
+    concatenated as the o-proj takes them: [1, m, H * d] in float32."""
+    kv_heads, groups, m, n = probabilities.shape
+    out = torch.bmm(probabilities.view(kv_heads, groups * m, n), values.float())  # [Hkv, g*m, d]
+    return out.view(1, kv_heads * groups, m, -1).transpose(1, 2).reshape(1, m, -1)

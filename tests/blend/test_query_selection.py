@@ -11,10 +11,16 @@ import pytest
 import torch
 
 from cacheblend_rag.blend import CacheBlend, FullReuse, Fusor, Segment
-from cacheblend_rag.blend.probe import query_positions
+from cacheblend_rag.blend.probe import (
+    _attention_output,
+    _grouped_causal_mask,
+    _probabilities,
+    query_positions,
+)
 from cacheblend_rag.blend.segments import ChunkContext, prefill_chunk_kv
 from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
 from cacheblend_rag.eval.metrics import kl_divergence
+from cacheblend_rag.models.runtime import AttentionMask
 from cacheblend_rag.models.tokenizer import chunk_context_ids
 from cacheblend_rag.text.chunker import Chunker
 
@@ -115,6 +121,27 @@ def test_query_selection_is_monotone_in_the_ratio(model, prompts):
     ]
     assert kls[-1] < 1e-6, kls
     assert all(later <= earlier + 0.02 for earlier, later in itertools.pairwise(kls)), kls
+
+
+def test_probe_attention_comes_from_the_probabilities_it_records(model):
+    """The probe's fresh rows attend through the probabilities it sums: each row's are a distribution
+    over the keys it may see, and times the values they give the model's attention kernel's output."""
+    generator = torch.Generator().manual_seed(3)
+    n = 900
+    positions = torch.cat([torch.tensor([120, 431, 650]), torch.arange(860, n)])  # separators, question
+    m, shape = positions.numel(), model.shape
+    heads, kv_heads, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    q = torch.randn(1, heads, m, d, generator=generator)
+    keys = torch.randn(1, kv_heads, n, d, generator=generator)
+    values = torch.randn(1, kv_heads, n, d, generator=generator)
+    mask = _grouped_causal_mask(positions, n, model.shape)
+    probabilities = _probabilities(q[0], keys[0], mask, model.scaling)
+    assert probabilities.shape == (kv_heads, heads // kv_heads, m, n)
+    visible = torch.arange(n)[None, :] <= positions[:, None]
+    assert float(probabilities[..., ~visible].abs().max()) == 0.0
+    assert (probabilities.sum(dim=-1) - 1).abs().max().item() <= 1e-5
+    reference = model.attend(q, keys, values, AttentionMask.for_positions(positions, n))
+    assert (_attention_output(probabilities, values[0]) - reference).abs().max().item() <= 1e-5
 
 
 def test_no_cached_chunk_means_no_probe(model):
