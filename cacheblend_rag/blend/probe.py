@@ -76,12 +76,11 @@ class ProbePass:
         n = plan.num_tokens
         self.positions = plan.must_compute.nonzero().squeeze(1).to(device)
         self.queries = query_positions(plan).to(device)
-        self.rows = torch.searchsorted(self.positions, self.queries)
         self.hidden = model.embed(plan.token_ids[self.positions.cpu()][None].to(device)).to(model.dtype)
         self.cos_sin = model.rope.cos_sin(self.positions, model.dtype)
         self.mask = AttentionMask.for_positions(self.positions, n)
         # the query rows are the fresh rows' suffix (query_positions), so one slice of the probabilities
-        self.query_start = int(self.rows[0])
+        self.query_start = int(torch.searchsorted(self.positions, self.queries[:1]))
         self.grouped_mask = _grouped_causal_mask(self.positions, n, model.shape)
         self.probabilities: torch.Tensor | None = None
         self.attention = torch.zeros(n, dtype=torch.float32, device=device)
