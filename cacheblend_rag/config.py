@@ -21,7 +21,7 @@ DEFAULT_METHOD = "cacheblend"
 DEFAULT_RATIO = 0.15
 DEFAULT_TOP_K = 6
 DEFAULT_CHUNK_TOKENS = 512
-DEFAULT_KV_DTYPE = "float16"
+DEFAULT_KV_DTYPE = "int8"
 DEFAULT_CHUNK_CONTEXT = "neutral"
 DEFAULT_ENGINE = "torch"
 DEFAULT_INDEX_TYPE = "flat"
@@ -58,8 +58,9 @@ class Config(BaseModel):
     )
     kv_dtype: Literal["float16", "bfloat16", "float32", "int8", "int4"] = Field(
         DEFAULT_KV_DTYPE,
-        description="Storage codec of chunk KV: float16, bfloat16, float32, or int8 / int4 (quantized, "
-        "decoded to float16; see docs/store.md). A corpus records its own (manifest.json).",
+        description="Storage codec of chunk KV of a new corpus: int8 (default) / int4 (quantized, decoded "
+        "to float16; see docs/kv_codecs.md), or float16, bfloat16, float32. A corpus records its own "
+        "(manifest.json).",
     )
     threads: int = Field(0, ge=0, le=1024, description="Torch intra-op threads; 0 means one per core.")
     # 16: the chunker's floor (a chunk must reach a character boundary); 32768: beyond any context we run

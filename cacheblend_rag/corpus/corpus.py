@@ -54,6 +54,7 @@ from .manifest import (
     check_embedder,
     check_new_corpus_dir,
     format_for,
+    legacy_codec,
 )
 from .vectors import CorpusVectors
 
@@ -260,8 +261,11 @@ class Corpus:
     @property
     def kv_dtype(self) -> str:
         """The codec this corpus's chunk KV is stored in (part of every KV key): the manifest's record,
-        else (a corpus made before codecs were recorded) the one its KV options name, else the default."""
-        return self.manifest.kv_dtype or self._kv_options.kv_dtype or DEFAULT_KV_DTYPE
+        else (a corpus made before codecs were recorded) the codec its KV store holds (the one its KV
+        options name, if it holds several), else those options' codec, else the default."""
+        if self.manifest.kv_dtype:
+            return self.manifest.kv_dtype
+        return legacy_codec(self.kv_dir, self.manifest, self._kv_options.kv_dtype or DEFAULT_KV_DTYPE)
 
     @property
     def kv_dir(self) -> Path:

@@ -26,7 +26,7 @@ from ..errors import CorruptKVError, StoreError
 from ..store.keys import resolve_codec
 from ..store.kvstore import KVStore
 from .chunkdb import DB_NAME, ChunkDB
-from .manifest import KV_DIR_NAME, CorpusManifest, format_for
+from .manifest import KV_DIR_NAME, CorpusManifest, format_for, legacy_codec
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ def recode_corpus(
     if manifest is None:
         raise StoreError(f"{corpus_dir} is not a corpus directory (no manifest.json)")
     target = resolve_codec(new_codec).name
-    old = resolve_codec(manifest.kv_dtype or fallback_codec).name
+    old = resolve_codec(
+        manifest.kv_dtype or legacy_codec(corpus_dir / KV_DIR_NAME, manifest, fallback_codec)
+    ).name
     report = RecodeReport(str(corpus_dir), old, target, remote=bool(remote))
     context = ChunkContext(manifest.chunk_context).key
     root = corpus_dir / KV_DIR_NAME

@@ -29,6 +29,7 @@ from ..errors import ContextLengthError, CorruptKVError, StoreError
 from ..models.runtime import KVCache, LayerwiseModel
 from ..models.shared import acquire_model, release_model
 from ..models.tokenizer import chunk_context_ids
+from ..store.index import folder_codec
 from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader
 from ..store.shared import KVStoreOptions, acquire_store, release_store
@@ -93,7 +94,7 @@ class Engine(PromptSegments):
         self._owns_store = not isinstance(store, KVStore)
         if self._owns_store:
             root = Path(store) if store is not None else config.home / "kv" / self.model.fingerprint[:16]
-            codec = kv_dtype or config.kv_dtype
+            codec = folder_codec(root, self.model.fingerprint, kv_dtype, config.kv_dtype)
             options = KVStoreOptions.of(config).store_kwargs()
             store = acquire_store(root, self.model.fingerprint, self.model.shape, codec, **options)
         self.store = store

@@ -378,9 +378,12 @@ def _start_results(run: EvalRun, config: EvalConfig) -> dict[str, Any]:
                     "give a new --json file to start over"
                 )
         results["config"] = {**stored, **run.config}
+        # the machine line reports the first start's load; each resume is recorded beside it
+        results.setdefault("resumes", []).append(machine_info())
+        results.setdefault("machine", results["resumes"][-1])
     else:
         results = {"format": RESULTS_FORMAT, "config": run.config, "commands": [], "cases": []}
-    results["machine"] = machine_info()
+        results["machine"] = machine_info()
     if config.command:
         results["commands"].append(config.command)
     return results

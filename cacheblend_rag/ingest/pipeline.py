@@ -27,7 +27,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -38,7 +38,14 @@ from ..corpus.context import new_chunk_context
 from ..corpus.corpus import Corpus
 from ..corpus.embedder import get_embedder
 from ..corpus.index import check_index_type
-from ..corpus.manifest import FORMAT_VERSION, CorpusManifest, check_compatible, check_new_corpus_dir
+from ..corpus.manifest import (
+    FORMAT_VERSION,
+    KV_DIR_NAME,
+    CorpusManifest,
+    check_compatible,
+    check_new_corpus_dir,
+    legacy_codec,
+)
 from ..corpus.pinning import pin_corpus
 from ..engine import create_engine
 from ..errors import IngestError, StoreError
@@ -160,7 +167,10 @@ def ingest(
             f"the engine given for the KV stage prefills chunks behind another chunk context than corpus "
             f"{corpus_dir} uses; create it with chunk_context=Corpus.open(...).chunk_context"
         )
-    codec = (manifest.kv_dtype if manifest is not None else "") or config.kv_dtype
+    if manifest is None:  # a new corpus: in the codec of the engine given to write its KV, else config's
+        codec = engine.store.kv_dtype_name if engine is not None else config.kv_dtype
+    else:
+        codec = manifest.kv_dtype or legacy_codec(corpus_dir / KV_DIR_NAME, manifest, config.kv_dtype)
     if engine is not None and engine.store.kv_dtype_name != codec:
         raise StoreError(
             f"the engine given for the KV stage stores chunk KV in {engine.store.kv_dtype_name}, corpus "
@@ -190,7 +200,7 @@ def ingest(
     corpus: Corpus | None = None
     kv_store = engine.store if engine is not None else None  # the corpus's store is the engine's
     opening = {
-        "kv_options": KVStoreOptions.of(config),
+        "kv_options": replace(KVStoreOptions.of(config), kv_dtype=codec),
         "kv_store": kv_store,
         "chunk_context": config.chunk_context,
     }

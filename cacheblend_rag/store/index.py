@@ -141,6 +141,33 @@ def stored_models(root: str | Path) -> list[tuple[str, str, ModelShape]]:
     return [(fingerprint, dtype, ModelShape(**json.loads(shape))) for fingerprint, dtype, shape in rows]
 
 
+def stored_codec(root: str | Path, model_fingerprint: str, prefer: str) -> str | None:
+    """The codec the store at ``root`` holds ``model_fingerprint``'s KV in (``prefer`` if it is one of
+    several), or None when it holds none of it (or there is no store). What a corpus that does not record
+    its codec (made before codecs) is read in, so a change of the default codec never orphans its KV."""
+    if not (Path(root) / KV_INDEX_NAME).is_file():
+        return None
+    codecs = sorted(
+        dtype for fingerprint, dtype, _ in stored_models(root) if fingerprint == model_fingerprint
+    )
+    if not codecs:
+        return None
+    return prefer if prefer in codecs else codecs[0]
+
+
+def folder_codec(root: str | Path, model_fingerprint: str, requested: str | None, configured: str) -> str:
+    """The codec an engine given the store folder ``root`` (not a corpus, which records its codec) keeps
+    ``model_fingerprint``'s chunk KV in: ``requested`` if named, else the codec the folder already holds
+    it in (``configured`` if several), else ``configured``. So a change of the default codec leaves a
+    folder's KV hitting; ``store recode`` converts it."""
+    if requested:
+        return requested
+    held = stored_codec(root, model_fingerprint, configured)
+    if held is not None and held != configured:
+        log.info("the KV store at %s holds this model's KV in %s: kept (not %s)", root, held, configured)
+    return held or configured
+
+
 def connect_read_only(index: Path) -> sqlite3.Connection:
     # A WAL database on a read-only file system may lack the -shm file SQLite needs for a plain
     # read-only open; nobody can write there, so opening it as immutable is exact.

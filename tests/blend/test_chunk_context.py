@@ -13,6 +13,7 @@ from cacheblend_rag.blend import CacheBlend, FullRecompute, Fusor
 from cacheblend_rag.blend.segments import NO_CONTEXT, ChunkContext, prefill_chunk_kv
 from cacheblend_rag.corpus.chunkdb import DB_NAME, FORMAT_VERSION, MANIFEST_NAME, CorpusManifest
 from cacheblend_rag.corpus.corpus import Corpus
+from cacheblend_rag.corpus.manifest import format_for
 from cacheblend_rag.engine import ChunkRef, Engine
 from cacheblend_rag.errors import StoreError
 from cacheblend_rag.ingest.pipeline import ingest
@@ -83,7 +84,9 @@ def test_new_corpus_records_its_context_and_old_ones_are_upgraded(model, embedde
     engine = Engine(model, store=corpus_dir / "kv", chunk_context=neutral)
     ingest([docs], corpus_dir, engine=engine)
     manifest = CorpusManifest.load(corpus_dir)
-    assert manifest.format_version == FORMAT_VERSION and manifest.chunk_context == neutral.token_ids
+    # format 2, or 3 for a quantized codec (the default int8)
+    assert manifest.format_version == format_for(manifest.kv_dtype) >= FORMAT_VERSION
+    assert manifest.chunk_context == neutral.token_ids
     with sqlite3.connect(corpus_dir / DB_NAME) as db:
         ((key, ready),) = db.execute("SELECT kv_key, kv_ready FROM chunks").fetchall()
     assert ready == 1 and engine.store.contains(key)
@@ -108,7 +111,8 @@ def test_new_corpus_records_its_context_and_old_ones_are_upgraded(model, embedde
     # ingest upgrades it: the neutral context recorded, the KV recomputed, the stale KV dropped
     ingest([docs], corpus_dir, engine=engine)
     upgraded = CorpusManifest.load(corpus_dir)
-    assert upgraded.format_version == FORMAT_VERSION and upgraded.chunk_context == neutral.token_ids
+    assert upgraded.format_version == format_for(upgraded.kv_dtype) >= FORMAT_VERSION
+    assert upgraded.chunk_context == neutral.token_ids
     with sqlite3.connect(corpus_dir / DB_NAME) as db:
         ((key, ready),) = db.execute("SELECT kv_key, kv_ready FROM chunks").fetchall()
     assert ready == 1 and key == engine.chunk_key(chunk_ids)

@@ -13,6 +13,9 @@ from cacheblend_rag.blend.controller import (
     measure_prefill_per_layer,
     profile_path,
 )
+from cacheblend_rag.config import DEFAULT_KV_DTYPE
+from cacheblend_rag.store.codec import get_codec
+from cacheblend_rag.store.keys import kv_bytes_per_token_per_layer
 from cacheblend_rag.store.profile import profile_device
 
 BYTES_PER_TOKEN_LAYER = 768  # SmolLM2-135M in fp16: 2 x 3 heads x 64 x 2 bytes
@@ -121,7 +124,10 @@ def test_prefill_measurement_on_the_real_model(model):
 
 def test_profile_of_the_real_model_drives_the_controller(model, tmp_path):
     profile = profile_device(model, lengths=[32, 64], chunk_tokens=32, repeats=1, work_dir=tmp_path)
-    assert profile.model_fingerprint == model.fingerprint and profile.kv_bytes_per_token_per_layer == 768
+    # the default codec's encoded bytes (768 in float16: 2 x 3 heads x 64 dims x 2 bytes; int8 about half)
+    expected = kv_bytes_per_token_per_layer(model.shape, DEFAULT_KV_DTYPE)
+    assert profile.model_fingerprint == model.fingerprint and profile.kv_bytes_per_token_per_layer == expected
+    assert expected < 768 if get_codec(DEFAULT_KV_DTYPE).quantized else expected == 768
     assert set(profile.tier_bytes_per_s) == {"ram", "disk"} and profile.notes["disk_warm_bytes_per_s"] > 0
     assert not list(tmp_path.iterdir())  # the measurement store was removed
     path = profile.save(profile_path(model.fingerprint, model.device, tmp_path))

@@ -14,6 +14,7 @@ from cacheblend_rag.eval.datasets import load_dataset
 from cacheblend_rag.eval.harness import EvalConfig, run_eval
 from cacheblend_rag.eval.metrics import normalize_answer
 from cacheblend_rag.eval.variants import method_specs
+from cacheblend_rag.store.codec import get_codec
 
 METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
 LABELS = {"full_recompute", "prefix_cache", "full_reuse", "cacheblend@0", "cacheblend@0.15", "epic"}
@@ -84,8 +85,10 @@ def test_eval_scores_every_method_against_the_reference(qa_run):
         # prefix_cache reuses the first chunk only
         first = case["retrieved"][0]["tokens"] / case["cached_tokens"]
         assert case["methods"]["prefix_cache"]["chunk_recompute_ratio"] == pytest.approx(1 - first)
-        # prefix reuse is exact: same first-token distribution as full prefill
-        assert case["methods"]["prefix_cache"]["kl_first_token"] < 1e-4
+        # prefix reuse is exact up to the stored codec's error: with float16 KV the same first-token
+        # distribution as full prefill; with quantized KV (the int8 default) within the codec's error
+        lossless = not get_codec(results["config"]["kv_dtype"]).quantized
+        assert case["methods"]["prefix_cache"]["kl_first_token"] < (1e-4 if lossless else 1e-3)
         for label, m in case["methods"].items():
             assert m["ttft_s"] > 0 and m["nll_gold"] > 0, label
             assert 0 <= m["gold"] <= 1 and 0 <= m["agreement_f1"] <= 1
@@ -102,6 +105,8 @@ def test_rerun_skips_finished_cases_and_adds_new_methods(qa_run, model):
     config, first = qa_run
     again = run_eval(config, model=model)
     assert again["cases"] == first["cases"]  # nothing recomputed: timings identical
+    # the machine line keeps the first start's load (what the timings ran under); the rerun is beside it
+    assert again["machine"] == first["machine"] and len(again["resumes"]) == 1
 
     extended = EvalConfig(**{**config.__dict__, "ratios": (0.0, 0.15, 0.3), "limit": 1})
     results = run_eval(extended, model=model)

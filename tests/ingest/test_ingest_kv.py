@@ -10,6 +10,7 @@ from cacheblend_rag.corpus.chunkdb import DB_NAME
 from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.engine import Engine
 from cacheblend_rag.ingest.pipeline import ingest
+from cacheblend_rag.store.keys import kv_bytes_per_token
 
 TEXT = (
     "Gotthold Ephraim Lessing wrote Emilia Galotti, a play in five acts first performed in 1772.\n\n"
@@ -39,7 +40,7 @@ def test_kv_stage_precomputes_once_resumes_and_drops_replaced_chunks(small_store
     docs, store, engine = small_store
     first = ingest([docs], store, chunk_tokens=32, engine=engine)
     assert first.new_chunks >= 3 and first.kv_chunks == first.new_chunks
-    per_token = 2 * model.shape.num_layers * model.shape.num_kv_heads * model.shape.head_dim * 2  # fp16
+    per_token = kv_bytes_per_token(model.shape, engine.store.kv_dtype_name, 32)  # its codec's, scales too
     assert first.kv_bytes >= per_token * first.tokens
     keys = kv_keys(store)
     with Corpus.open(store) as corpus:

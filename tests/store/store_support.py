@@ -112,7 +112,7 @@ def main(argv: list[str]) -> None:
     if command == "recode-and-stall":
         _recode_and_stall(root, sync, argv[3], int(argv[4]))
         return
-    store = KVStore(root, FINGERPRINT, BIG_SHAPE)
+    store = KVStore(root, FINGERPRINT, BIG_SHAPE, "float16")  # exact round trips: a lossless codec
     if command == "put-same":
         n = int(argv[3])
         kv = big_chunk(n, seed=0)

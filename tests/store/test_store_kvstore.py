@@ -397,7 +397,7 @@ def test_two_concurrent_writers_of_one_chunk_leave_one_valid_file(tmp_path):
     release_when_ready(sync, 2)
     written = sorted(int(child.communicate(timeout=120)[0]) for child in children)
     assert [child.returncode for child in children] == [0, 0]
-    store = KVStore(root, FINGERPRINT, BIG_SHAPE)
+    store = KVStore(root, FINGERPRINT, BIG_SHAPE, "float16")  # exact round trips: a lossless codec
     key = store.chunk_key(range(512))
     # the lock made the second writer find the first one's file and keep it
     assert written == [0, store.path_for(key).stat().st_size]
@@ -417,7 +417,7 @@ def test_concurrent_processes_writing_different_chunks_share_one_index(tmp_path)
     for child in children:
         child.communicate(timeout=120)
         assert child.returncode == 0
-    store = KVStore(root, FINGERPRINT, BIG_SHAPE)
+    store = KVStore(root, FINGERPRINT, BIG_SHAPE, "float16")  # exact round trips: a lossless codec
     assert store.stats()["disk"]["entries"] == 12
     assert store.verify().clean
 
@@ -433,7 +433,7 @@ def test_writer_killed_mid_write_leaves_nothing_that_is_used(tmp_path):
         child.send_signal(signal.SIGKILL)
         child.communicate(timeout=30)
 
-    store = KVStore(root, FINGERPRINT, BIG_SHAPE)
+    store = KVStore(root, FINGERPRINT, BIG_SHAPE, "float16")  # exact round trips: a lossless codec
     key = store.chunk_key(range(256))
     temps = list((root / "chunks").rglob("*.tmp"))
     assert len(temps) == 1 and not store.path_for(key).exists()
@@ -488,7 +488,7 @@ def tmpfs(tmp_path):
 
 def test_real_disk_full_is_a_clear_error_and_changes_nothing(tmpfs):
     root = tmpfs("4m") / "kv"
-    store = KVStore(root, FINGERPRINT, BIG_SHAPE)
+    store = KVStore(root, FINGERPRINT, BIG_SHAPE, "float16")  # exact round trips: a lossless codec
     kv = big_chunk(64, seed=0)  # ~1.2 MB per file in fp16
     kept = [store.chunk_key([i] * 64) for i in range(2)]
     for key in kept:

@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 
 import cacheblend_rag
 from cacheblend_rag.cli import app
+from cacheblend_rag.config import DEFAULT_KV_DTYPE, DEFAULTS
 from cacheblend_rag.corpus.chunkdb import DB_NAME, ChunkDB
+from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.corpus.manifest import CorpusManifest
 from cacheblend_rag.engine import Engine
 from cacheblend_rag.errors import CorruptKVError
@@ -32,7 +34,8 @@ def float16_corpus(tmp_path_factory, model, embedder) -> Path:
     from cacheblend_rag.ingest.pipeline import ingest
 
     corpus = tmp_path_factory.mktemp("recode") / "corpus"
-    ingest([EXAMPLES / "musique_case013.txt"], corpus, chunk_tokens=128)
+    float16 = DEFAULTS.model_copy(update={"kv_dtype": "float16"})  # the default is int8
+    ingest([EXAMPLES / "musique_case013.txt"], corpus, chunk_tokens=128, config=float16)
     return corpus
 
 
@@ -74,6 +77,11 @@ def test_a_float16_corpus_made_before_codecs_still_hits(corpus, model):
     assert manifest.pop("kv_dtype") == "float16"  # what a corpus records now
     (corpus / "manifest.json").write_text(json.dumps(manifest))  # as one made before codecs were recorded
     assert CorpusManifest.load(corpus).kv_dtype == ""
+    assert DEFAULT_KV_DTYPE != "float16"  # the default changed since: the corpus still reads its own codec
+    with Corpus.open(corpus) as opened:
+        assert opened.kv_dtype == "float16"
+        for _, token_ids, key, _ in rows(corpus):
+            assert opened.chunk_key(token_ids) == key
     engine = Engine(model, corpus / "kv", kv_dtype=None)
     for _, token_ids, key, ready in rows(corpus):
         assert ready and engine.chunk_key(token_ids) == key  # same keys as before: nothing recomputed

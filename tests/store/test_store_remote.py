@@ -141,7 +141,9 @@ def test_ingest_pins_what_is_stored_anywhere_and_recomputes_nothing(tmp_path, re
     local store computes nothing the server already holds."""
     _, refs = rag_case
     client = redis_server.client()
-    local_only = Engine(model=model, store=KVStore(tmp_path / "a", model.fingerprint, model.shape, remote=""))
+    local_only = Engine(
+        model=model, store=KVStore(tmp_path / "a", model.fingerprint, model.shape, "float16", remote="")
+    )
     assert local_only.ensure_chunk_kv(refs[0].token_ids) > 0  # before the shared tier was configured
     local_only.store.close()
 

@@ -44,7 +44,9 @@ def vllm_engine(kv_root):
     from cacheblend_rag.engine.vllm import VLLMEngine
 
     # prefix caching on, as served: tests check that blended KV never reaches exact requests through it
-    engine = VLLMEngine(store=kv_root, max_model_len=2048, kv_cache_bytes=256 << 20)
+    # float16 chunk KV (not the int8 default): the worker's KV is compared with the PyTorch engine's at
+    # float16 resolution; codecs are tested in tests/store, the worker's codec in test_vllm_worker_config
+    engine = VLLMEngine(store=kv_root, kv_dtype="float16", max_model_len=2048, kv_cache_bytes=256 << 20)
     yield engine
     engine.close()
 
@@ -52,7 +54,7 @@ def vllm_engine(kv_root):
 @pytest.fixture(scope="session")
 def torch_engine(model, kv_root) -> Engine:
     """The PyTorch engine over the same chunk KV store: the reference every vLLM answer is held to."""
-    return Engine(model, store=KVStore(kv_root, model.fingerprint, model.shape))
+    return Engine(model, store=KVStore(kv_root, model.fingerprint, model.shape, "float16"))
 
 
 @pytest.fixture(scope="session")

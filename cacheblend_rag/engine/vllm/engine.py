@@ -42,6 +42,7 @@ from ...models.loader import check_supported, pick_device, pick_dtype
 from ...models.provision import resolve_model_path
 from ...models.runtime import ModelShape
 from ...models.tokenizer import chunk_context_ids, generation_config, load_model_tokenizer
+from ...store.index import folder_codec
 from ...store.keys import dtype_name
 from ...store.kvstore import KVStore
 from ...store.shared import KVStoreOptions, acquire_store, release_store
@@ -154,7 +155,8 @@ class VLLMEngine(PromptSegments):
             root, kv_dtype = store.root, store.kv_dtype_name
         else:
             root = Path(store) if store is not None else config.home / "kv" / self.model.fingerprint[:16]
-            kv_dtype = dtype_name(kv_dtype or config.kv_dtype)  # a corpus passes the codec it records
+            # a corpus passes the codec it records; a folder keeps the codec it holds
+            kv_dtype = dtype_name(folder_codec(root, self.model.fingerprint, kv_dtype, config.kv_dtype))
         store_options = KVStoreOptions.of(config)
         options: dict[str, Any] = {
             "model": str(path),
