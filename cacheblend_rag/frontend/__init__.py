@@ -16,6 +16,7 @@ from .text import (
     get_corpus,
     get_frontend,
     release_frontend,
+    shared_frontends,
     text_request,
 )
 
@@ -40,5 +41,6 @@ __all__ = [
     "get_frontend",
     "release_frontend",
     "response_format_for",
+    "shared_frontends",
     "text_request",
 ]

@@ -16,7 +16,8 @@ included) sees the same token ids for one prompt, so their answers are comparabl
 The frontend uses only the engine contract (:class:`~cacheblend_rag.engine.EngineProtocol`), so either
 engine serves it. :func:`acquire_frontend` (:func:`get_frontend`) and :func:`get_corpus` share one engine
 per (corpus, model, engine kind) and one corpus per corpus directory across the process, so every LLM,
-chat model, retriever and vector store object over a corpus uses the same model and the same corpus.
+chat model, retriever and vector store object over a corpus uses the same model and the same corpus
+(a holder passing other settings gets an engine of its own, built with them).
 Engines over different corpora share the model's weights too
 (:func:`cacheblend_rag.models.shared.acquire_model`). A frontend acquired is released by its holder (an
 integration object's ``close()``); the last release closes it and frees the model.
@@ -57,6 +58,7 @@ from ..engine import (
 )
 from ..engine.bounds import check_request
 from ..errors import ChunkNotFoundError, InvalidChunkIdError
+from ..models.registry import SharedRegistry
 from ..rag import CacheBlendRAG
 from ..store.shared import KVStoreOptions
 from ..text.chunker import Chunker, validate_chunk_id
@@ -367,11 +369,12 @@ class PromptFrontend:
         return self._segments(text, spans, request.method)
 
 
-_FrontendKey = tuple[str | None, str | None, str]
-_frontends: dict[_FrontendKey, PromptFrontend] = {}
-_holders: dict[_FrontendKey, int] = {}
+# (corpus directory, model, engine kind, the configuration's values): a holder with other settings gets
+# a frontend of its own (its engine built with its values), never another holder's
+_FrontendKey = tuple[str | None, str | None, str, tuple[tuple[str, object], ...]]
+_frontends: SharedRegistry[_FrontendKey, PromptFrontend] = SharedRegistry(close=PromptFrontend.close)
 _corpora: dict[str, Corpus] = {}
-_shared_lock = threading.RLock()  # re-entered: a frontend opens its corpus through get_corpus
+_corpora_lock = threading.Lock()
 
 
 def _dir_key(corpus_dir: str | Path) -> str:
@@ -385,7 +388,7 @@ def _frontend_key(
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
     directory = _dir_key(corpus_dir) if corpus_dir is not None else None
-    return (directory, str(model) if model else None, kind)
+    return (directory, str(model) if model else None, kind, config.value_key())
 
 
 def acquire_frontend(
@@ -394,31 +397,29 @@ def acquire_frontend(
     engine: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), loaded on first use;
-    give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default: ``config.engine``);
-    ``config``: the caller's settings, which the frontend keeps when this call loads it (every edge passes
-    the process's, so every holder shares one engine, as a retriever, a chat model and an LLM object over
-    one corpus do)."""
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), loaded
+    on first use; give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default:
+    ``config.engine``); ``config``: the caller's settings, part of the key by value (every edge passes the
+    process's, so every holder shares one engine, as a retriever, a chat model and an LLM object over one
+    corpus do; a holder with other values gets a frontend built with them)."""
     key = _frontend_key(corpus_dir, model, engine, config)
-    with _shared_lock:
-        if key not in _frontends:
-            _frontends[key] = PromptFrontend(key[0], model, engine_kind=key[2], config=config)
-            _holders[key] = 0
-        _holders[key] += 1
-        return _frontends[key]
+    return _frontends.acquire(
+        key, lambda: PromptFrontend(key[0], model, engine_kind=key[2], config=config), _usable
+    )
 
 
 def release_frontend(frontend: PromptFrontend) -> None:
     """Give back one hold on ``frontend``; the last one closes it (and gives its model back)."""
-    with _shared_lock:
-        key = next((k for k, f in _frontends.items() if f is frontend), None)
-        if key is None:
-            return
-        _holders[key] -= 1
-        if _holders[key] > 0:
-            return
-        del _frontends[key], _holders[key]
-    frontend.close()
+    _frontends.release(frontend)
+
+
+def shared_frontends() -> dict[_FrontendKey, int]:
+    """(corpus directory, model, engine kind, configuration values) -> holds, of the frontends shared now."""
+    return _frontends.references()
+
+
+def _usable(frontend: PromptFrontend) -> bool:
+    return not frontend.closed  # closed by hand (frontend.close()): load it again
 
 
 def get_frontend(
@@ -427,8 +428,8 @@ def get_frontend(
     engine: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), kept for the rest of the
-    process (``config``: as for :func:`acquire_frontend`)."""
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), kept for
+    the rest of the process (``config``: as for :func:`acquire_frontend`)."""
     return acquire_frontend(corpus_dir, model, engine, config)
 
 
@@ -439,7 +440,7 @@ def get_corpus(
     ``embedder``: the one the corpus was built with (checked), for a corpus built with an external one;
     ``config``: the caller's settings, whose KV store options the first opener's corpus keeps."""
     key = _dir_key(corpus_dir)
-    with _shared_lock:
+    with _corpora_lock:
         corpus = _corpora.get(key)
         if corpus is None:
             corpus = _corpora[key] = Corpus.open(key, embedder, KVStoreOptions.of(config))
