@@ -57,6 +57,7 @@ from ..engine import (
     create_engine,
 )
 from ..engine.bounds import check_request
+from ..engine.session import Session
 from ..errors import ChunkNotFoundError, InvalidChunkIdError
 from ..models.registry import SharedRegistry
 from ..rag import CacheBlendRAG
@@ -121,6 +122,8 @@ class PromptFrontend:
 
     ``corpus_dir``: an ingested corpus (chunks are recognised in it and documents added to it); without one,
     nothing is recognised and explicit documents are only KV-cached (in the engine's default KV store).
+    The corpus and its engine are the :attr:`session` (of :attr:`rag`, which answers questions over
+    them); None without a corpus.
     ``model``: default the corpus's model (or ``config.model`` without a corpus); ``engine``: an
     already loaded engine over the corpus's model instead; ``engine_kind``: the kind of engine to load
     ("torch" or "vllm", default: ``config.engine``). ``config``: the caller's settings (the engine's,
@@ -145,11 +148,13 @@ class PromptFrontend:
                 engine_kind=engine_kind,
                 config=config,
             )
-            self.engine: EngineProtocol = self.rag.engine
-            self.corpus: Corpus | None = self.rag.corpus
-            self.index: ChunkTextIndex | None = ChunkTextIndex(self.rag.corpus)
+            # the corpus and the engine, checked once to belong together
+            self.session: Session | None = self.rag.session
+            self.engine: EngineProtocol = self.session.engine
+            self.corpus: Corpus | None = self.session.corpus
+            self.index: ChunkTextIndex | None = ChunkTextIndex(self.session.corpus)
         else:
-            self.rag, self.corpus, self.index = None, None, None
+            self.rag, self.session, self.corpus, self.index = None, None, None, None
             self.engine = engine or create_engine(
                 engine_kind or config.engine, model or config.model, config=config
             )
