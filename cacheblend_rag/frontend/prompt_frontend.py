@@ -14,11 +14,13 @@ Matched spans become cached segments with the chunk's *stored* token ids and KV;
 included) sees the same token ids for one prompt, so their answers are comparable token for token.
 
 The frontend uses only the engine contract (:class:`~cacheblend_rag.engine.EngineProtocol`), so either
-engine serves it. :func:`acquire_frontend` (:func:`get_frontend`) and :func:`get_corpus` share one engine
-per (corpus, model, engine kind) and one corpus per corpus directory across the process, so every LLM,
-chat model, retriever and vector store object over a corpus uses the same model and the same corpus
-(a holder passing other settings gets an engine of its own, built with them).
-Engines over different corpora share the model's weights too
+engine serves it; over a corpus, it holds the corpus and engine as a checked
+:class:`~cacheblend_rag.engine.session.Session`. :func:`acquire_frontend` (:func:`get_frontend`) shares
+one frontend, so one engine, per (corpus, model, engine kind, settings) across the process (a
+:class:`~cacheblend_rag.models.registry.SharedRegistry`), and :func:`~.corpora.get_corpus` one corpus
+per corpus directory, so every LLM, chat model, retriever and vector store object over a corpus uses the
+same model and the same corpus (a holder passing other settings gets an engine of its own, built with
+them). Engines over different corpora share the model's weights too
 (:func:`cacheblend_rag.models.shared.acquire_model`). A frontend acquired is released by its holder (an
 integration object's ``close()``); the last release closes it and frees the model.
 
@@ -41,7 +43,6 @@ from ..blend.segments import Segment
 from ..blend.spec import MethodSpec
 from ..config import DEFAULT_METHOD, DEFAULTS, Config
 from ..corpus.corpus import Corpus
-from ..corpus.embedder import EmbedderLike
 from ..engine import (
     ENGINE_KINDS,
     BatchRequest,
@@ -61,8 +62,8 @@ from ..engine.session import Session
 from ..errors import ChunkNotFoundError, InvalidChunkIdError
 from ..models.registry import SharedRegistry
 from ..rag import CacheBlendRAG
-from ..store.shared import KVStoreOptions
 from ..text.chunker import Chunker, validate_chunk_id
+from .corpora import corpus_key, get_corpus
 from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex
 
 log = logging.getLogger(__name__)
@@ -122,12 +123,13 @@ class PromptFrontend:
 
     ``corpus_dir``: an ingested corpus (chunks are recognised in it and documents added to it); without one,
     nothing is recognised and explicit documents are only KV-cached (in the engine's default KV store).
-    The corpus and its engine are the :attr:`session` (of :attr:`rag`, which answers questions over
-    them); None without a corpus.
     ``model``: default the corpus's model (or ``config.model`` without a corpus); ``engine``: an
     already loaded engine over the corpus's model instead; ``engine_kind``: the kind of engine to load
     ("torch" or "vllm", default: ``config.engine``). ``config``: the caller's settings (the engine's,
     the corpus's KV store options, the chunk size without a corpus, the batch scheduler's limits).
+
+    Over a corpus, :attr:`session` is the corpus and its engine, checked once to belong together (that of
+    :attr:`rag`, which answers questions over them); None without a corpus.
     """
 
     def __init__(
@@ -378,12 +380,6 @@ class PromptFrontend:
 # a frontend of its own (its engine built with its values), never another holder's
 _FrontendKey = tuple[str | None, str | None, str, tuple[tuple[str, object], ...]]
 _frontends: SharedRegistry[_FrontendKey, PromptFrontend] = SharedRegistry(close=PromptFrontend.close)
-_corpora: dict[str, Corpus] = {}
-_corpora_lock = threading.Lock()
-
-
-def _dir_key(corpus_dir: str | Path) -> str:
-    return str(Path(corpus_dir).expanduser().resolve())
 
 
 def _frontend_key(
@@ -392,7 +388,7 @@ def _frontend_key(
     kind = engine or config.engine
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
-    directory = _dir_key(corpus_dir) if corpus_dir is not None else None
+    directory = corpus_key(corpus_dir) if corpus_dir is not None else None
     return (directory, str(model) if model else None, kind, config.value_key())
 
 
@@ -436,19 +432,3 @@ def get_frontend(
     """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), kept for
     the rest of the process (``config``: as for :func:`acquire_frontend`)."""
     return acquire_frontend(corpus_dir, model, engine, config)
-
-
-def get_corpus(
-    corpus_dir: str | Path, embedder: EmbedderLike | None = None, config: Config = DEFAULTS
-) -> Corpus:
-    """The process-wide :class:`Corpus` of a corpus directory (for retrievers: no model is loaded).
-    ``embedder``: the one the corpus was built with (checked), for a corpus built with an external one;
-    ``config``: the caller's settings, whose KV store options the first opener's corpus keeps."""
-    key = _dir_key(corpus_dir)
-    with _corpora_lock:
-        corpus = _corpora.get(key)
-        if corpus is None:
-            corpus = _corpora[key] = Corpus.open(key, embedder, KVStoreOptions.of(config))
-        elif embedder is not None:
-            corpus.use_embedder(embedder)
-        return corpus
