@@ -119,6 +119,12 @@ class Config(BaseModel):
     def models_dir(self) -> Path:
         return self.home / "models"
 
+    def value_key(self) -> tuple[tuple[str, object], ...]:
+        """Every field's value, as a hashable key: equal for equal values, whatever the class (the
+        process's :class:`~cacheblend_rag.settings.Settings` and a :class:`Config` with its values share
+        a key; pydantic's own equality tells the two classes apart)."""
+        return tuple((name, getattr(self, name)) for name in Config.model_fields)
+
 
 DEFAULTS = Config()
 """Every value at its default: what a core constructor uses when its caller passes no configuration."""

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from .blend.spec import MethodSpec
 from .config import Config
 from .corpus.corpus import Corpus, RetrievedChunk
-from .corpus.pinning import pin_corpus
 from .engine import (
     BatchRequest,
     ChunkRef,
@@ -21,11 +20,10 @@ from .engine import (
     SamplingParams,
     TokenEvent,
     TokenStream,
-    create_engine,
 )
 from .engine.base import PromptAccounting
 from .engine.bounds import check_request
-from .errors import StoreError
+from .engine.session import Session
 from .settings import get_settings
 from .store.shared import KVStoreOptions
 
@@ -95,75 +93,56 @@ class CacheBlendRAG:
 
     def __init__(
         self,
-        corpus_dir: str | Path | Corpus,
+        corpus_dir: str | Path | Corpus | Session,
         engine: EngineProtocol | str | None = None,
         model: str | Path | None = None,
         engine_kind: str | None = None,
         config: Config | None = None,
     ):
-        """Open the corpus at ``corpus_dir`` (or use an opened :class:`Corpus`). ``engine``: an engine over
-        the corpus's model, or the kind of engine to build over it ("torch" or "vllm"; also accepted as
-        ``engine_kind``; default: the ``engine`` setting), built over the corpus's KV store
-        (:attr:`Corpus.kv_store`, which every CacheBlendRAG over the directory in the process shares). What
-        was opened or built here is given back by :meth:`close`."""
+        """Open the corpus at ``corpus_dir`` (or use an opened :class:`Corpus`, or the corpus and engine of
+        a :class:`~cacheblend_rag.engine.session.Session`, which stays its holder's). ``engine``: an engine
+        over the corpus's model, or the kind of engine to build over it ("torch" or "vllm"; also accepted
+        as ``engine_kind``; default: the ``engine`` setting), built over the corpus's KV store
+        (:attr:`Corpus.kv_store`, which every CacheBlendRAG over the directory in the process shares). The
+        corpus and engine are checked to belong together once, by the session. What was opened or built
+        here is given back by :meth:`close`."""
         if isinstance(engine, str):
             if engine_kind is not None and engine_kind != engine:
                 raise ValueError(f"engine={engine!r} and engine_kind={engine_kind!r} disagree")
             engine, engine_kind = None, engine
         self.config = get_settings() if config is None else config
-        self._owned_corpus = not isinstance(corpus_dir, Corpus)
-        self.corpus = (
+        if isinstance(corpus_dir, Session):
+            if engine is not None or engine_kind is not None or model is not None:
+                raise ValueError("a session brings its engine: pass no engine, engine_kind or model with it")
+            self.session, self._owned_session = corpus_dir, False
+            return
+        owned_corpus = not isinstance(corpus_dir, Corpus)
+        corpus = (
             corpus_dir
             if isinstance(corpus_dir, Corpus)
             else Corpus.open(corpus_dir, kv_options=KVStoreOptions.of(self.config))
         )
-        corpus_dir = self.corpus.corpus_dir
-        manifest = self.corpus.manifest
-        self._owned_engine = engine is None
-        if engine is None:
-            engine = create_engine(
-                engine_kind or self.config.engine,
-                model or self.corpus.model_source,
-                store=self.corpus.kv_store,
-                chunk_context=self.corpus.chunk_context,
-                config=self.config,
-            )
-        self.engine = engine
-        if manifest.model_fingerprint != self.engine.model.fingerprint:
-            raise StoreError(
-                f"{corpus_dir} was built with model {manifest.model!r} (fingerprint "
-                f"{manifest.model_fingerprint[:12]}…) but the engine runs {self.engine.model.name!r} "
-                f"({self.engine.model.fingerprint[:12]}…); ingest into a new corpus directory for this model"
-            )
-        if self.corpus.chunk_context != self.engine.chunk_context:
-            raise StoreError(
-                f"{corpus_dir} precomputes chunk KV behind a {len(self.corpus.chunk_context)}-token chunk "
-                f"context, the engine behind a {len(self.engine.chunk_context)}-token one; create the engine "
-                "with chunk_context=Corpus.open(...).chunk_context (or re-run ingest to upgrade the corpus)"
-            )
+        self.session = (
+            Session.open(corpus, engine_kind, model, self.config, owns_corpus=owned_corpus)
+            if engine is None
+            else Session(corpus, engine, owns_corpus=owned_corpus)
+        )
+        self._owned_session = True
 
-        remote = getattr(self.engine.store, "remote", None)
-        if remote is not None:
-            # a tier restarted without persistence lost the pins: put this corpus's back
-            remote.on_pins_lost(self._repin)
+    @property
+    def corpus(self) -> Corpus:
+        return self.session.corpus
 
-    def _repin(self) -> None:
-        try:
-            pinned = pin_corpus(self.corpus, self.engine.store)
-        except Exception as exc:  # a background thread's failure is logged, never raised into a request
-            log.warning("re-pinning corpus %s in the remote KV tier failed: %s", self.corpus.corpus_dir, exc)
-            return
-        log.warning("re-pinned %d chunks of corpus %s in the remote KV tier", pinned, self.corpus.corpus_dir)
+    @property
+    def engine(self) -> EngineProtocol:
+        return self.session.engine
 
     def close(self) -> None:
         """Close the engine this object built (its hold on the shared model) and the corpus it opened (its
-        hold on the corpus's KV store: the last holder in the process closes it)."""
-        if self._owned_engine:
-            self._owned_engine = False
-            self.engine.close()
-        if self._owned_corpus:
-            self._owned_corpus = False
-            self.corpus.close()
+        hold on the corpus's KV store: the last holder in the process closes it); a session given is its
+        holder's to close."""
+        if self._owned_session:
+            self.session.close()
 
     def retrieve(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:
         """The ``top_k`` chunks nearest ``question`` (None: the ``top_k`` setting; 0 is refused)."""

@@ -18,20 +18,22 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import InvalidQueryError, StoreError
+from ..store.kvstore import KVStore
+from ..text.chunker import Chunk, Chunker
 from ..text.document import Document
-from .chunkdb import FileChanges, StoredDocument
-from .embedder import unit_vectors
+from .chunkdb import ChunkDB, FileChanges, StoredDocument
+from .embedder import EmbedderLike, unit_vectors
 from .filters import Filter, parse_filter
-
-if TYPE_CHECKING:
-    from .corpus import Corpus
+from .manifest import CorpusManifest
+from .vectors import CorpusVectors
 
 API_SOURCE = "api"  # the ``source`` recorded for documents added by key rather than from a file
 MAX_TOP_K = 1000
@@ -50,10 +52,37 @@ class DocumentHit:
     chunk_id: str
 
 
+class DocumentOwner(Protocol):
+    """What a :class:`DocumentSet` uses of the corpus that holds it (:class:`~.corpus.Corpus` is one; the
+    corpus makes its document set, so the set names its needs rather than import the corpus)."""
+
+    corpus_dir: Path
+    manifest: CorpusManifest
+    db: ChunkDB
+    vectors: CorpusVectors
+
+    @property
+    def chunker(self) -> Chunker: ...
+
+    @property
+    def embedder(self) -> EmbedderLike: ...
+
+    @property
+    def kv_store(self) -> KVStore: ...
+
+    def add_documents(
+        self,
+        documents: Sequence[tuple[Document, Sequence[Chunk]]],
+        file: tuple[str, str, int, float] | None = None,
+        on_embedded: Callable[[int], None] | None = None,
+        vectors: Mapping[str, np.ndarray] | None = None,
+    ) -> FileChanges: ...
+
+
 class DocumentSet:
     """The documents of one :class:`~.corpus.Corpus`, by key. Thread-safe (shares the corpus's lock)."""
 
-    def __init__(self, corpus: Corpus, lock: threading.RLock) -> None:
+    def __init__(self, corpus: DocumentOwner, lock: threading.RLock) -> None:
         self.corpus = corpus
         self._lock = lock
 

@@ -1,23 +1,24 @@
 """Serve prompts that a framework (LangChain, LlamaIndex) has already written out as text: recognise the
 stored chunks in them (:mod:`.recognition`), answer them through one shared engine and batch scheduler
-(:mod:`.text`), with the generation options every integration shares (:mod:`.options`) and structured
-output (:mod:`.structured`); and the documents behind the integrations' vector stores
-(:mod:`.collection`)."""
+(:mod:`.prompt_frontend`) over the process's one corpus per directory (:mod:`.corpora`), with the
+generation options every integration shares (:mod:`.options`) and structured output (:mod:`.structured`);
+and the documents behind the integrations' vector stores (:mod:`.collection`)."""
 
 from .collection import CollectionOptions, DocumentCollection
+from .corpora import get_corpus
 from .options import PROVIDER, GenerationOptions, TokenUsage, answer_report
-from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex, chunk_forms
-from .structured import STRUCTURED_METHODS, constraint_of, response_format_for
-from .text import (
+from .prompt_frontend import (
     DocumentRef,
     PromptFrontend,
     TextRequest,
     acquire_frontend,
-    get_corpus,
     get_frontend,
     release_frontend,
+    shared_frontends,
     text_request,
 )
+from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex, chunk_forms
+from .structured import STRUCTURED_METHODS, constraint_of, response_format_for
 
 __all__ = [
     "ANCHOR_CHARS",
@@ -40,5 +41,6 @@ __all__ = [
     "get_frontend",
     "release_frontend",
     "response_format_for",
+    "shared_frontends",
     "text_request",
 ]

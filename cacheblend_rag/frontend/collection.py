@@ -28,7 +28,8 @@ from ..errors import StoreError
 from ..ingest.kv import precompute_pending
 from ..models.tokenizer import load_model_tokenizer
 from ..store.shared import KVStoreOptions
-from .text import PromptFrontend, acquire_frontend, get_corpus, release_frontend
+from .corpora import get_corpus
+from .prompt_frontend import PromptFrontend, acquire_frontend, release_frontend
 
 
 class CollectionOptions(TypedDict, total=False):

@@ -1,12 +1,12 @@
 """Generation options shared by the framework integrations (LangChain, LlamaIndex), framework-neutral.
 
 :class:`GenerationOptions` holds the fields every integration model exposes, validates them, maps them
-(with per-call overrides) to a :class:`~.text.TextRequest`, and maps an answer back to usage counts and a
-report; a framework class only adapts types (its methods are named apart from the frameworks' own
-``stream``, ``generate``, ``batch``, since an integration class inherits from both). Every object over
-the same corpus, model and engine kind shares one engine in the process (:func:`~.text.acquire_frontend`),
-and every engine the model's weights; ``close()`` gives the object's hold back. ``engine="vllm"`` serves it
-with vLLM.
+(with per-call overrides) to a :class:`~.prompt_frontend.TextRequest`, and maps an answer back to usage
+counts and a report; a framework class only adapts types (its methods are named apart from the
+frameworks' own ``stream``, ``generate``, ``batch``, since an integration class inherits from both).
+Every object over the same corpus, model and engine kind shares one engine in the process
+(:func:`~.prompt_frontend.acquire_frontend`), and every engine the model's weights; ``close()`` gives the
+object's hold back. ``engine="vllm"`` serves it with vLLM.
 
 :class:`GenerationOptions` is the integrations' edge: its fields are the integration classes' own, so it
 reads the settings (``CACHEBLEND_*``) as they do, and passes them down to the frontend.
@@ -29,8 +29,15 @@ from ..engine import ENGINE_KINDS, GenerationResult, StreamHandle
 from ..engine.bounds import check_request
 from ..settings import get_settings
 from .collection import ensure_corpus
+from .prompt_frontend import (
+    DocumentRef,
+    PromptFrontend,
+    TextRequest,
+    acquire_frontend,
+    release_frontend,
+    text_request,
+)
 from .structured import constraint_of
-from .text import DocumentRef, PromptFrontend, TextRequest, acquire_frontend, release_frontend, text_request
 
 log = logging.getLogger(__name__)
 

@@ -48,6 +48,7 @@ from ..corpus.manifest import (
 )
 from ..corpus.pinning import pin_corpus
 from ..engine import create_engine
+from ..engine.session import check_engine_fits
 from ..errors import IngestError, StoreError
 from ..models.tokenizer import load_model_tokenizer
 from ..store.shared import KVStoreOptions
@@ -143,11 +144,6 @@ def ingest(
         check_index_type(index_type)
     files = discover(paths)
     tokenizer = load_model_tokenizer(model or config.model, config.home)
-    if engine is not None and engine.model.fingerprint != tokenizer.fingerprint:
-        raise StoreError(
-            "the engine given for the KV stage runs another model than the one chunks are cut for"
-        )
-
     embedder_model = get_embedder(embedder or config.embedder)
     manifest = CorpusManifest.load(corpus_dir) if corpus_dir.is_dir() else None
     if manifest is not None:
@@ -162,11 +158,8 @@ def ingest(
         if current
         else new_chunk_context(tokenizer, config.chunk_context)
     )
-    if engine is not None and engine.chunk_context != context:
-        raise StoreError(
-            f"the engine given for the KV stage prefills chunks behind another chunk context than corpus "
-            f"{corpus_dir} uses; create it with chunk_context=Corpus.open(...).chunk_context"
-        )
+    if engine is not None:  # the engine given for the KV stage
+        check_engine_fits(str(corpus_dir), tokenizer.fingerprint, context, engine, tokenizer.name)
     if manifest is None:  # a new corpus: in the codec of the engine given to write its KV, else config's
         codec = engine.store.kv_dtype_name if engine is not None else config.kv_dtype
     else:

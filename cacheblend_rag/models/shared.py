@@ -5,72 +5,21 @@ caller; :func:`release_model` gives one reference back, and the last one drops t
 weights (they are freed once no engine keeps the object). Engines acquire the model they load by name and
 release it on ``close()``; a model passed in as an object is the caller's to manage.
 
-:class:`Shared` is the reference-counted registry behind it, also used for the chunk KV stores
-(:mod:`cacheblend_rag.store.shared`): one object per key in a process, opened by its first holder.
+The reference counting is :class:`~.registry.SharedRegistry`'s (the chunk KV stores and the prompt
+frontends are shared the same way).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
 
 from ..config import DEFAULTS, Config
 from .loader import load_model, pick_device, pick_dtype
 from .provision import resolve_model_path
+from .registry import SharedRegistry
 from .runtime import LayerwiseModel
 
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
-
-@dataclass
-class _Held(Generic[V]):
-    value: V
-    references: int
-
-
-class Shared(Generic[K, V]):
-    """Objects held by reference count, one per key: :meth:`acquire` opens the object on first use (under
-    the registry's lock, so a second caller waits for the first open instead of opening again) and
-    :meth:`release` gives one reference back; the last one forgets the object and returns True (the
-    caller then closes it)."""
-
-    def __init__(self) -> None:
-        self._held: dict[K, _Held[V]] = {}
-        self._lock = threading.Lock()
-
-    def acquire(self, key: K, open_: Callable[[], V], usable: Callable[[V], bool] = lambda v: True) -> V:
-        """The object held under ``key`` (``open_()`` on first use, or when ``usable`` says the one held
-        can no longer serve, e.g. closed by hand); one more reference to it."""
-        with self._lock:
-            held = self._held.get(key)
-            if held is None or not usable(held.value):
-                held = self._held[key] = _Held(open_(), 0)
-            held.references += 1
-            return held.value
-
-    def release(self, value: V) -> bool:
-        """Give back one reference to ``value``; True when it was the last (the object is forgotten)."""
-        with self._lock:
-            for key, held in self._held.items():
-                if held.value is value:
-                    held.references -= 1
-                    if held.references <= 0:
-                        del self._held[key]
-                        return True
-                    return False
-        return False
-
-    def references(self) -> dict[K, int]:
-        """Key -> references, of the objects held now."""
-        with self._lock:
-            return {key: held.references for key, held in self._held.items()}
-
-
-_models: Shared[tuple[str, str, str], LayerwiseModel] = Shared()
+_models: SharedRegistry[tuple[str, str, str], LayerwiseModel] = SharedRegistry()  # forgets, never closes
 
 
 def _key(

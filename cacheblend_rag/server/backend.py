@@ -23,6 +23,7 @@ from typing import Any
 
 from ..config import Config
 from ..engine import BatchScheduler, GenerationResult, StreamHandle
+from ..engine.session import Session
 from ..errors import (
     AdmissionError,
     ChunkNotFoundError,
@@ -142,7 +143,10 @@ class EngineBackend:
         self.corpus_dir = Path(corpus_dir)
         self.config = get_settings() if config is None else config
         self.frontend = PromptFrontend(corpus_dir, model, engine_kind=engine_kind, config=self.config)
-        self.engine = self.frontend.engine
+        session = self.frontend.session
+        assert session is not None  # a frontend over a corpus has one
+        self.session: Session = session  # the corpus and the engine, checked once to belong together
+        self.engine = session.engine
         # the batch scheduler serves the PyTorch engine; vLLM schedules and batches its own requests
         self.scheduler: BatchScheduler | None = self.frontend.scheduler
         self.kind = "torch" if self.scheduler is not None else "vllm"
@@ -232,8 +236,7 @@ class EngineBackend:
         if self.scheduler is not None:
             self.scheduler.close()
         self.engine.close()
-        if self.frontend.corpus is not None:
-            self.frontend.corpus.close()
+        self.session.corpus.close()
 
 
 @contextmanager

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from ..config import Config
+from ..models.registry import SharedRegistry
 from ..models.runtime import ModelShape
-from ..models.shared import Shared
 from .keys import resolve_codec
 from .kvstore import KVStore
 from .remote import RedisKVTier
@@ -50,7 +50,7 @@ class KVStoreOptions:
         return {name: value for name, value in given.items() if value is not None}
 
 
-_stores: Shared[tuple[str, str, str], KVStore] = Shared()
+_stores: SharedRegistry[tuple[str, str, str], KVStore] = SharedRegistry(close=KVStore.close)
 
 
 def acquire_store(
@@ -71,8 +71,7 @@ def acquire_store(
 
 def release_store(store: KVStore) -> None:
     """Give back one reference taken by :func:`acquire_store`; the last one closes the store."""
-    if _stores.release(store):
-        store.close()
+    _stores.release(store)
 
 
 def shared_stores() -> dict[tuple[str, str, str], int]:

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from cacheblend_rag.engine import SamplingParams
 from cacheblend_rag.frontend import get_frontend
+from cacheblend_rag.settings import get_settings
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +69,7 @@ def cache_creation(message) -> int:
 def test_retriever_returns_stored_chunks_verbatim(retriever, corpus_dir, question):
     docs = retriever.invoke(question)
     assert len(docs) == 2
-    stored = get_frontend(corpus_dir).corpus.get_chunks([d.id for d in docs])
+    stored = get_frontend(corpus_dir, config=get_settings()).corpus.get_chunks([d.id for d in docs])
     for doc, chunk in zip(docs, stored, strict=True):
         assert doc.id == doc.metadata["chunk_id"] == chunk.chunk_id
         assert doc.page_content == chunk.text
@@ -84,7 +85,9 @@ def test_drop_in_chain_reuses_chunk_kv_and_streams_the_same_answer(retriever, co
     # read from a cache, never chunk KV computed for this request (the first answer computes it)
     assert cache_read(message) == meta["cached_tokens"] <= meta["reused_tokens"]
     assert meta["reused_tokens"] > 0 and cache_read(message) + cache_creation(message) > 0
-    chunk_tokens = sum(len(c.token_ids) for c in get_frontend(corpus_dir).corpus.get_chunks(chunk_ids))
+    chunk_tokens = sum(
+        len(c.token_ids) for c in get_frontend(corpus_dir, config=get_settings()).corpus.get_chunks(chunk_ids)
+    )
     assert usage["input_tokens"] > chunk_tokens > cache_read(message)
     assert meta["method"] == "cacheblend" and 0 < meta["recompute_ratio"] < 0.5
     assert meta["ttft_s"] > 0 and usage["output_tokens"] > 0 and message.content
@@ -119,7 +122,9 @@ def test_explicit_chain_answers_as_the_core_api(retriever, corpus_dir, question)
     answer = out["answer"]
     assert answer.response_metadata["chunk_ids"] == ids and cache_read(answer) > 0
     # The default prompt is the engine's: same token ids, same segments, same answer as the core API.
-    core = get_frontend(corpus_dir).rag.query(question, chunk_ids=ids, sampling=SamplingParams(MAX_TOKENS))
+    core = get_frontend(corpus_dir, config=get_settings()).rag.query(
+        question, chunk_ids=ids, sampling=SamplingParams(MAX_TOKENS)
+    )
     assert answer.content.strip() == core.answer
     # the chain's call came first: what it kept was read from a cache or computed for it (then stored),
     # which the core call, after it, reads
@@ -155,7 +160,7 @@ def test_documents_from_another_retriever_are_cached_on_first_sight(sample_store
     first = create_cacheblend_rag_chain(other, llm).invoke("Who wrote The Lamp Room?")["answer"]
     # computed on first sight (cache_creation, not cache_read), then blended like any chunk
     assert first.response_metadata["cache_read_blended_tokens"] == 0 and cache_creation(first) > 0
-    frontend = get_frontend(store)
+    frontend = get_frontend(store, config=get_settings())
     added = [frontend.corpus.find_by_text(t) for t in FOREIGN]
     assert all(added) and first.response_metadata["chunk_ids"] == [c.chunk_id for c in added]
     assert all(frontend.engine.store.contains(frontend.engine.chunk_key(c.token_ids)) for c in added)
@@ -204,7 +209,7 @@ async def test_async_calls_leave_the_event_loop_free(retriever, corpus_dir, ques
 def test_llm_batches_streams_and_stops(corpus_dir):
     llm = CacheBlendLLM(corpus_dir=corpus_dir, max_tokens=10)
     prompts = ["Name a colour.", "Name a fruit."]
-    stats = get_frontend(corpus_dir).scheduler.stats
+    stats = get_frontend(corpus_dir, config=get_settings()).scheduler.stats
     steps, rows = stats.decode_steps, stats.decode_rows
     answers = llm.batch(prompts)
     assert len(answers) == 2 and all(answers)

@@ -16,6 +16,7 @@ from llama_index.retrievers.cacheblend import CacheBlendQueryEngine, CacheBlendR
 from pydantic import BaseModel, Field
 
 from cacheblend_rag.frontend import get_frontend
+from cacheblend_rag.settings import get_settings
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,9 @@ def retriever(corpus_dir) -> CacheBlendRetriever:
 def test_retriever_nodes_are_stored_chunks(retriever, corpus_dir, question):
     nodes = retriever.retrieve(question)
     assert len(nodes) == 2
-    stored = get_frontend(corpus_dir).corpus.get_chunks([n.node.node_id for n in nodes])
+    stored = get_frontend(corpus_dir, config=get_settings()).corpus.get_chunks(
+        [n.node.node_id for n in nodes]
+    )
     for node, chunk in zip(nodes, stored, strict=True):
         assert node.node.node_id == node.node.metadata["chunk_id"] == chunk.chunk_id
         # what any synthesizer pastes for the LLM is the stored text, metadata hidden

@@ -21,6 +21,7 @@ import pytest
 
 from cacheblend_rag.engine import SamplingParams
 from cacheblend_rag.frontend import get_frontend
+from cacheblend_rag.settings import get_settings
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vLLM is not installed here; `make test` runs tests/vllm in .venv-vllm")
@@ -137,7 +138,10 @@ def test_cacheblend_rag_on_vllm_answers_as_pytorch(corpus_dir, questions):
     from cacheblend_rag.engine.vllm import VLLMEngine
     from cacheblend_rag.rag import CacheBlendRAG
 
-    rag, reference = get_frontend(corpus_dir, engine="vllm").rag, get_frontend(corpus_dir, engine="torch").rag
+    rag, reference = (
+        get_frontend(corpus_dir, engine="vllm", config=get_settings()).rag,
+        get_frontend(corpus_dir, engine="torch", config=get_settings()).rag,
+    )
     assert isinstance(rag, CacheBlendRAG) and isinstance(rag.engine, VLLMEngine)
     sampling = SamplingParams(MAX_TOKENS)
     got = rag.query(questions[0], sampling=sampling)
@@ -153,7 +157,9 @@ def test_cacheblend_rag_on_vllm_answers_as_pytorch(corpus_dir, questions):
 
 def test_query_command_on_vllm_answers_as_pytorch(corpus_dir, questions):
     sampling = SamplingParams(MAX_TOKENS)
-    reference = get_frontend(corpus_dir, engine="torch").rag.query(questions[0], sampling=sampling)
+    reference = get_frontend(corpus_dir, engine="torch", config=get_settings()).rag.query(
+        questions[0], sampling=sampling
+    )
     command = [sys.executable, "-m", "cacheblend_rag", "query", questions[0], "--corpus", corpus_dir]
     options = ["--engine", "vllm", "--max-tokens", str(MAX_TOKENS), "--json"]
     done = subprocess.run([*command, *options], capture_output=True, text=True, timeout=600, check=False)

@@ -8,17 +8,29 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ...errors import StoreError
 from ..fileformat import InvalidKVFile, parse_metadata, parts_from_bytes
 from ..keys import is_chunk_key
+from .connection import RemoteConnection
 from .source import META_FIELD, decode_meta
 
-if TYPE_CHECKING:
-    from .tier import RedisKVTier
-
 log = logging.getLogger("cacheblend_rag.store.remote")
+
+
+class MaintainedTier(Protocol):
+    """What maintenance reads of the tier it walks (:class:`~.tier.RedisKVTier` is one; the tier calls
+    these functions, so they name its needs rather than import it)."""
+
+    connection: RemoteConnection
+    url: str
+    prefix: str
+    fingerprint: str
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def delete(self, key: str) -> bool: ...
 
 
 @dataclass
@@ -41,7 +53,7 @@ class RemoteVerifyReport:
         return {**asdict(self), "clean": self.clean}
 
 
-def stats(tier: RedisKVTier) -> dict[str, Any]:
+def stats(tier: MaintainedTier) -> dict[str, Any]:
     """The tier's :meth:`describe` plus: chunks under the prefix (pinned, ad-hoc, this model's), their
     payload bytes, stray keys, and the server's memory use, limit and eviction policy. Never raises:
     ``available`` says whether the server answered."""
@@ -75,7 +87,7 @@ def stats(tier: RedisKVTier) -> dict[str, Any]:
     return {**data, "available": True, **totals, "server": server}
 
 
-def verify(tier: RedisKVTier, repair: bool = False) -> RemoteVerifyReport:
+def verify(tier: MaintainedTier, repair: bool = False) -> RemoteVerifyReport:
     """Read every chunk under the prefix and check its metadata and every layer's crc (chunks of other
     models for self-consistency). With ``repair``, bad chunks and stray keys are deleted. Raises
     StoreError when the server cannot be reached."""
@@ -89,7 +101,7 @@ def verify(tier: RedisKVTier, repair: bool = False) -> RemoteVerifyReport:
     return report
 
 
-def _verify_one(tier: RedisKVTier, name: bytes, report: RemoteVerifyReport, repair: bool) -> None:
+def _verify_one(tier: MaintainedTier, name: bytes, report: RemoteVerifyReport, repair: bool) -> None:
     client = tier.connection.client
     key = _key_of(tier, name)
     if key is None:
@@ -124,7 +136,7 @@ def _verify_one(tier: RedisKVTier, name: bytes, report: RemoteVerifyReport, repa
     report.adhoc += ttl != -1
 
 
-def gc(tier: RedisKVTier) -> dict[str, int]:
+def gc(tier: MaintainedTier) -> dict[str, int]:
     """Delete what can never be served: chunks whose metadata is invalid (damaged, or of another layout
     version) or disagrees with their layer count, and stray keys under the prefix. Reads metadata only
     (:func:`verify` checks every byte). Raises StoreError when the server cannot be reached."""
@@ -158,13 +170,13 @@ def gc(tier: RedisKVTier) -> dict[str, int]:
     return report
 
 
-def _key_of(tier: RedisKVTier, name: bytes) -> str | None:
+def _key_of(tier: MaintainedTier, name: bytes) -> str | None:
     """The chunk key a name under the prefix stands for; None for a name that is no chunk's."""
     key = name.decode(errors="replace").removeprefix(tier.prefix + ":")
     return key if is_chunk_key(key) else None
 
 
-def _scan(tier: RedisKVTier, count: int = 256) -> Iterator[list[bytes]]:
+def _scan(tier: MaintainedTier, count: int = 256) -> Iterator[list[bytes]]:
     """Names under the tier's prefix, in batches."""
     pattern = "".join(f"\\{c}" if c in "*?[]\\" else c for c in tier.prefix) + ":*"
     cursor = 0

@@ -6,15 +6,18 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..fileformat import FileMeta, InvalidKVFile, Parts
 from ..tier import OnComplete, StoredChunkKV
 
-if TYPE_CHECKING:
-    from .tier import RedisKVTier
-
 META_FIELD = b"meta"
+
+
+class LayerReader(Protocol):
+    """Where a :class:`RemoteChunkKV` reads its layers (the :class:`~.tier.RedisKVTier` that made it)."""
+
+    def read_parts(self, meta: FileMeta, layer: int) -> Parts: ...
 
 
 def decode_meta(raw: bytes) -> dict[str, str]:
@@ -77,7 +80,7 @@ class RemoteChunkKV(StoredChunkKV):
     tier = "remote"
 
     def __init__(
-        self, remote: RedisKVTier, meta: FileMeta, metadata: dict[str, str], on_complete: OnComplete | None
+        self, remote: LayerReader, meta: FileMeta, metadata: dict[str, str], on_complete: OnComplete | None
     ) -> None:
         super().__init__(meta.key, meta, metadata, on_complete)
         self._remote = remote

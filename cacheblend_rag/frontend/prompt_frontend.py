@@ -14,10 +14,13 @@ Matched spans become cached segments with the chunk's *stored* token ids and KV;
 included) sees the same token ids for one prompt, so their answers are comparable token for token.
 
 The frontend uses only the engine contract (:class:`~cacheblend_rag.engine.EngineProtocol`), so either
-engine serves it. :func:`acquire_frontend` (:func:`get_frontend`) and :func:`get_corpus` share one engine
-per (corpus, model, engine kind) and one corpus per corpus directory across the process, so every LLM,
-chat model, retriever and vector store object over a corpus uses the same model and the same corpus.
-Engines over different corpora share the model's weights too
+engine serves it; over a corpus, it holds the corpus and engine as a checked
+:class:`~cacheblend_rag.engine.session.Session`. :func:`acquire_frontend` (:func:`get_frontend`) shares
+one frontend, so one engine, per (corpus, model, engine kind, settings) across the process (a
+:class:`~cacheblend_rag.models.registry.SharedRegistry`), and :func:`~.corpora.get_corpus` one corpus
+per corpus directory, so every LLM, chat model, retriever and vector store object over a corpus uses the
+same model and the same corpus (a holder passing other settings gets an engine of its own, built with
+them). Engines over different corpora share the model's weights too
 (:func:`cacheblend_rag.models.shared.acquire_model`). A frontend acquired is released by its holder (an
 integration object's ``close()``); the last release closes it and frees the model.
 
@@ -40,7 +43,6 @@ from ..blend.segments import Segment
 from ..blend.spec import MethodSpec
 from ..config import DEFAULT_METHOD, DEFAULTS, Config
 from ..corpus.corpus import Corpus
-from ..corpus.embedder import EmbedderLike
 from ..engine import (
     ENGINE_KINDS,
     BatchRequest,
@@ -56,10 +58,12 @@ from ..engine import (
     create_engine,
 )
 from ..engine.bounds import check_request
+from ..engine.session import Session
 from ..errors import ChunkNotFoundError, InvalidChunkIdError
+from ..models.registry import SharedRegistry
 from ..rag import CacheBlendRAG
-from ..store.shared import KVStoreOptions
 from ..text.chunker import Chunker, validate_chunk_id
+from .corpora import corpus_key, get_corpus
 from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex
 
 log = logging.getLogger(__name__)
@@ -123,6 +127,9 @@ class PromptFrontend:
     already loaded engine over the corpus's model instead; ``engine_kind``: the kind of engine to load
     ("torch" or "vllm", default: ``config.engine``). ``config``: the caller's settings (the engine's,
     the corpus's KV store options, the chunk size without a corpus, the batch scheduler's limits).
+
+    Over a corpus, :attr:`session` is the corpus and its engine, checked once to belong together (that of
+    :attr:`rag`, which answers questions over them); None without a corpus.
     """
 
     def __init__(
@@ -143,11 +150,13 @@ class PromptFrontend:
                 engine_kind=engine_kind,
                 config=config,
             )
-            self.engine: EngineProtocol = self.rag.engine
-            self.corpus: Corpus | None = self.rag.corpus
-            self.index: ChunkTextIndex | None = ChunkTextIndex(self.rag.corpus)
+            # the corpus and the engine, checked once to belong together
+            self.session: Session | None = self.rag.session
+            self.engine: EngineProtocol = self.session.engine
+            self.corpus: Corpus | None = self.session.corpus
+            self.index: ChunkTextIndex | None = ChunkTextIndex(self.session.corpus)
         else:
-            self.rag, self.corpus, self.index = None, None, None
+            self.rag, self.session, self.corpus, self.index = None, None, None, None
             self.engine = engine or create_engine(
                 engine_kind or config.engine, model or config.model, config=config
             )
@@ -367,15 +376,10 @@ class PromptFrontend:
         return self._segments(text, spans, request.method)
 
 
-_FrontendKey = tuple[str | None, str | None, str]
-_frontends: dict[_FrontendKey, PromptFrontend] = {}
-_holders: dict[_FrontendKey, int] = {}
-_corpora: dict[str, Corpus] = {}
-_shared_lock = threading.RLock()  # re-entered: a frontend opens its corpus through get_corpus
-
-
-def _dir_key(corpus_dir: str | Path) -> str:
-    return str(Path(corpus_dir).expanduser().resolve())
+# (corpus directory, model, engine kind, the configuration's values): a holder with other settings gets
+# a frontend of its own (its engine built with its values), never another holder's
+_FrontendKey = tuple[str | None, str | None, str, tuple[tuple[str, object], ...]]
+_frontends: SharedRegistry[_FrontendKey, PromptFrontend] = SharedRegistry(close=PromptFrontend.close)
 
 
 def _frontend_key(
@@ -384,8 +388,8 @@ def _frontend_key(
     kind = engine or config.engine
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
-    directory = _dir_key(corpus_dir) if corpus_dir is not None else None
-    return (directory, str(model) if model else None, kind)
+    directory = corpus_key(corpus_dir) if corpus_dir is not None else None
+    return (directory, str(model) if model else None, kind, config.value_key())
 
 
 def acquire_frontend(
@@ -394,31 +398,29 @@ def acquire_frontend(
     engine: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), loaded on first use;
-    give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default: ``config.engine``);
-    ``config``: the caller's settings, which the frontend keeps when this call loads it (every edge passes
-    the process's, so every holder shares one engine, as a retriever, a chat model and an LLM object over
-    one corpus do)."""
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), loaded
+    on first use; give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default:
+    ``config.engine``); ``config``: the caller's settings, part of the key by value (every edge passes the
+    process's, so every holder shares one engine, as a retriever, a chat model and an LLM object over one
+    corpus do; a holder with other values gets a frontend built with them)."""
     key = _frontend_key(corpus_dir, model, engine, config)
-    with _shared_lock:
-        if key not in _frontends:
-            _frontends[key] = PromptFrontend(key[0], model, engine_kind=key[2], config=config)
-            _holders[key] = 0
-        _holders[key] += 1
-        return _frontends[key]
+    return _frontends.acquire(
+        key, lambda: PromptFrontend(key[0], model, engine_kind=key[2], config=config), _usable
+    )
 
 
 def release_frontend(frontend: PromptFrontend) -> None:
     """Give back one hold on ``frontend``; the last one closes it (and gives its model back)."""
-    with _shared_lock:
-        key = next((k for k, f in _frontends.items() if f is frontend), None)
-        if key is None:
-            return
-        _holders[key] -= 1
-        if _holders[key] > 0:
-            return
-        del _frontends[key], _holders[key]
-    frontend.close()
+    _frontends.release(frontend)
+
+
+def shared_frontends() -> dict[_FrontendKey, int]:
+    """(corpus directory, model, engine kind, configuration values) -> holds, of the frontends shared now."""
+    return _frontends.references()
+
+
+def _usable(frontend: PromptFrontend) -> bool:
+    return not frontend.closed  # closed by hand (frontend.close()): load it again
 
 
 def get_frontend(
@@ -427,22 +429,6 @@ def get_frontend(
     engine: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind), kept for the rest of the
-    process (``config``: as for :func:`acquire_frontend`)."""
+    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), kept for
+    the rest of the process (``config``: as for :func:`acquire_frontend`)."""
     return acquire_frontend(corpus_dir, model, engine, config)
-
-
-def get_corpus(
-    corpus_dir: str | Path, embedder: EmbedderLike | None = None, config: Config = DEFAULTS
-) -> Corpus:
-    """The process-wide :class:`Corpus` of a corpus directory (for retrievers: no model is loaded).
-    ``embedder``: the one the corpus was built with (checked), for a corpus built with an external one;
-    ``config``: the caller's settings, whose KV store options the first opener's corpus keeps."""
-    key = _dir_key(corpus_dir)
-    with _shared_lock:
-        corpus = _corpora.get(key)
-        if corpus is None:
-            corpus = _corpora[key] = Corpus.open(key, embedder, KVStoreOptions.of(config))
-        elif embedder is not None:
-            corpus.use_embedder(embedder)
-        return corpus
