@@ -48,6 +48,14 @@ def bench_command(
     deviation_prompts: Annotated[
         int | None, typer.Option("--deviation-prompts", min=1, help="Real prompts for the deviation section.")
     ] = None,
+    round_fidelity_cases: Annotated[
+        int | None,
+        typer.Option(
+            "--round-fidelity-cases",
+            min=0,
+            help="Held-out MuSiQue rounds of 8 agents for the round section's fidelity (default 20).",
+        ),
+    ] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model name or local HF folder.")] = None,
     kv_dir: Annotated[
         Path | None,
@@ -68,6 +76,8 @@ def bench_command(
         overrides["repeats"] = repeats
     if deviation_prompts is not None:
         overrides["deviation_prompts"] = deviation_prompts
+    if round_fidelity_cases is not None:
+        overrides["round_fidelity_cases"] = round_fidelity_cases
     results_path = out / "results" / RESULTS_NAME
     command = shlex.join(
         [
@@ -79,6 +89,11 @@ def bench_command(
             *(["--only", only] if only else []),
             *(["--repeats", str(repeats)] if repeats is not None else []),
             *(["--deviation-prompts", str(deviation_prompts)] if deviation_prompts is not None else []),
+            *(
+                ["--round-fidelity-cases", str(round_fidelity_cases)]
+                if round_fidelity_cases is not None
+                else []
+            ),
             *(["--model", model] if model else []),
         ]
     )

@@ -213,17 +213,23 @@ def _checks(timing: dict[str, dict[str, Any]], fidelity: dict[str, Any]) -> list
             }
         )
     if fidelity["cases"]:
+        # issue 21 asks for 20 rounds: fewer are named as such
+        rounds = f"{fidelity['cases']} rounds" + ("" if fidelity["cases"] >= 20 else ", of the 20 asked")
         gap = fidelity["kl_round"] - fidelity["kl_per_request"]
         checks.append(
             {
-                "claim": "round first-token KL <= per-request cacheblend's + 0.01",
+                "claim": f"round first-token KL <= per-request cacheblend's + 0.01 ({rounds})",
                 "passed": gap <= 0.01,
                 "value": gap,
             }
         )
         agree = fidelity["agree_round"]
         checks.append(
-            {"claim": "round first-token agreement >= 0.95", "passed": agree >= 0.95, "value": agree}
+            {
+                "claim": f"round first-token agreement >= 0.95 ({rounds})",
+                "passed": agree >= 0.95,
+                "value": agree,
+            }
         )
     return checks
 
