@@ -1,7 +1,7 @@
 """Where a round's time goes (issue 21): per-phase wall time of one round of N agents.
 
     .venv/bin/python scripts/profile_round.py [--agents 8] [--chunks 6] [--chunk-tokens 512]
-        [--no-scheduler]
+        [--no-scheduler] [--old]
 
 The workload of ``bench --only round``: the bench's own agents (:func:`agent_requests`: role i, the same
 ``--chunks`` MuSiQue chunks of ``--chunk-tokens`` tokens, question i; cacheblend at the default r) over
@@ -9,7 +9,10 @@ an engine whose store holds the chunks in RAM. After a warm-up it fuses the roun
 ``Engine.fuse_round`` with timers around the round's phases (probe, blend, taking the chunks out, the
 members' fusion) and the operations inside them, then (unless ``--no-scheduler``) times the round
 through the batch scheduler as the bench does: all agents submitted at once, the time until every one
-has its first token. Run it on a quiet machine; it runs the model for about a minute.
+has its first token. ``--old`` first runs the round as it was before its members joined one pass over the
+round's cache (members fused on their own, the probe allocating its scores at every layer), in the same
+process, for a before/after under the same load. Run it on a quiet machine; it runs the model for about
+a minute.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 
 from cacheblend_rag.blend import fusor as fusor_module
 from cacheblend_rag.blend import layers as layers_module
+from cacheblend_rag.blend import probe as probe_module
 from cacheblend_rag.blend import round as round_module
+from cacheblend_rag.blend.fusor import FusionRequest
 from cacheblend_rag.blend.spec import parse_method
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.engine.prompt import ChunkRef
@@ -97,6 +102,30 @@ def instrument() -> None:
     fusor_module.run_layer = layers_module.run_layer
 
 
+@contextmanager
+def old_round():
+    """The round as it was: every member fused as a request of its own (an observer sends it there) and
+    the probe's scores in fresh tensors at every layer."""
+    original = probe_module._probabilities
+    probe_module._probabilities = lambda q, keys, mask, scaling, buffers=None: original(
+        q, keys, mask, scaling
+    )
+    try:
+        yield
+    finally:
+        probe_module._probabilities = original
+
+
+def old_requests(engine, work) -> list[FusionRequest]:
+    def observer(*_) -> None:
+        pass
+
+    return [
+        FusionRequest(segments, method, engine._loader([s.kv for s in segments if s.kv]), observer=observer)
+        for segments, method in work
+    ]
+
+
 def chunk_refs(model, chunks: int, chunk_tokens: int) -> list[ChunkRef]:
     """``chunks`` MuSiQue chunks of exactly ``chunk_tokens`` tokens (as scripts/profile_fusion.py)."""
     tok = model.tokenizer
@@ -130,6 +159,7 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--no-scheduler", action="store_true")
+    parser.add_argument("--old", action="store_true", help="first the round as before (same process)")
     args = parser.parse_args()
 
     settings = get_settings()
@@ -156,6 +186,14 @@ def main() -> None:
         )
         engine.fuse_round(work)  # warm-up (and the agents' heads computed)
         instrument()
+        if args.old:
+            TOTALS.clear()
+            COUNTS.clear()
+            started = time.perf_counter()
+            with old_round():
+                old = round_module.fuse_round(engine.fusor, old_requests(engine, work), engine._loader)
+            report(f"as before: members fused on their own, probe buffers fresh, {args.agents} agents", 0)
+            print(f"  wall {time.perf_counter() - started:.3f} s")
         TOTALS.clear()
         COUNTS.clear()
         started = time.perf_counter()
@@ -164,6 +202,9 @@ def main() -> None:
         report(f"Engine.fuse_round, {args.agents} agents", wall)
         rounds = {r.round.requests if r.round else 0 for r in results}
         print(f"  round sizes {rounds}; computed tokens per agent {[r.computed_tokens for r in results]}")
+        if args.old:
+            gap = max(float((a.logits - b.logits).abs().max()) for a, b in zip(old, results, strict=True))
+            print(f"  max |logit| difference from the members fused on their own: {gap:.2e}")
         if not args.no_scheduler:
             TOTALS.clear()
             COUNTS.clear()

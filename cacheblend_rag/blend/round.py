@@ -155,7 +155,7 @@ def _blend_round(
             MemberLayout(
                 member_plan,
                 members[j].method,
-                provider_for(own_sources),
+                DirectLayerKV(own_sources),  # a template's opening, in memory: no loader thread each
                 delta,
                 spans,
                 own,

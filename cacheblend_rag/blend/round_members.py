@@ -11,8 +11,8 @@ round's cache itself:
   attention depends on position differences only, so its queries meet the blended keys exactly as its own
   prompt would place them, and nothing of the blend is moved. Its own cached segments (the template's
   opening, exact) and its fresh text's K/V are written, in that shifted frame, after the round's prompt in
-  the same cache, so one attention call per member reads the blend and its own keys, under a mask that
-  shows it only the round's chunks (not the round's own text) and its own tokens, causally;
+  the same cache, so one attention call for all members reads the blend and their own keys, under a mask
+  that shows each member only the round's chunks (not the round's own text) and its own tokens, causally;
 - projections and MLPs run over every member's tokens at once (and beside any other request fused in the
   same batch);
 - each member's result holds its own K/V at its true positions; its chunks' K/V stays in the round's cache
@@ -144,18 +144,21 @@ class MembersPass:
         ids = torch.cat([m.plan.token_ids[m.rows] for m in members])
         self.hidden = model.embed(ids[None]).to(model.dtype)
         self.own_tables = [self._own_tables(m) for m in members]
-        # per member: the slots of its own positions in the round's cache, of its rows among them, and the
-        # tables that turn its fresh K (projected in the round's frame) to its true positions (none at 0)
-        self.own_slots, self.row_slots, self.to_true = [], [], []
+        # per member, the slots of its own positions in the round's cache; every row's slot; the tables
+        # that turn the rows' fresh K (projected in the round's frame) to their true positions (none when
+        # no member is shifted)
+        self.own_slots = []
         for member in members:
             slots = torch.full((member.plan.num_tokens,), -1, dtype=torch.long)
             slots[member.own_positions] = torch.arange(member.own_positions.numel()) + member.slot
             self.own_slots.append(slots)
-            self.row_slots.append(slots[member.rows].to(device))
-            rows = member.rows.to(device)
-            self.to_true.append(
-                model.rope.rerotation(rows - member.delta, rows, torch.float32) if member.delta else None
-            )
+        self.row_slots = torch.cat([own[m.rows] for own, m in zip(self.own_slots, members, strict=True)])
+        self.row_slots = self.row_slots.to(device)
+        self.member_rows = [m.rows.to(device) for m in members]
+        true = torch.cat(self.member_rows)
+        self.to_true = (
+            model.rope.rerotation(shifted, true, torch.float32) if any(m.delta for m in members) else None
+        )
         self.mask = self._mask(device)
         self.load_wait = 0.0
 
@@ -171,10 +174,11 @@ class MembersPass:
         return tables
 
     def _mask(self, device: torch.device) -> AttentionMask:
-        """Each member's rows see the round's chunks (shifted, causally) and their own tokens (causally)."""
+        """Each member's rows see the round's chunks (shifted, causally) and their own tokens (causally);
+        attended in one call (the slots a row does not see are masked)."""
         rows = sum(m.rows.numel() for m in self.members)
         visible = torch.zeros(rows, self.keys_end, dtype=torch.bool)
-        blocks, first = [], 0
+        first = 0
         for member in self.members:
             end = first + member.rows.numel()
             chunk_slots = torch.zeros(self.length, dtype=torch.bool)
@@ -184,12 +188,17 @@ class MembersPass:
             visible[first:end, : self.length] = chunk_slots & (torch.arange(self.length)[None] <= shifted)
             own_end = member.slot + member.own_positions.numel()
             visible[first:end, member.slot : own_end] = member.own_positions[None] <= member.rows[:, None]
-            blocks.append((first, end, own_end))
             first = end
-        return AttentionMask(visible[None, None].to(device), False, tuple(blocks))
+        return AttentionMask(visible[None, None].to(device), False, ((0, rows, self.keys_end),))
 
     def attention_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         keys, values = self.cache.keys[layer], self.cache.values[layer]
+        keys[:, :, self.row_slots] = k
+        values[:, :, self.row_slots] = v
+        true_k = k
+        if self.to_true is not None:
+            true_k = torch.empty_like(k)
+            Rope.apply_rerotation_into(true_k[0], k[0], self.to_true)
         first = 0
         for i, (member, own) in enumerate(zip(self.members, self.own, strict=True)):
             waited = time.perf_counter()
@@ -208,14 +217,7 @@ class MembersPass:
                 own.values[layer][0, :, start:end].copy_(cv)
             rows = slice(first, first + member.rows.numel())
             first = rows.stop
-            fresh_k, fresh_v = k[:, :, rows], v[:, :, rows]
-            keys[:, :, self.row_slots[i]] = fresh_k
-            values[:, :, self.row_slots[i]] = fresh_v
-            if self.to_true[i] is not None:
-                rotated = torch.empty_like(fresh_k)
-                Rope.apply_rerotation_into(rotated[0], fresh_k[0], self.to_true[i])
-                fresh_k = rotated
-            own.write(layer, member.rows.to(keys.device), fresh_k, fresh_v)
+            own.write(layer, self.member_rows[i], true_k[:, :, rows], v[:, :, rows])
         end = self.keys_end
         return q, keys[:, :, :end], values[:, :, :end], self.mask
 
