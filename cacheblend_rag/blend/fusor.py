@@ -162,6 +162,8 @@ class FusionRequest:
     # the question's attention per prompt position ([T] attention, [T] contribution), found elsewhere
     # (a round scores its chunks for all its requests at once): no probe runs, the method gets these
     query_scores: tuple[torch.Tensor, torch.Tensor] | None = None
+    # fresh tokens the query probe reads after the prompt, never fused (a round's questions, blend/round.py)
+    probe_suffix: tuple[int, ...] = ()
 
 
 # the method a probe-only run carries (it never selects: the probe computes the fresh text alone)
@@ -303,7 +305,9 @@ class _Run:
         self.provider = request.kv_provider or DirectLayerKV([s.kv for s in segments if s.kv is not None])
         self.spans = plan.cached_spans()
         # every slot 0..n-1 is written before attention reads it (placed or recomputed), decode slots too
-        self.cache = self.model.new_cache(plan.num_tokens + request.extra_capacity, zeroed=False)
+        self.probe_suffix = request.probe_suffix
+        room = max(request.extra_capacity, len(self.probe_suffix))
+        self.cache = self.model.new_cache(plan.num_tokens + room, zeroed=False)
         self.rotations = fusor._rerotations(self.spans)
         self.check_layers = set(request.method.check_layers(plan))
         self.num_cached_total = int(plan.cached_mask.sum())
@@ -319,14 +323,18 @@ class _Run:
 
     def probe_pass(self) -> ProbePass:
         place = functools.partial(self.fusor._place_cached, spans=self.spans, rotations=self.rotations)
-        return ProbePass(self.model, self.plan, self.cache, self.provider, place)
+        plan = self.plan
+        if self.probe_suffix:  # the same layout with the suffix's rows after it
+            plan = FusionPlan.from_segments([*plan.segments, Segment.fresh(self.probe_suffix)])
+        return ProbePass(self.model, plan, self.cache, self.provider, place)
 
     def begin(self, probe: ProbePass | None) -> None:
         """Take the probe's findings (when one ran) and the method's layer-0 positions."""
         plan, model = self.plan, self.model
         if probe is not None:
             result = probe.result()
-            plan.query_attention, plan.query_contribution = result.attention, result.contribution
+            n = plan.num_tokens  # (a probe suffix's positions come after the prompt's)
+            plan.query_attention, plan.query_contribution = result.attention[:n], result.contribution[:n]
             self.load_wait, self.probe_token_layers, self.probed = (
                 result.load_wait_s,
                 result.token_layers,

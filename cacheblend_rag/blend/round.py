@@ -11,7 +11,8 @@ places, probes and recomputes the same chunks N times. A round does that once:
    selects by the question's attention gets one probe of that prompt followed by every request's
    question, so the selection is scored for the round (the sum of its questions' attention) and the
    budget is r of the round's cached tokens, not r per request;
-3. the round's prompt is fused once, into a cache with room for every member's own tokens after it;
+3. the round's prompt is fused once (that probe as its own: the chunks placed once, by the probe), into a
+   cache with room for every member's own tokens after it;
 4. every request is then computed over that one cache (:mod:`.round_members`): its own text (before,
    between or after the chunks) with exact attention over the round's blended chunks, marked exact so
    nothing in them is recomputed again. A member whose chunks all sit at one shift from the round's
@@ -125,16 +126,15 @@ def _blend_round(
     plan = FusionPlan.from_segments(segments)
     starts = {key: start for (start, _), key in zip(plan.spans, _occurrences(segments), strict=True) if key}
     joining = {j: found for j, m in enumerate(members) if (found := _joins(m, starts)) is not None}
-    scores = None
+    # a method that probes gets the probe of the round's prompt followed by every member's question, as
+    # the blend's own probe (which leaves the chunks placed in the blend's cache: placed once)
+    questions: tuple[int, ...] = ()
     if plan.num_cached and lead.method.uses_query_attention(plan):
-        questions = [t for m in members for t in _question(m.segments)]
-        probe = fusor.probe([*segments, Segment.fresh(questions)], provider_for(sources))
-        n = plan.num_tokens
-        scores = (probe.attention[:n], probe.contribution[:n])
+        questions = tuple(t for m in members for t in _question(m.segments))
     # the lead's own loader serves exactly these cached segments, in order
     provider = lead.kv_provider if lead.kv_provider is not None else provider_for(sources)
     room = sum(found[2].numel() for found in joining.values())  # the joining members' own tokens
-    request = FusionRequest(segments, lead.method, provider, room, query_scores=scores)
+    request = FusionRequest(segments, lead.method, provider, room, probe_suffix=questions)
     blend = fusor.fuse_many([request])[0]
     for member in members[1:]:  # their chunks come from the round: nothing of theirs is read
         if member.kv_provider is not None:
