@@ -146,11 +146,17 @@ def test_members_over_the_rounds_cache_equal_members_fused_on_their_own(model, p
     apart = fuse_round(fusor, [FusionRequest(a, method, observer=observer) for a in agents])
     assert all(r.pending is None for r in apart)
     for one, other in zip(joined, apart, strict=True):
+        # a decode batch's row gets the member's KV straight from the round's cache, as its own cache would
+        n = one.num_tokens
+        batch = model.new_cache(n, batch=2)
+        one.write_into(batch.keys, batch.values, 1)
+        for layer in range(model.num_layers):
+            assert torch.equal(batch.keys[layer][1, :, :n], one.cache.keys[layer][0, :, :n])
+            assert torch.equal(batch.values[layer][1, :, :n], one.cache.values[layer][0, :, :n])
         assert one.round.shared_tokens == other.round.shared_tokens
         assert one.round.round_recomputed_tokens == other.round.round_recomputed_tokens
         assert one.computed_tokens == other.computed_tokens
         assert (one.logits - other.logits).abs().max() <= 1e-3
-        n = one.num_tokens
         for layer in (0, model.num_layers - 1):
             for mine, theirs in ((one.cache.keys, other.cache.keys), (one.cache.values, other.cache.values)):
                 assert (mine[layer][0, :, :n] - theirs[layer][0, :, :n]).abs().max() <= 1e-3
