@@ -9,10 +9,10 @@ an engine whose store holds the chunks in RAM. After a warm-up it fuses the roun
 ``Engine.fuse_round`` with timers around the round's phases (probe, blend, taking the chunks out, the
 members' fusion) and the operations inside them, then (unless ``--no-scheduler``) times the round
 through the batch scheduler as the bench does: all agents submitted at once, the time until every one
-has its first token. ``--old`` first runs the round as it was before its members joined one pass over the
-round's cache (members fused on their own, the probe allocating its scores at every layer), in the same
-process, for a before/after under the same load. Run it on a quiet machine; it runs the model for about
-a minute.
+has its first token. ``--old`` first runs the round with its members fused as requests of their
+own (as before they joined one pass over the round's cache) and the probe allocating its scores at every
+layer, in the same process, for a before/after under the same load (the probe still runs as the blend's
+own). Run it on a quiet machine; it runs the model for about a minute.
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ def instrument() -> None:
             timed(round_module, name, name, as_phase=True)
     timed(fusor_cls, "fuse_many", "fuse_many", as_phase=True)
     timed(fusor_cls, "_place_cached", "place cached")
+    probe_pass_timer(run_cls)
+    timed(probe_module.ProbePass, "attention_inputs", "probe attention inputs (probabilities, mass)")
+    timed(probe_module.ProbePass, "attend", "probe attend (output from probabilities)")
     timed(run_cls, "__init__", "run init")
     timed(run_cls, "attention_inputs", "attention inputs (incl. placing)")
     timed(run_cls, "attend", "attend")
@@ -100,6 +103,25 @@ def instrument() -> None:
     timed(LayerwiseModel, "finish_layer", "o-proj + MLP")
     timed(layers_module, "run_layer", "run_layer")
     fusor_module.run_layer = layers_module.run_layer
+
+
+def probe_pass_timer(run_cls) -> None:
+    """The query probe inside a fusion (a round's is its blend's own): from its pass's start to the
+    fusion's begin()."""
+    started: list[float] = []
+    original_init, original_begin = probe_module.ProbePass.__init__, run_cls.begin
+
+    def init(self, *args, **kwargs):
+        started.append(time.perf_counter())
+        original_init(self, *args, **kwargs)
+
+    def begin(self, probe):
+        if probe is not None and started:
+            TOTALS[f"{PHASE[0]}/probe pass"] += time.perf_counter() - started.pop(0)
+            COUNTS[f"{PHASE[0]}/probe pass"] += 1
+        return original_begin(self, probe)
+
+    probe_module.ProbePass.__init__, run_cls.begin = init, begin
 
 
 @contextmanager
