@@ -20,6 +20,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch.profiler import record_function
@@ -27,7 +28,7 @@ from torch.profiler import record_function
 from ..errors import ContextLengthError, FusionInputError
 from ..models.rope import Rope
 from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
-from .layers import run_layer
+from .layers import LayerPass, run_layer
 from .methods import FullReuse, RecomputeMethod
 from .plan import FusionPlan, LayerState
 from .probe import ProbePass, ProbeResult
@@ -50,11 +51,22 @@ class RoundShare:
     seconds: float  # the round's probe and blend (paid once, before any of its requests)
 
 
+class PendingKV(Protocol):
+    """Part of a prompt's KV not yet in its fusion's buffer (a round's chunks, kept once in the round's
+    cache): written, when needed, into whatever holds the prompt's KV."""
+
+    spans: list[tuple[int, int]]  # the prompt positions it writes
+
+    def write(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], row: int) -> None:
+        """Write them into row ``row`` of per-layer buffers [rows, Hkv, capacity, d]."""
+        ...
+
+
 @dataclass
 class FusionResult:
     """The fused cache (positions 0..T-1 filled), next-token logits and what it cost."""
 
-    cache: KVCache
+    buffer: KVCache  # the prompt's KV as the fusion wrote it; read it as ``cache``
     logits: torch.Tensor  # [vocab] float32, for the token after the prompt
     plan: FusionPlan
     selected: torch.Tensor  # positions recomputed at the last layer
@@ -65,6 +77,36 @@ class FusionResult:
     probe_token_layers: int = 0  # fresh-text token-layers of the query probe (0 when none ran)
     # set when the prompt's chunks came blended from a round shared with other requests (blend/round.py)
     round: RoundShare | None = None
+    # positions of ``buffer`` still to be written (blend/round_members.py); ``cache`` writes them first
+    pending: PendingKV | None = None
+
+    @property
+    def cache(self) -> KVCache:
+        """The prompt's KV, positions 0..T-1 (a pending part written into the buffer first)."""
+        if self.pending is not None:
+            self.pending.write(self.buffer.keys, self.buffer.values, 0)
+            self.pending = None
+        return self.buffer
+
+    def write_into(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], row: int) -> None:
+        """Copy the prompt's KV (positions 0..T-1) into row ``row`` of per-layer buffers [rows, Hkv,
+        capacity, d] (a decode batch); a pending part goes there straight from where it is kept."""
+        n = self.num_tokens
+        spans = [(0, n)]
+        if self.pending is not None:
+            spans, start = [], 0
+            for s, e in sorted(self.pending.spans):
+                if s > start:
+                    spans.append((start, s))
+                start = e
+            if start < n:
+                spans.append((start, n))
+        for layer in range(len(keys)):
+            for s, e in spans:
+                keys[layer][row, :, s:e] = self.buffer.keys[layer][0, :, s:e]
+                values[layer][row, :, s:e] = self.buffer.values[layer][0, :, s:e]
+        if self.pending is not None:
+            self.pending.write(keys, values, row)
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +162,8 @@ class FusionRequest:
     # the question's attention per prompt position ([T] attention, [T] contribution), found elsewhere
     # (a round scores its chunks for all its requests at once): no probe runs, the method gets these
     query_scores: tuple[torch.Tensor, torch.Tensor] | None = None
+    # fresh tokens the query probe reads after the prompt, never fused (a round's questions, blend/round.py)
+    probe_suffix: tuple[int, ...] = ()
 
 
 # the method a probe-only run carries (it never selects: the probe computes the fresh text alone)
@@ -167,9 +211,12 @@ class Fusor:
         return self.fuse_many([FusionRequest(segments, method, kv_provider, extra_capacity, observer)])[0]
 
     @torch.inference_mode()
-    def fuse_many(self, requests: Sequence[FusionRequest]) -> list[FusionResult]:
+    def fuse_many(
+        self, requests: Sequence[FusionRequest], also: Sequence[LayerPass] = ()
+    ) -> list[FusionResult]:
         """Fuse several prompts together: at every layer, one q/k/v projection and one MLP over the tokens
-        all of them compute, attention per prompt. Each result equals fusing its prompt alone."""
+        all of them compute, attention per prompt. Each result equals fusing its prompt alone. ``also``:
+        passes of the caller's (a round's members, blend/round_members.py) run in the same layers."""
         for request in requests:
             self.validate(request.segments)
         runs = [_Run(self, request) for request in requests]
@@ -185,7 +232,7 @@ class Fusor:
                 run.begin(probes.get(id(run)))
             with record_function("fusion::layers"):
                 for layer in range(model.num_layers):
-                    run_layer(model, layer, runs)
+                    run_layer(model, layer, [*runs, *also])
         finally:
             for run in runs:
                 run.provider.close()
@@ -258,7 +305,9 @@ class _Run:
         self.provider = request.kv_provider or DirectLayerKV([s.kv for s in segments if s.kv is not None])
         self.spans = plan.cached_spans()
         # every slot 0..n-1 is written before attention reads it (placed or recomputed), decode slots too
-        self.cache = self.model.new_cache(plan.num_tokens + request.extra_capacity, zeroed=False)
+        self.probe_suffix = request.probe_suffix
+        room = max(request.extra_capacity, len(self.probe_suffix))
+        self.cache = self.model.new_cache(plan.num_tokens + room, zeroed=False)
         self.rotations = fusor._rerotations(self.spans)
         self.check_layers = set(request.method.check_layers(plan))
         self.num_cached_total = int(plan.cached_mask.sum())
@@ -274,14 +323,18 @@ class _Run:
 
     def probe_pass(self) -> ProbePass:
         place = functools.partial(self.fusor._place_cached, spans=self.spans, rotations=self.rotations)
-        return ProbePass(self.model, self.plan, self.cache, self.provider, place)
+        plan = self.plan
+        if self.probe_suffix:  # the same layout with the suffix's rows after it
+            plan = FusionPlan.from_segments([*plan.segments, Segment.fresh(self.probe_suffix)])
+        return ProbePass(self.model, plan, self.cache, self.provider, place)
 
     def begin(self, probe: ProbePass | None) -> None:
         """Take the probe's findings (when one ran) and the method's layer-0 positions."""
         plan, model = self.plan, self.model
         if probe is not None:
             result = probe.result()
-            plan.query_attention, plan.query_contribution = result.attention, result.contribution
+            n = plan.num_tokens  # (a probe suffix's positions come after the prompt's)
+            plan.query_attention, plan.query_contribution = result.attention[:n], result.contribution[:n]
             self.load_wait, self.probe_token_layers, self.probed = (
                 result.load_wait_s,
                 result.token_layers,
@@ -344,7 +397,7 @@ class _Run:
         logits = self.model.logits(self.hidden[:, -1])[0]  # the last prompt token is always selected
         self.cache.length = self.plan.num_tokens
         return FusionResult(
-            cache=self.cache,
+            buffer=self.cache,
             logits=logits,
             plan=self.plan,
             selected=self.positions.cpu(),

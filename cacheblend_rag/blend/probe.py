@@ -83,6 +83,9 @@ class ProbePass:
         self.query_start = int(torch.searchsorted(self.positions, self.queries[:1]))
         self.grouped_mask = _grouped_causal_mask(self.positions, n, model.shape)
         self.probabilities: torch.Tensor | None = None
+        # the scores and probabilities of every layer have one shape: kept across layers, not allocated at
+        # each (a round's probe of many questions makes them tens of MB, each fresh one page-faulted)
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.attention = torch.zeros(n, dtype=torch.float32, device=device)
         self.contribution = torch.zeros(n, dtype=torch.float32, device=device)
         self.load_wait = 0.0
@@ -97,7 +100,10 @@ class ProbePass:
         keys, values = self.cache.keys[layer][:, :, :n], self.cache.values[layer][:, :, :n]
         # every fresh row's probabilities: the query rows' give the mass, and attend() reuses them all
         # for the fresh text's attention output (no second attention kernel over the same scores)
-        probabilities = _probabilities(q[0], keys[0], self.grouped_mask, self.model.scaling)
+        if self.buffers is None:
+            shape = (keys.shape[1], q.shape[1] // keys.shape[1] * q.shape[2], n)
+            self.buffers = (torch.empty(shape, device=q.device), torch.empty(shape, device=q.device))
+        probabilities = _probabilities(q[0], keys[0], self.grouped_mask, self.model.scaling, self.buffers)
         mass = probabilities[:, :, self.query_start :].sum(dim=(1, 2))  # [Hkv, T]
         self.attention += mass.sum(dim=0)
         # what a token adds to the attention output scales with its value's norm too
@@ -134,16 +140,28 @@ def _grouped_causal_mask(positions: torch.Tensor, n: int, shape: ModelShape) -> 
 
 
 def _probabilities(
-    q: torch.Tensor, keys: torch.Tensor, grouped_mask: torch.Tensor, scaling: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    grouped_mask: torch.Tensor,
+    scaling: float,
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Softmax attention (float32) of ``q`` [H, m, d] over ``keys`` [Hkv, T, d] under ``grouped_mask``
     (:func:`_grouped_causal_mask`): [Hkv, g, m, T], g heads per KV head (grouped-query heads of one KV
-    head are adjacent). One batched matmul per layer, the scale and mask folded into it."""
+    head are adjacent). One batched matmul per layer, the scale and mask folded into it; scores and
+    probabilities written into ``buffers`` (two float32 [Hkv, g * m, T]; new ones when None), the latter
+    returned."""
     heads, m, d = q.shape
     kv_heads = keys.shape[0]
     grouped = q.float().reshape(kv_heads, (heads // kv_heads) * m, d)
-    scores = torch.baddbmm(grouped_mask, grouped, keys.float().transpose(1, 2), alpha=scaling)
-    return torch.softmax(scores, dim=-1).view(kv_heads, heads // kv_heads, m, -1)
+    shape = (kv_heads, (heads // kv_heads) * m, keys.shape[1])
+    scores, probabilities = buffers or (
+        torch.empty(shape, device=q.device),
+        torch.empty(shape, device=q.device),
+    )
+    torch.baddbmm(grouped_mask, grouped, keys.float().transpose(1, 2), alpha=scaling, out=scores)
+    torch.ops.aten._softmax.out(scores, -1, False, out=probabilities)  # what torch.softmax runs
+    return probabilities.view(kv_heads, heads // kv_heads, m, -1)
 
 
 def _attention_output(probabilities: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

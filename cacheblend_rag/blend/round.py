@@ -11,12 +11,25 @@ places, probes and recomputes the same chunks N times. A round does that once:
    selects by the question's attention gets one probe of that prompt followed by every request's
    question, so the selection is scored for the round (the sum of its questions' attention) and the
    budget is r of the round's cached tokens, not r per request;
-3. the round's prompt is fused once; each chunk's blended K/V is taken out of it, its keys rotated back
-   to the chunk's own positions 0..n-1;
-4. every request is then fused with its chunks' KV replaced by the round's blend, marked exact so
-   nothing in it is recomputed again: its own text (before, between or after the chunks) is computed over
-   them with exact attention, each chunk re-rotated to wherever it sits in that request's prompt. A
-   request without a round is fused as it would be alone; all of them together in one batch.
+3. the round's prompt is fused once (that probe as its own: the chunks placed once, by the probe), into a
+   cache with room for every member's own tokens after it;
+4. every request is then computed over that one cache (:mod:`.round_members`): its own text (before,
+   between or after the chunks) with exact attention over the round's blended chunks, marked exact so
+   nothing in them is recomputed again. A member whose chunks all sit at one shift from the round's
+   prompt (the same order behind its own text) is computed at positions shifted back by it, so the blend
+   is neither copied nor re-rotated per member; all such members of a round are one pass, their
+   projections and MLPs batched with every other request of the batch. Any other member (its own chunk
+   order) is fused as a request of its own over its chunks' blend taken out of the round's cache, keys
+   rotated back to 0..n-1 and re-rotated to where it has them. A request without a round is fused as it
+   would be alone; all of them together in one batch.
+
+Memory: the round's blended KV is held once, in the round's cache, until the members' KV is written where
+it is kept: a joining member's result keeps only its own tokens' K/V and writes its chunks' K/V (rotated
+to its positions) straight from the round's cache into the decode batch's row, or into its own cache when
+that is asked for (:attr:`FusionResult.cache`). During decode each row holds its own copy: the decode
+batch is one [rows, Hkv, capacity, d] buffer per layer, and keys rotated to different positions cannot
+be shared. Rows could share one copy only where their chunks sit at the same positions (equal text before
+them) and a decode kernel read shared prefix slots; neither is done yet.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from .fusor import FusionRequest, FusionResult, Fusor, RoundShare
 from .methods import RoundSharing
 from .plan import FusionPlan
 from .probe import query_positions
+from .round_members import MemberLayout, MembersPass, layout, own_spans
 from .segments import ChunkKV, ChunkKVSource, DirectLayerKV, LayerKVProvider, Segment
 
 # Where a pass of the round reads its cached layers from (the engine passes its pipelined loader).
@@ -67,50 +81,127 @@ def fuse_round(
 ) -> list[FusionResult]:
     """Fuse ``requests`` together, each round of them (:func:`plan_rounds`) sharing one blend of its
     chunks; results in order, each carrying its :class:`RoundShare` when it had one."""
-    rounds = plan_rounds(requests)
-    jobs = list(requests)
+    jobs: dict[int, FusionRequest] = dict(enumerate(requests))  # fused as requests of their own
+    passes: list[tuple[MembersPass, list[int]]] = []
     shares: dict[int, RoundShare] = {}
-    for members in rounds:
-        blended, share = _blend_round(fusor, [requests[i] for i in members], provider_for)
-        for i in members:
-            jobs[i], shares[i] = _member(requests[i], blended, share, provider_for)
-    results = fusor.fuse_many(jobs)
+    try:
+        for members in plan_rounds(requests):
+            for i in members:
+                del jobs[i]
+            joined, apart = _blend_round(fusor, [requests[i] for i in members], provider_for)
+            if joined is not None:
+                passes.append((joined, [members[j] for j in range(len(members)) if j not in apart]))
+            for j, (job, share) in apart.items():
+                jobs[members[j]], shares[members[j]] = job, share
+    except BaseException:
+        for members_pass, _ in passes:
+            members_pass.close()
+        raise
+    order = sorted(jobs)
+    results: dict[int, FusionResult] = {}
+    if order or passes:
+        try:
+            fused = fusor.fuse_many([jobs[i] for i in order], also=[p for p, _ in passes])
+        finally:
+            for members_pass, _ in passes:
+                members_pass.close()
+        results.update(zip(order, fused, strict=True))
+    for members_pass, indices in passes:
+        results.update(zip(indices, members_pass.results(), strict=True))
     for i, share in shares.items():
         results[i].round = share
-    return results
+    return [results[i] for i in range(len(requests))]
 
 
 def _blend_round(
     fusor: Fusor, members: list[FusionRequest], provider_for: ProviderFactory
-) -> tuple[dict[tuple[tuple[int, ...], int], ChunkKV], RoundShare]:
-    """The round's one probe and blend: each chunk's blended KV (keys at 0..n-1) and what it cost."""
+) -> tuple[MembersPass | None, dict[int, tuple[FusionRequest, RoundShare]]]:
+    """The round's one probe and blend; the pass of the members that join it over the round's cache
+    (:mod:`.round_members`) and, by member index, those fused as requests of their own (over their chunks'
+    blend taken out of the round's cache) with their shares."""
     started = time.perf_counter()
     lead = members[0]
     segments = list(lead.segments[: _last_chunk(lead.segments) + 1])
     sources = [s.kv for s in segments if s.kv is not None]
     plan = FusionPlan.from_segments(segments)
-    scores = None
+    starts = {key: start for (start, _), key in zip(plan.spans, _occurrences(segments), strict=True) if key}
+    joining = {j: found for j, m in enumerate(members) if (found := _joins(m, starts)) is not None}
+    # a method that probes gets the probe of the round's prompt followed by every member's question, as
+    # the blend's own probe (which leaves the chunks placed in the blend's cache: placed once)
+    questions: tuple[int, ...] = ()
     if plan.num_cached and lead.method.uses_query_attention(plan):
-        questions = [t for m in members for t in _question(m.segments)]
-        probe = fusor.probe([*segments, Segment.fresh(questions)], provider_for(sources))
-        n = plan.num_tokens
-        scores = (probe.attention[:n], probe.contribution[:n])
+        questions = tuple(t for m in members for t in _question(m.segments))
     # the lead's own loader serves exactly these cached segments, in order
     provider = lead.kv_provider if lead.kv_provider is not None else provider_for(sources)
-    blend = fusor.fuse_many([FusionRequest(segments, lead.method, provider, query_scores=scores)])[0]
+    room = sum(found[2].numel() for found in joining.values())  # the joining members' own tokens
+    request = FusionRequest(segments, lead.method, provider, room, probe_suffix=questions)
+    blend = fusor.fuse_many([request])[0]
     for member in members[1:]:  # their chunks come from the round: nothing of theirs is read
         if member.kv_provider is not None:
             member.kv_provider.close()
-    blended = _blended_chunks(fusor, blend)
     recomputable = blend.plan.cached_mask & ~blend.plan.exact_mask
     share = RoundShare(
         requests=len(members),
-        shared_tokens=0,  # per member, set in _member
+        shared_tokens=0,  # per member
         round_recomputed_tokens=int(recomputable[blend.selected].sum()),
         recompute_ratio=blend.recompute_ratio,
         seconds=time.perf_counter() - started,
     )
-    return blended, share
+    layouts = []
+    for j, (member_plan, (delta, spans), own_positions) in joining.items():
+        occurrences = _occurrences(members[j].segments)
+        own, own_sources = own_spans(member_plan.segments, member_plan, occurrences)
+        layouts.append(
+            MemberLayout(
+                member_plan,
+                members[j].method,
+                DirectLayerKV(own_sources),  # a template's opening, in memory: no loader thread each
+                delta,
+                spans,
+                own,
+                own_positions,
+                member_plan.must_compute.nonzero().squeeze(1),
+                members[j].extra_capacity,
+                _share_of(share, members[j]),
+            )
+        )
+    joined = MembersPass(fusor.model, blend.buffer, plan.num_tokens, layouts) if layouts else None
+    apart: dict[int, tuple[FusionRequest, RoundShare]] = {}
+    if len(joining) < len(members):
+        blended = _blended_chunks(fusor, blend)
+        for j, member in enumerate(members):
+            if j not in joining:
+                apart[j] = (_member(member, blended, provider_for), _share_of(share, member))
+    return joined, apart
+
+
+def _joins(
+    member: FusionRequest, starts: dict[tuple[tuple[int, ...], int], int]
+) -> tuple[FusionPlan, tuple[int, list], torch.Tensor] | None:
+    """A member's plan (its chunks marked exact), its chunks' shift and spans and its own positions, when
+    it can join the round's pass (:func:`.round_members.layout`); None when it is fused on its own."""
+    if member.observer is not None:  # an observer expects a prompt's own attention
+        return None
+    occurrences = _occurrences(member.segments)
+    segments = [
+        s if key is None else replace(s, exact=True)
+        for s, key in zip(member.segments, occurrences, strict=True)
+    ]
+    plan = FusionPlan.from_segments(segments)
+    found = layout(plan, occurrences, starts, member.method)
+    if found is None:
+        return None
+    own = torch.ones(plan.num_tokens, dtype=torch.bool)
+    for _, (start, end) in found[1]:
+        own[start:end] = False
+    return plan, found, own.nonzero().squeeze(1)
+
+
+def _share_of(share: RoundShare, member: FusionRequest) -> RoundShare:
+    shared = sum(len(s) for s in member.segments if _is_chunk(s))
+    return RoundShare(
+        share.requests, shared, share.round_recomputed_tokens, share.recompute_ratio, share.seconds
+    )
 
 
 def _question(segments: Sequence[Segment]) -> list[int]:
@@ -157,23 +248,18 @@ def _occurrences(segments: Sequence[Segment]) -> list[tuple[tuple[int, ...], int
 def _member(
     request: FusionRequest,
     blended: dict[tuple[tuple[int, ...], int], ChunkKV],
-    share: RoundShare,
     provider_for: ProviderFactory,
-) -> tuple[FusionRequest, RoundShare]:
+) -> FusionRequest:
     """A request of the round with its chunks' KV replaced by the round's blend (exact: not recomputed
-    again), and its share of the round."""
+    again), fused as a request of its own."""
     segments = [
         s if key is None else replace(s, kv=blended[key], exact=True)
         for s, key in zip(request.segments, _occurrences(request.segments), strict=True)
     ]
-    shared = sum(len(s) for s in request.segments if _is_chunk(s))
-    job = FusionRequest(
+    return FusionRequest(
         segments,
         request.method,
         provider_for([s.kv for s in segments if s.kv is not None]),
         request.extra_capacity,
         request.observer,
-    )
-    return job, RoundShare(
-        share.requests, shared, share.round_recomputed_tokens, share.recompute_ratio, share.seconds
     )

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from ..blend.fusor import FusionResult
 from ..blend.segments import ChunkKVSource, Segment
 from ..models.runtime import KVCache, LayerwiseModel
 
@@ -110,13 +111,12 @@ class DecodeCache:
                 new[:keep, :, :span] = old[:keep, :, :span]
         self.keys, self.values = fresh.keys, fresh.values
 
-    def place(self, slot: int, cache: KVCache, length: int) -> None:
-        """Copy a fused single-request cache's first ``length`` slots into row ``slot``. Slots past them
+    def place(self, slot: int, fusion: FusionResult) -> None:
+        """Write a fused prompt's KV (its first ``fusion.num_tokens`` slots) into row ``slot``: copied from
+        its cache, or, for a round's member, its chunks straight from the round's cache. Slots past them
         keep stale data, which is harmless: a row's query at position p sees only slots 0..p, and slot p is
         written by the same forward before attention reads it."""
-        for layer in range(len(self.keys)):
-            self.keys[layer][slot, :, :length] = cache.keys[layer][0, :, :length]
-            self.values[layer][slot, :, :length] = cache.values[layer][0, :, :length]
+        fusion.write_into(self.keys, self.values, slot)
 
     def move(self, source: int, target: int) -> None:
         for buf in (*self.keys, *self.values):

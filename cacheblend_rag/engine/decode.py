@@ -61,7 +61,7 @@ class DecodeRow:
         self.generator = make_generator(sampling)
         self.text = TextStream(tokenizer, eos_ids, sampling.stop, max_new)
         self.constraint: ConstraintState | None = None  # structured output: the request's JSON matcher
-        self.cache: KVCache | None = None
+        self.prompt: FusionResult | None = None  # the fused prompt, until a scheduler has taken its KV
         self.fusion: FusionStats | None = None
         self.token = 0  # fed at the next step, at ``position``
         self.position = 0
@@ -73,6 +73,11 @@ class DecodeRow:
         self._emit = emit if emit is not None else self._events.append
 
     @property
+    def cache(self) -> KVCache | None:
+        """The row's KV while it is decoded alone: the fused prompt's cache."""
+        return self.prompt.cache if self.prompt is not None else None
+
+    @property
     def finished(self) -> bool:
         return self.text.finished
 
@@ -80,7 +85,7 @@ class DecodeRow:
         """Take the fused prompt (its KV and the logits of its last token) and choose the first token;
         True when that already ended the answer."""
         self.fusion = FusionStats.of(fusion)
-        self.cache = fusion.cache
+        self.prompt = fusion  # its KV is read when decoding starts (a round's member's is written then)
         self.position = self.prompt_tokens
         vocab = fusion.logits.shape[-1]
         self.constraint = start_constraint(self.sampling, self._tokenizer, self._eos_ids, vocab, self.max_new)

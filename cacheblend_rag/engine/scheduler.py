@@ -332,9 +332,6 @@ class BatchScheduler:
         """Fuse the requests of ``group`` (together, or one at a time; sharing their chunks' reads either
         way), emit each one's first token and give it a row in the decode batch unless it has already
         finished."""
-        capacities = [pending.capacity for pending in self._rows] + [p.capacity for p in group]
-        self._cache.reserve(len(capacities), max(capacities), keep=len(self._rows))
-        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
         shared = share_chunks([p.segments for p in group])
         try:
             # cancelled since its group was admitted: not worth a fusion
@@ -375,8 +372,13 @@ class BatchScheduler:
             except Exception as exc:
                 log.warning("request %d failed: %s", pending.handle.request_id, exc)
                 self._fail(pending, exc)
-        # every first token of the group is out before any request's KV is copied into the decode batch
-        # (a copy per request: the last request's first token would otherwise wait for all the others')
+        # every first token of the group is out before the decode batch's buffer is made room in and any
+        # request's KV is copied into it (a copy per request: the last request's first token would
+        # otherwise wait for all the others')
+        if started:
+            capacities = [p.capacity for p in self._rows] + [p.capacity for p, _ in started]
+            self._cache.reserve(len(capacities), max(capacities), keep=len(self._rows))
+            self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
         for pending, row in started:
             try:
                 self._take_row(pending, row)
@@ -406,9 +408,9 @@ class BatchScheduler:
 
     def _take_row(self, pending: _Pending, row: DecodeRow) -> None:
         """Give a started request its row in the decode batch (its fused KV copied into the buffer)."""
-        assert row.cache is not None
-        self._cache.place(len(self._rows), row.cache, pending.prompt_tokens)
-        row.cache = None  # its KV lives in the batch buffer now
+        assert row.prompt is not None
+        self._cache.place(len(self._rows), row.prompt)
+        row.prompt = None  # its KV lives in the batch buffer now
         pending.row = row
         self._rows.append(pending)
 

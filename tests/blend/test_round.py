@@ -129,3 +129,34 @@ def test_methods_that_share_rounds_and_one_that_cannot(model, parts):
     # requests with different methods never share one blend
     mixed = [FusionRequest(agents[0], get_method("epic")), FusionRequest(agents[1], get_method("cacheblend"))]
     assert plan_rounds(mixed) == []
+
+
+def test_members_over_the_rounds_cache_equal_members_fused_on_their_own(model, parts):
+    # same chunk order behind roles of different lengths: every member joins the round's one pass,
+    # its chunks shifted by its role's length; an attention observer sends a member through the path of a
+    # request of its own (its chunks' blend copied out and re-rotated): both must give the same answer
+    fusor, method = Fusor(model), get_method("cacheblend")
+    agents = [prompt(parts, q, role) for q, role in zip(QUESTIONS, [*ROLES, "Be brief."], strict=True)]
+    joined = fuse_round(fusor, [FusionRequest(a, method) for a in agents])
+    assert all(r.pending is not None for r in joined)  # their chunks' KV still in the round's cache
+
+    def observer(*_):
+        pass
+
+    apart = fuse_round(fusor, [FusionRequest(a, method, observer=observer) for a in agents])
+    assert all(r.pending is None for r in apart)
+    for one, other in zip(joined, apart, strict=True):
+        # a decode batch's row gets the member's KV straight from the round's cache, as its own cache would
+        n = one.num_tokens
+        batch = model.new_cache(n, batch=2)
+        one.write_into(batch.keys, batch.values, 1)
+        for layer in range(model.num_layers):
+            assert torch.equal(batch.keys[layer][1, :, :n], one.cache.keys[layer][0, :, :n])
+            assert torch.equal(batch.values[layer][1, :, :n], one.cache.values[layer][0, :, :n])
+        assert one.round.shared_tokens == other.round.shared_tokens
+        assert one.round.round_recomputed_tokens == other.round.round_recomputed_tokens
+        assert one.computed_tokens == other.computed_tokens
+        assert (one.logits - other.logits).abs().max() <= 1e-3
+        for layer in (0, model.num_layers - 1):
+            for mine, theirs in ((one.cache.keys, other.cache.keys), (one.cache.values, other.cache.values)):
+                assert (mine[layer][0, :, :n] - theirs[layer][0, :, :n]).abs().max() <= 1e-3
