@@ -28,7 +28,7 @@ from ..errors import StoreError
 from ..ingest.kv import precompute_pending
 from ..models.tokenizer import load_model_tokenizer
 from ..store.shared import KVStoreOptions
-from .corpora import get_corpus
+from .corpora import acquire_corpus, release_corpus
 from .prompt_frontend import PromptFrontend, acquire_frontend, release_frontend
 
 
@@ -99,8 +99,11 @@ class DocumentCollection:
         self.model = os.fspath(model) if model is not None else None
         self.precompute_kv = precompute_kv
         ensure_corpus(self.corpus_dir, self.model, embedder, chunk_tokens, index_type, config)
-        self.corpus: Corpus = get_corpus(self.corpus_dir, embedder, config)
+        self.corpus: Corpus = acquire_corpus(self.corpus_dir, embedder, config)  # released by close()
+        self._holds_corpus = True
         if embedder is None and is_external(self.corpus.manifest.embedder):
+            self._holds_corpus = False
+            release_corpus(self.corpus)
             raise StoreError(
                 f"corpus {self.corpus_dir} was built with the embedder {self.corpus.manifest.embedder} "
                 f"({self.corpus.manifest.embedding_dim}-dim vectors): give the same embedding model again"
@@ -120,13 +123,16 @@ class DocumentCollection:
 
     def close(self) -> None:
         """Write the vector index if it changed (reopening then skips a rebuild) and give back the hold
-        on the shared engine (the last holder frees the model)."""
-        if not self.corpus.db.readonly:
-            self.corpus.save_index()
+        on the shared engine and the corpus (the last holder frees the model, and closes the corpus)."""
         with self._lock:
             frontend, self._frontend = self._frontend, None
+            holds_corpus, self._holds_corpus = self._holds_corpus, False
+        if holds_corpus and not self.corpus.db.readonly:
+            self.corpus.save_index()
         if frontend is not None:
             release_frontend(frontend)
+        if holds_corpus:
+            release_corpus(self.corpus)
 
     # -- documents -----------------------------------------------------------------------------------
 

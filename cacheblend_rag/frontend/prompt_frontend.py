@@ -17,7 +17,7 @@ The frontend uses only the engine contract (:class:`~cacheblend_rag.engine.Engin
 engine serves it; over a corpus, it holds the corpus and engine as a checked
 :class:`~cacheblend_rag.engine.session.Session`. :func:`acquire_frontend` (:func:`get_frontend`) shares
 one frontend, so one engine, per (corpus, model, engine kind, settings) across the process (a
-:class:`~cacheblend_rag.models.registry.SharedRegistry`), and :func:`~.corpora.get_corpus` one corpus
+:class:`~cacheblend_rag.models.registry.SharedRegistry`), and :func:`~.corpora.acquire_corpus` one corpus
 per corpus directory, so every LLM, chat model, retriever and vector store object over a corpus uses the
 same model and the same corpus (a holder passing other settings gets an engine of its own, built with
 them). Engines over different corpora share the model's weights too
@@ -63,7 +63,7 @@ from ..errors import ChunkNotFoundError, InvalidChunkIdError
 from ..models.registry import SharedRegistry
 from ..rag import CacheBlendRAG
 from ..text.chunker import Chunker, validate_chunk_id
-from .corpora import corpus_key, get_corpus
+from .corpora import acquire_corpus, corpus_key, release_corpus
 from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex
 
 log = logging.getLogger(__name__)
@@ -143,13 +143,14 @@ class PromptFrontend:
         self.config = config
         self._owned_engine: EngineProtocol | None = None
         if corpus_dir is not None:
-            self.rag: CacheBlendRAG | None = CacheBlendRAG(
-                get_corpus(corpus_dir, config=config),
-                engine=engine,
-                model=model,
-                engine_kind=engine_kind,
-                config=config,
-            )
+            corpus = acquire_corpus(corpus_dir, config=config)  # released by close()
+            try:
+                self.rag: CacheBlendRAG | None = CacheBlendRAG(
+                    corpus, engine=engine, model=model, engine_kind=engine_kind, config=config
+                )
+            except BaseException:
+                release_corpus(corpus)
+                raise
             # the corpus and the engine, checked once to belong together
             self.session: Session | None = self.rag.session
             self.engine: EngineProtocol = self.session.engine
@@ -178,6 +179,7 @@ class PromptFrontend:
             scheduler.close()
         if self.rag is not None:
             self.rag.close()
+            release_corpus(self.rag.corpus)  # the last holder closes it
         elif self._owned_engine is not None:
             self._owned_engine.close()
 
