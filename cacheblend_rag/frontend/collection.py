@@ -24,6 +24,7 @@ from ..corpus.documents import DocumentHit
 from ..corpus.embedder import EmbedderLike, get_embedder, is_external
 from ..corpus.filters import Filter
 from ..corpus.manifest import CorpusManifest, check_compatible
+from ..engine.session import Session
 from ..errors import StoreError
 from ..ingest.kv import precompute_pending
 from ..models.tokenizer import load_model_tokenizer
@@ -120,6 +121,14 @@ class DocumentCollection:
             if self._frontend is None or self._frontend.closed:
                 self._frontend = acquire_frontend(self.corpus_dir, self.model, config=self.config)
             return self._frontend
+
+    @property
+    def session(self) -> Session:
+        """The corpus and the shared engine over it, checked to belong together (the frontend's; the
+        engine is loaded on first use)."""
+        session = self.frontend.session
+        assert session is not None  # a collection's frontend always reads its corpus
+        return session
 
     def close(self) -> None:
         """Write the vector index if it changed (reopening then skips a rebuild) and give back the hold
