@@ -385,9 +385,9 @@ _frontends: SharedRegistry[_FrontendKey, PromptFrontend] = SharedRegistry(close=
 
 
 def _frontend_key(
-    corpus_dir: str | Path | None, model: str | Path | None, engine: str | None, config: Config
+    corpus_dir: str | Path | None, model: str | Path | None, engine_kind: str | None, config: Config
 ) -> _FrontendKey:
-    kind = engine or config.engine
+    kind = engine_kind or config.engine
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
     directory = corpus_key(corpus_dir) if corpus_dir is not None else None
@@ -397,15 +397,15 @@ def _frontend_key(
 def acquire_frontend(
     corpus_dir: str | Path | None = None,
     model: str | Path | None = None,
-    engine: str | None = None,
+    engine_kind: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
     """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), loaded
-    on first use; give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default:
+    on first use; give it back with :func:`release_frontend`. ``engine_kind``: "torch" or "vllm" (default:
     ``config.engine``); ``config``: the caller's settings, part of the key by value (every edge passes the
     process's, so every holder shares one engine, as a retriever, a chat model and an LLM object over one
     corpus do; a holder with other values gets a frontend built with them)."""
-    key = _frontend_key(corpus_dir, model, engine, config)
+    key = _frontend_key(corpus_dir, model, engine_kind, config)
     return _frontends.acquire(
         key, lambda: PromptFrontend(key[0], model, engine_kind=key[2], config=config), _usable
     )
@@ -428,9 +428,9 @@ def _usable(frontend: PromptFrontend) -> bool:
 def get_frontend(
     corpus_dir: str | Path | None = None,
     model: str | Path | None = None,
-    engine: str | None = None,
+    engine_kind: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
     """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), kept for
     the rest of the process (``config``: as for :func:`acquire_frontend`)."""
-    return acquire_frontend(corpus_dir, model, engine, config)
+    return acquire_frontend(corpus_dir, model, engine_kind, config)
