@@ -85,11 +85,23 @@ def sample_store(tmp_path_factory, model_tokenizer, embedder) -> Path:
 
 
 @pytest.fixture(scope="session")
-def rag_store(tmp_path_factory, sample_store) -> Path:
-    """A writable copy of the sample store for end-to-end tests (integrations, examples). Chunk KV computed
-    by one test stays in it for the next; tests may add documents to it but must not remove any."""
+def shared_rag_store(tmp_path_factory, sample_store) -> Path:
+    """One copy of the sample store for the whole session, for the integration tests that share one engine
+    per corpus (``corpus_dir``): they only read its documents, and the chunk KV one of them computes stays
+    for the next (a cache: the same bytes whoever computes them). A test that adds, deletes or recodes, or
+    gives an engine its own KV folder, takes :func:`rag_store`."""
     import shutil
 
     store = tmp_path_factory.mktemp("rag") / "store"
+    shutil.copytree(sample_store, store)
+    return store
+
+
+@pytest.fixture
+def rag_store(tmp_path, sample_store) -> Path:
+    """A writable copy of the sample store, the test's own: what it writes reaches no other test."""
+    import shutil
+
+    store = tmp_path / "rag-store"
     shutil.copytree(sample_store, store)
     return store

@@ -57,14 +57,14 @@ def query_batch_command(
     chunk_ids: list[str] | None,
     as_json: bool,
     model: str | None,
-    engine: str | None = None,
+    engine_kind: str | None = None,
     settings: Settings | None = None,
 ) -> None:
     """What ``query --batch FILE`` does: answer every question of FILE and print the answers (or JSON).
     ``settings``: the command's (default: the process's)."""
     try:
         questions = read_questions(batch)
-        rag = CacheBlendRAG(corpus, model=model, engine_kind=engine, config=settings)
+        rag = CacheBlendRAG(corpus, model=model, engine_kind=engine_kind, config=settings)
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
         started = time.perf_counter()
         results = rag.query_batch(questions, top_k, method, ratio, chunk_ids, sampling)

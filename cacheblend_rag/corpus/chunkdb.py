@@ -132,6 +132,7 @@ class ChunkDB(ChunkReads):
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"{self.path}: cannot open chunk database: {exc}") from exc
         self._lock = threading.RLock()
+        self.closed = False
 
     def _readable(self, conn: sqlite3.Connection) -> sqlite3.Connection:
         try:
@@ -148,6 +149,7 @@ class ChunkDB(ChunkReads):
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+            self.closed = True
 
     # --- versions -------------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ generation options every integration shares (:mod:`.options`) and structured out
 and the documents behind the integrations' vector stores (:mod:`.collection`)."""
 
 from .collection import CollectionOptions, DocumentCollection
-from .corpora import get_corpus
+from .corpora import acquire_corpus, get_corpus, release_corpus, shared_corpora
 from .options import PROVIDER, GenerationOptions, TokenUsage, answer_report
 from .prompt_frontend import (
     DocumentRef,
@@ -33,14 +33,17 @@ __all__ = [
     "PromptFrontend",
     "TextRequest",
     "TokenUsage",
+    "acquire_corpus",
     "acquire_frontend",
     "answer_report",
     "chunk_forms",
     "constraint_of",
     "get_corpus",
     "get_frontend",
+    "release_corpus",
     "release_frontend",
     "response_format_for",
+    "shared_corpora",
     "shared_frontends",
     "text_request",
 ]

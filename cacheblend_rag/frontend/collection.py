@@ -24,11 +24,12 @@ from ..corpus.documents import DocumentHit
 from ..corpus.embedder import EmbedderLike, get_embedder, is_external
 from ..corpus.filters import Filter
 from ..corpus.manifest import CorpusManifest, check_compatible
+from ..engine.session import Session
 from ..errors import StoreError
 from ..ingest.kv import precompute_pending
 from ..models.tokenizer import load_model_tokenizer
 from ..store.shared import KVStoreOptions
-from .corpora import get_corpus
+from .corpora import acquire_corpus, release_corpus
 from .prompt_frontend import PromptFrontend, acquire_frontend, release_frontend
 
 
@@ -99,8 +100,11 @@ class DocumentCollection:
         self.model = os.fspath(model) if model is not None else None
         self.precompute_kv = precompute_kv
         ensure_corpus(self.corpus_dir, self.model, embedder, chunk_tokens, index_type, config)
-        self.corpus: Corpus = get_corpus(self.corpus_dir, embedder, config)
+        self.corpus: Corpus = acquire_corpus(self.corpus_dir, embedder, config)  # released by close()
+        self._holds_corpus = True
         if embedder is None and is_external(self.corpus.manifest.embedder):
+            self._holds_corpus = False
+            release_corpus(self.corpus)
             raise StoreError(
                 f"corpus {self.corpus_dir} was built with the embedder {self.corpus.manifest.embedder} "
                 f"({self.corpus.manifest.embedding_dim}-dim vectors): give the same embedding model again"
@@ -118,15 +122,26 @@ class DocumentCollection:
                 self._frontend = acquire_frontend(self.corpus_dir, self.model, config=self.config)
             return self._frontend
 
+    @property
+    def session(self) -> Session:
+        """The corpus and the shared engine over it, checked to belong together (the frontend's; the
+        engine is loaded on first use)."""
+        session = self.frontend.session
+        assert session is not None  # a collection's frontend always reads its corpus
+        return session
+
     def close(self) -> None:
         """Write the vector index if it changed (reopening then skips a rebuild) and give back the hold
-        on the shared engine (the last holder frees the model)."""
-        if not self.corpus.db.readonly:
-            self.corpus.save_index()
+        on the shared engine and the corpus (the last holder frees the model, and closes the corpus)."""
         with self._lock:
             frontend, self._frontend = self._frontend, None
+            holds_corpus, self._holds_corpus = self._holds_corpus, False
+        if holds_corpus and not self.corpus.db.readonly:
+            self.corpus.save_index()
         if frontend is not None:
             release_frontend(frontend)
+        if holds_corpus:
+            release_corpus(self.corpus)
 
     # -- documents -----------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from ..blend.spec import MethodSpec
 from ..corpus.manifest import CorpusManifest
 from ..engine import ENGINE_KINDS, GenerationResult, StreamHandle
 from ..engine.bounds import check_request
+from ..engine.session import Session
 from ..settings import get_settings
 from .collection import ensure_corpus
 from .prompt_frontend import (
@@ -156,6 +157,12 @@ class GenerationOptions(BaseModel):
                 ensure_corpus(Path(self.corpus_dir).expanduser(), self.model, config=settings)
             self._frontend = acquire_frontend(self.corpus_dir, self.model, self.engine, settings)
         return self._frontend
+
+    @property
+    def session(self) -> Session | None:
+        """The corpus and the engine answering over it, checked to belong together (the frontend's; None
+        without a corpus). Loads the engine on first use, like :attr:`frontend`."""
+        return self.frontend.session
 
     def close(self) -> None:
         """Give back this object's hold on the shared engine; the last holder's close frees the model.

@@ -17,7 +17,7 @@ The frontend uses only the engine contract (:class:`~cacheblend_rag.engine.Engin
 engine serves it; over a corpus, it holds the corpus and engine as a checked
 :class:`~cacheblend_rag.engine.session.Session`. :func:`acquire_frontend` (:func:`get_frontend`) shares
 one frontend, so one engine, per (corpus, model, engine kind, settings) across the process (a
-:class:`~cacheblend_rag.models.registry.SharedRegistry`), and :func:`~.corpora.get_corpus` one corpus
+:class:`~cacheblend_rag.models.registry.SharedRegistry`), and :func:`~.corpora.acquire_corpus` one corpus
 per corpus directory, so every LLM, chat model, retriever and vector store object over a corpus uses the
 same model and the same corpus (a holder passing other settings gets an engine of its own, built with
 them). Engines over different corpora share the model's weights too
@@ -63,7 +63,7 @@ from ..errors import ChunkNotFoundError, InvalidChunkIdError
 from ..models.registry import SharedRegistry
 from ..rag import CacheBlendRAG
 from ..text.chunker import Chunker, validate_chunk_id
-from .corpora import corpus_key, get_corpus
+from .corpora import acquire_corpus, corpus_key, release_corpus
 from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex
 
 log = logging.getLogger(__name__)
@@ -143,13 +143,14 @@ class PromptFrontend:
         self.config = config
         self._owned_engine: EngineProtocol | None = None
         if corpus_dir is not None:
-            self.rag: CacheBlendRAG | None = CacheBlendRAG(
-                get_corpus(corpus_dir, config=config),
-                engine=engine,
-                model=model,
-                engine_kind=engine_kind,
-                config=config,
-            )
+            corpus = acquire_corpus(corpus_dir, config=config)  # released by close()
+            try:
+                self.rag: CacheBlendRAG | None = CacheBlendRAG(
+                    corpus, engine=engine, model=model, engine_kind=engine_kind, config=config
+                )
+            except BaseException:
+                release_corpus(corpus)
+                raise
             # the corpus and the engine, checked once to belong together
             self.session: Session | None = self.rag.session
             self.engine: EngineProtocol = self.session.engine
@@ -178,6 +179,7 @@ class PromptFrontend:
             scheduler.close()
         if self.rag is not None:
             self.rag.close()
+            release_corpus(self.rag.corpus)  # the last holder closes it
         elif self._owned_engine is not None:
             self._owned_engine.close()
 
@@ -383,9 +385,9 @@ _frontends: SharedRegistry[_FrontendKey, PromptFrontend] = SharedRegistry(close=
 
 
 def _frontend_key(
-    corpus_dir: str | Path | None, model: str | Path | None, engine: str | None, config: Config
+    corpus_dir: str | Path | None, model: str | Path | None, engine_kind: str | None, config: Config
 ) -> _FrontendKey:
-    kind = engine or config.engine
+    kind = engine_kind or config.engine
     if kind not in ENGINE_KINDS:
         raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
     directory = corpus_key(corpus_dir) if corpus_dir is not None else None
@@ -395,15 +397,15 @@ def _frontend_key(
 def acquire_frontend(
     corpus_dir: str | Path | None = None,
     model: str | Path | None = None,
-    engine: str | None = None,
+    engine_kind: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
     """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), loaded
-    on first use; give it back with :func:`release_frontend`. ``engine``: "torch" or "vllm" (default:
+    on first use; give it back with :func:`release_frontend`. ``engine_kind``: "torch" or "vllm" (default:
     ``config.engine``); ``config``: the caller's settings, part of the key by value (every edge passes the
     process's, so every holder shares one engine, as a retriever, a chat model and an LLM object over one
     corpus do; a holder with other values gets a frontend built with them)."""
-    key = _frontend_key(corpus_dir, model, engine, config)
+    key = _frontend_key(corpus_dir, model, engine_kind, config)
     return _frontends.acquire(
         key, lambda: PromptFrontend(key[0], model, engine_kind=key[2], config=config), _usable
     )
@@ -426,9 +428,9 @@ def _usable(frontend: PromptFrontend) -> bool:
 def get_frontend(
     corpus_dir: str | Path | None = None,
     model: str | Path | None = None,
-    engine: str | None = None,
+    engine_kind: str | None = None,
     config: Config = DEFAULTS,
 ) -> PromptFrontend:
     """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), kept for
     the rest of the process (``config``: as for :func:`acquire_frontend`)."""
-    return acquire_frontend(corpus_dir, model, engine, config)
+    return acquire_frontend(corpus_dir, model, engine_kind, config)

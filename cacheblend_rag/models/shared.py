@@ -5,19 +5,31 @@ caller; :func:`release_model` gives one reference back, and the last one drops t
 weights (they are freed once no engine keeps the object). Engines acquire the model they load by name and
 release it on ``close()``; a model passed in as an object is the caller's to manage.
 
+The key is everything the loaded object depends on: the resolved model folder (``config.home`` only helps
+find it), the device and the compute dtype. ``config.threads`` is not part of the model but of the
+process (torch's intra-op threads, which a load sets): a caller asking for other threads than a shared
+model runs with is told so in a warning and shares the model as it runs (a second copy of the weights
+would not give it other threads).
+
 The reference counting is :class:`~.registry.SharedRegistry`'s (the chunk KV stores and the prompt
 frontends are shared the same way).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
+
+import torch
 
 from ..config import DEFAULTS, Config
 from .loader import load_model, pick_device, pick_dtype
 from .provision import resolve_model_path
 from .registry import SharedRegistry
 from .runtime import LayerwiseModel
+
+log = logging.getLogger(__name__)
 
 _models: SharedRegistry[tuple[str, str, str], LayerwiseModel] = SharedRegistry()  # forgets, never closes
 
@@ -44,7 +56,26 @@ def acquire_model(
     model) on ``device`` in ``dtype`` (default: ``config``'s), loaded on first use (see :func:`load_model`
     for what ``config`` gives). Pair every call with :func:`release_model`."""
     key = _key(model, device, dtype, config)
-    return _models.acquire(key, lambda: load_model(key[0], device, dtype, config))
+    loaded: list[LayerwiseModel] = []
+
+    def load() -> LayerwiseModel:
+        loaded.append(load_model(key[0], device, dtype, config))
+        return loaded[0]
+
+    shared = _models.acquire(key, load)
+    wanted, running = config.threads or os.cpu_count() or 1, torch.get_num_threads()
+    if not loaded and wanted != running:
+        log.warning(
+            "the shared model %s (%s, %s) runs with %d torch threads, not the %d asked for (threads=%d): "
+            "threads are process-wide, set by the first load",
+            shared.name,
+            key[1],
+            key[2],
+            running,
+            wanted,
+            config.threads,
+        )
+    return shared
 
 
 def release_model(model: LayerwiseModel) -> None:

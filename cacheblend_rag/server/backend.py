@@ -53,11 +53,11 @@ class RunningRequest:
     """
 
     def __init__(
-        self, handle: StreamHandle[GenerationResult], engine: str, received: float, param: str
+        self, handle: StreamHandle[GenerationResult], engine_kind: str, received: float, param: str
     ) -> None:
         self.received = received
         self.submitted = handle.submitted_at
-        self.engine = engine
+        self.engine_kind = engine_kind
         self._handle = handle
         self._events = iter(handle)
         self._param = param
@@ -111,7 +111,7 @@ class RunningRequest:
             "kv_computed_tokens": result.kv_computed_tokens,
             "chunk_ids": list(result.chunk_ids),
             "load_wait_s": result.load_wait_s,
-            "engine": self.engine,
+            "engine": self.engine_kind,
         }
         return Answer(
             text=result.text,

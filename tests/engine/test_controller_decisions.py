@@ -4,6 +4,8 @@ decision it applied."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from cacheblend_rag.blend.controller import LoadingController, Profile
@@ -14,6 +16,14 @@ from cacheblend_rag.store.keys import kv_bytes_per_token_per_layer
 
 QUESTIONS = ["Who wrote The Unwinding?", "Which organisation did the author volunteer for?"]
 SAMPLING = SamplingParams(max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def rag_store(tmp_path_factory, sample_store):
+    """This module's own copy of the sample store (its engine writes chunk KV there for every test in it)."""
+    store = tmp_path_factory.mktemp("decisions") / "store"
+    shutil.copytree(sample_store, store)
+    return store
 
 
 @pytest.fixture(scope="module")

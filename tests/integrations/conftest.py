@@ -8,9 +8,10 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def corpus_dir(rag_store) -> str:
-    """The sample store every integration test shares (so they share one engine and its chunk KV)."""
-    return str(rag_store)
+def corpus_dir(shared_rag_store) -> str:
+    """The sample store every integration test shares (so they share one engine and its chunk KV); a test
+    that changes a corpus makes its own."""
+    return str(shared_rag_store)
 
 
 @pytest.fixture(scope="session")

@@ -245,3 +245,23 @@ def test_bad_input_is_refused_clearly(corpus_dir):
     for former in (ChatCacheBlend, CacheBlendLLM, CacheBlendRetriever):  # a renamed field is refused
         with pytest.raises(ValidationError, match="store_dir= was renamed corpus_dir="):
             former(store_dir=corpus_dir)
+
+
+def test_every_holder_over_a_corpus_shows_the_same_session(corpus_dir):
+    """The chat model, the LLM and the vector store over one corpus hold one checked corpus + engine."""
+    from langchain_cacheblend import CacheBlendVectorStore
+
+    chat = ChatCacheBlend(corpus_dir=corpus_dir, max_tokens=2)
+    llm = CacheBlendLLM(corpus_dir=corpus_dir, max_tokens=2)
+    store = CacheBlendVectorStore(corpus_dir)
+    try:
+        session = chat.session
+        assert session is not None and session is llm.session is store.session
+        assert session.engine is chat.frontend.engine and session.corpus is chat.frontend.corpus
+        assert session.corpus is store.collection.corpus
+        with pytest.raises((AttributeError, ValueError)):
+            chat.session = None  # read-only: the frontend's
+        assert chat.session is session
+    finally:
+        for holder in (chat, llm, store):
+            holder.close()

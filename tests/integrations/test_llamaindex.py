@@ -118,6 +118,15 @@ async def test_structured_predict_decodes_under_the_output_class(
         llm.close()
 
 
+def test_the_llm_shows_the_session_it_answers_with(llm, corpus_dir, question):
+    session = llm.session
+    shared = get_frontend(corpus_dir, config=get_settings())
+    assert session is not None and session is shared.session, "one session per corpus and settings"
+    assert session.engine is llm.frontend.engine and session.corpus.search(question, 1)
+    with pytest.raises((AttributeError, ValueError)):
+        llm.session = None  # read-only: the frontend's
+
+
 def test_complete_and_chat(llm, llm_reports):
     completion = llm.complete("Name a colour.", max_tokens=6)
     streamed = list(llm.stream_complete("Name a colour.", max_tokens=6))

@@ -139,8 +139,8 @@ def test_cacheblend_rag_on_vllm_answers_as_pytorch(corpus_dir, questions):
     from cacheblend_rag.rag import CacheBlendRAG
 
     rag, reference = (
-        get_frontend(corpus_dir, engine="vllm", config=get_settings()).rag,
-        get_frontend(corpus_dir, engine="torch", config=get_settings()).rag,
+        get_frontend(corpus_dir, engine_kind="vllm", config=get_settings()).rag,
+        get_frontend(corpus_dir, engine_kind="torch", config=get_settings()).rag,
     )
     assert isinstance(rag, CacheBlendRAG) and isinstance(rag.engine, VLLMEngine)
     sampling = SamplingParams(MAX_TOKENS)
@@ -157,7 +157,7 @@ def test_cacheblend_rag_on_vllm_answers_as_pytorch(corpus_dir, questions):
 
 def test_query_command_on_vllm_answers_as_pytorch(corpus_dir, questions):
     sampling = SamplingParams(MAX_TOKENS)
-    reference = get_frontend(corpus_dir, engine="torch", config=get_settings()).rag.query(
+    reference = get_frontend(corpus_dir, engine_kind="torch", config=get_settings()).rag.query(
         questions[0], sampling=sampling
     )
     command = [sys.executable, "-m", "cacheblend_rag", "query", questions[0], "--corpus", corpus_dir]

@@ -17,6 +17,7 @@ from langchain_core.vectorstores.utils import maximal_marginal_relevance
 
 from cacheblend_rag.check import CheckReport
 from cacheblend_rag.corpus import DocumentHit, ExternalEmbedder
+from cacheblend_rag.engine.session import Session
 from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
 from cacheblend_rag.settings import get_settings
 
@@ -82,6 +83,12 @@ class CacheBlendVectorStore(VectorStore):
     def collection(self) -> DocumentCollection:
         """The corpus behind the store (its documents, corpus and shared engine)."""
         return self._documents
+
+    @property
+    def session(self) -> Session:
+        """The corpus and the shared engine over it, as every LLM over the corpus holds them (the engine
+        is loaded on first use)."""
+        return self._documents.session
 
     def close(self) -> None:
         """Give back the store's hold on the shared model (the last holder frees it)."""

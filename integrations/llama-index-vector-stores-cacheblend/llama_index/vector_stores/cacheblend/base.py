@@ -25,6 +25,7 @@ from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_
 
 from cacheblend_rag.check import CheckReport
 from cacheblend_rag.corpus import AllOf, AnyOf, Condition, ExternalEmbedder, Filter, KeyIn, Not
+from cacheblend_rag.engine.session import Session
 from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
 from cacheblend_rag.settings import get_settings
 
@@ -91,6 +92,12 @@ class CacheBlendVectorStore(BasePydanticVectorStore):
     def client(self) -> DocumentCollection:
         """The corpus behind the store (its documents, corpus and shared engine)."""
         return self._documents
+
+    @property
+    def session(self) -> Session:
+        """The corpus and the shared engine over it, as every LLM over the corpus holds them (the engine
+        is loaded on first use)."""
+        return self._documents.session
 
     @property
     def embed_model(self) -> BaseEmbedding:
