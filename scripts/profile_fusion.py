@@ -30,9 +30,10 @@ from cacheblend_rag.settings import get_settings
 from cacheblend_rag.text.chunker import Chunker
 
 
-def build_prompt(model, chunks: int, chunk_tokens: int):
+def musique_chunks(model, chunks: int, chunk_tokens: int) -> list[tuple[int, ...]]:
+    """Token ids of ``chunks`` MuSiQue chunks of exactly ``chunk_tokens`` tokens (scripts/profile_round.py
+    uses them too)."""
     tok = model.tokenizer
-    context = ChunkContext(chunk_context_ids(tok, "neutral"))
     chunker = Chunker(tok, chunk_tokens)
     pieces = []
     for case in load_dataset("musique").cases:
@@ -48,7 +49,14 @@ def build_prompt(model, chunks: int, chunk_tokens: int):
             for t in tok(c.document, add_special_tokens=False)["input_ids"]
         ]
         pieces = [tuple(ids[i * chunk_tokens : (i + 1) * chunk_tokens]) for i in range(chunks)]
-    refs = [ChunkRef(p, None, prefill_chunk_kv(model, p, context).to(torch.float16)) for p in pieces[:chunks]]
+    return [tuple(p) for p in pieces[:chunks]]
+
+
+def build_prompt(model, chunks: int, chunk_tokens: int):
+    tok = model.tokenizer
+    context = ChunkContext(chunk_context_ids(tok, "neutral"))
+    pieces = musique_chunks(model, chunks, chunk_tokens)
+    refs = [ChunkRef(p, None, prefill_chunk_kv(model, p, context).to(torch.float16)) for p in pieces]
     question = "Which river flows through the city where the author of the book was born?"
     segments = PromptBuilder(tok).rag_segments(question, refs)
     # the template's opening is reused exactly, as Engine hands it to the fusor

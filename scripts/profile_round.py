@@ -25,6 +25,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+from profile_fusion import musique_chunks  # scripts/ is on sys.path when a script in it runs
 
 from cacheblend_rag.blend import fusor as fusor_module
 from cacheblend_rag.blend import layers as layers_module
@@ -41,7 +42,6 @@ from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.models.runtime import LayerwiseModel
 from cacheblend_rag.settings import get_settings
 from cacheblend_rag.store.kvstore import KVStore
-from cacheblend_rag.text.chunker import Chunker
 
 TOTALS: dict[str, float] = defaultdict(float)
 COUNTS: dict[str, int] = defaultdict(int)
@@ -149,24 +149,8 @@ def old_requests(engine, work) -> list[FusionRequest]:
 
 
 def chunk_refs(model, chunks: int, chunk_tokens: int) -> list[ChunkRef]:
-    """``chunks`` MuSiQue chunks of exactly ``chunk_tokens`` tokens (as scripts/profile_fusion.py)."""
-    tok = model.tokenizer
-    chunker = Chunker(tok, chunk_tokens)
-    pieces = []
-    for case in load_dataset("musique").cases:
-        for ctx in case.contexts:
-            pieces.extend(c.token_ids for c in chunker.split(ctx.document) if c.n_tokens == chunk_tokens)
-        if len(pieces) >= chunks:
-            break
-    if len(pieces) < chunks:
-        ids = [
-            t
-            for case in load_dataset("musique").cases[:4]
-            for c in case.contexts
-            for t in tok(c.document, add_special_tokens=False)["input_ids"]
-        ]
-        pieces = [tuple(ids[i * chunk_tokens : (i + 1) * chunk_tokens]) for i in range(chunks)]
-    return [ChunkRef(tuple(p)) for p in pieces[:chunks]]
+    """``chunks`` MuSiQue chunks of exactly ``chunk_tokens`` tokens, as scripts/profile_fusion.py takes."""
+    return [ChunkRef(p) for p in musique_chunks(model, chunks, chunk_tokens)]
 
 
 def report(title: str, wall: float) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import StoreError
 from ..store.codec import get_codec
-from ..store.index import stored_codec
+from ..store.index import folder_codec
 
 if TYPE_CHECKING:
     from ..models.tokenizer import ModelTokenizer
@@ -90,8 +90,7 @@ def legacy_codec(kv_dir: Path, manifest: CorpusManifest, configured: str) -> str
     """The codec of a corpus whose manifest records none (made before codecs were recorded): the one its
     KV store at ``kv_dir`` holds (``configured`` if it holds several), else ``configured``, the codec
     its first chunk KV will be written in. Its KV is never re-read in a codec it was not written in."""
-    wanted = get_codec(configured).name
-    return stored_codec(kv_dir, manifest.model_fingerprint, wanted) or wanted
+    return folder_codec(kv_dir, manifest.model_fingerprint, None, get_codec(configured).name)
 
 
 def check_new_corpus_dir(corpus_dir: Path) -> None:
