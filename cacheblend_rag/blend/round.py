@@ -100,8 +100,15 @@ def fuse_round(
     order = sorted(jobs)
     results: dict[int, FusionResult] = {}
     if order or passes:
+        # a request fused on its own gets its loader only now: one made for every request up front
+        # would read layers of chunks the round serves (the members' are never asked for)
+        own = [_with_provider(jobs[i], provider_for) for i in order]
         try:
-            fused = fusor.fuse_many([jobs[i] for i in order], also=[p for p, _ in passes])
+            fused = fusor.fuse_many(own, also=[p for p, _ in passes])
+        except BaseException:
+            for job in own:
+                job.kv_provider.close()  # fuse_many closes them once it ran; unrun (invalid) ones here
+            raise
         finally:
             for members_pass, _ in passes:
                 members_pass.close()
@@ -111,6 +118,12 @@ def fuse_round(
     for i, share in shares.items():
         results[i].round = share
     return [results[i] for i in range(len(requests))]
+
+
+def _with_provider(request: FusionRequest, provider_for: ProviderFactory) -> FusionRequest:
+    if request.kv_provider is not None:
+        return request
+    return replace(request, kv_provider=provider_for([s.kv for s in request.segments if s.kv is not None]))
 
 
 def _blend_round(
@@ -135,7 +148,11 @@ def _blend_round(
     provider = lead.kv_provider if lead.kv_provider is not None else provider_for(sources)
     room = sum(found[2].numel() for found in joining.values())  # the joining members' own tokens
     request = FusionRequest(segments, lead.method, provider, room, probe_suffix=questions)
-    blend = fusor.fuse_many([request])[0]
+    try:
+        blend = fusor.fuse_many([request])[0]
+    except BaseException:
+        provider.close()  # fuse_many closes it once it ran; not when the prompt was refused
+        raise
     for member in members[1:]:  # their chunks come from the round: nothing of theirs is read
         if member.kv_provider is not None:
             member.kv_provider.close()

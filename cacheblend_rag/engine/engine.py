@@ -253,16 +253,13 @@ class Engine(PromptSegments):
         """Fuse several prompts together, those that read the same chunks sharing one blend of them
         (:mod:`~cacheblend_rag.blend.round`): each result carries its round share. If that fails, they
         are fused as :meth:`fuse_many` fuses them, so a round never costs a request its answer."""
-        jobs = [
-            FusionRequest(segments, method, self._loader([s.kv for s in segments if s.kv is not None]))
-            for segments, method in requests
-        ]
+        # no loader per request here: fuse_round makes one for each blend it runs (a round's members
+        # read nothing of their own), and closes them
+        jobs = [FusionRequest(segments, method) for segments, method in requests]
         try:
             with self.forward_lock:
                 return list(fuse_round(self.fusor, jobs, self._loader))
         except Exception as exc:  # each request is fused again below, without the round
-            for job in jobs:
-                job.kv_provider.close()
             log.info("fusing %d requests as a round failed (%s); fusing them without", len(requests), exc)
         return self.fuse_many(requests)
 

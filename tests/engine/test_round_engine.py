@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from cacheblend_rag.blend.methods import get_method
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.engine.prompt import ChunkRef
 from cacheblend_rag.engine.scheduler import BatchRequest, BatchScheduler
@@ -65,6 +66,23 @@ def test_the_scheduler_blends_shared_chunks_once_by_default(engine, refs):
         assert result.computed_tokens == result.prompt_tokens - 400 - len(head)
     off = engine.generate_batch(requests(engine, refs, "cacheblend"), rounds=False)
     assert all(r.round_requests == 0 for r in off)
+
+
+def test_a_round_reads_its_chunks_through_one_loader(engine, refs, monkeypatch):
+    made = []
+    real = engine._loader
+
+    def counting(sources):
+        made.append(len(sources))
+        return real(sources)
+
+    monkeypatch.setattr(engine, "_loader", counting)
+    batch = requests(engine, refs, "cacheblend")
+    results = engine.fuse_round([(r.segments, get_method(r.method)) for r in batch])
+    assert all(result.round.requests == 3 for result in results)
+    # the round's blend reads the chunks once; its members, whose chunks come from the blend, start no
+    # loader of their own (each would prefetch layers nobody asks for)
+    assert len(made) == 1
 
 
 def test_cancelling_one_agent_leaves_the_others_unchanged(engine, refs):
