@@ -28,6 +28,7 @@ from torch.profiler import record_function
 from ..errors import ContextLengthError, FusionInputError
 from ..models.rope import Rope
 from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
+from .context import SharedContext
 from .layers import LayerPass, run_layer
 from .methods import FullReuse, RecomputeMethod
 from .plan import FusionPlan, LayerState
@@ -79,6 +80,9 @@ class FusionResult:
     round: RoundShare | None = None
     # positions of ``buffer`` still to be written (blend/round_members.py); ``cache`` writes them first
     pending: PendingKV | None = None
+    # a round member's prompt as it lies in the round's cache, which its decoding may read in place
+    # instead of a copy of it (blend/context.py)
+    context: SharedContext | None = None
 
     @property
     def cache(self) -> KVCache:

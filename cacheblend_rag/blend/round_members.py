@@ -15,10 +15,11 @@ round's cache itself:
   that shows each member only the round's chunks (not the round's own text) and its own tokens, causally;
 - projections and MLPs run over every member's tokens at once (and beside any other request fused in the
   same batch);
-- each member's result holds its own K/V at its true positions; its chunks' K/V stays in the round's cache
-  until someone needs the member's whole cache (:attr:`FusionResult.cache`) or writes it into a decode
-  batch (:meth:`FusionResult.write_into`), which rotates it from there straight to the member's positions:
-  the blended KV is copied once per member, where the member's KV is kept, instead of twice.
+- each member's result holds its own K/V at its true positions and, as its ``context``, its view of the
+  round's cache, over which the batch scheduler decodes it in place (:mod:`.context`: the blend held
+  once); its chunks' K/V is copied out of the round's cache, rotated straight to the member's positions,
+  only when someone needs the member's whole cache (:attr:`FusionResult.cache`, e.g. decoding it alone)
+  or writes it into a buffer of its own (:meth:`FusionResult.write_into`).
 
 A member whose chunks do not share one shift (its own chunk order), whose method would compute some of
 its cached tokens, whose last token is a chunk's or that has an attention observer is fused as a request
@@ -35,6 +36,7 @@ import torch
 
 from ..models.rope import Rope
 from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
+from .context import RoundKV, SharedContext
 from .fusor import FusionResult, RoundShare
 from .methods import RecomputeMethod
 from .plan import FusionPlan
@@ -235,6 +237,10 @@ class MembersPass:
         logits = self.model.logits(self.hidden[0, last])
         seconds = time.perf_counter() - self.started
         layers = self.model.num_layers
+        end = self.keys_end
+        round_kv = RoundKV(
+            [k[:, :, :end] for k in self.cache.keys], [v[:, :, :end] for v in self.cache.values]
+        )
         out = []
         for i, (member, own) in enumerate(zip(self.members, self.own, strict=True)):
             own.length = member.plan.num_tokens
@@ -251,9 +257,18 @@ class MembersPass:
                     load_wait_s=self.load_wait / len(self.members),
                     round=member.share,
                     pending=RoundChunksKV(self.model, self.cache, member),
+                    context=SharedContext(round_kv, self._visible(member), member.delta),
                 )
             )
         return out
+
+    def _visible(self, member: MemberLayout) -> torch.Tensor:
+        """The round's slots a member's later tokens see: the round's chunks and its own prompt's tokens."""
+        visible = torch.zeros(self.keys_end, dtype=torch.bool)
+        for (start, end), _ in member.chunk_spans:
+            visible[start:end] = True
+        visible[member.slot : member.slot + member.own_positions.numel()] = True
+        return visible.to(self.model.device)
 
     def close(self) -> None:
         for member in self.members:

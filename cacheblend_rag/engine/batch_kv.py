@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
+from ..blend.context import SharedContext
 from ..blend.fusor import FusionResult
 from ..blend.segments import ChunkKVSource, Segment
 from ..models.runtime import KVCache, LayerwiseModel
@@ -79,13 +80,27 @@ def fusion_batches(items: Sequence[int], sizes: Sequence[int], budget: int) -> l
     return batches
 
 
+@dataclass(frozen=True)
+class RowContext:
+    """A decode row that reads its prompt from a round's cache in place (:mod:`~..blend.context`): its view
+    of the round, and the position of the first token it feeds, which takes slot 0 of its own row."""
+
+    shared: SharedContext
+    start: int
+
+
 class DecodeCache:
-    """The decode batch's KV: per layer [rows, Hkv, capacity, d]; active rows occupy slots 0..n-1."""
+    """The decode batch's KV: per layer [rows, Hkv, capacity, d]; active rows occupy slots 0..n-1.
+
+    A row holds its whole prompt's KV (slot == position), except a round's member: its prompt stays in the
+    round's cache, held once for all the round's members (:class:`RowContext`), and its row holds only the
+    tokens it generates."""
 
     def __init__(self, model: LayerwiseModel) -> None:
         self.model = model
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.contexts: dict[int, RowContext] = {}  # by row
 
     @property
     def rows(self) -> int:
@@ -97,7 +112,15 @@ class DecodeCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """The buffer's bytes and, once each, those of the round caches its rows read."""
+        rounds = {id(c.shared.kv): c.shared.kv.nbytes for c in self.contexts.values()}
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values)) + sum(rounds.values())
+
+    @staticmethod
+    def slots_needed(fusion: FusionResult, max_new: int) -> int:
+        """Slots a fused prompt's row takes: its prompt and the tokens it may feed back, or only those when
+        it reads its prompt from a round's cache."""
+        return max_new if fusion.context is not None else fusion.num_tokens + max_new
 
     def reserve(self, rows: int, capacity: int, keep: int) -> None:
         """Make room for ``rows`` rows of ``capacity`` slots, keeping the first ``keep`` rows' contents.
@@ -112,19 +135,37 @@ class DecodeCache:
         self.keys, self.values = fresh.keys, fresh.values
 
     def place(self, slot: int, fusion: FusionResult) -> None:
-        """Write a fused prompt's KV (its first ``fusion.num_tokens`` slots) into row ``slot``: copied from
-        its cache, or, for a round's member, its chunks straight from the round's cache. Slots past them
-        keep stale data, which is harmless: a row's query at position p sees only slots 0..p, and slot p is
-        written by the same forward before attention reads it."""
+        """Give a fused prompt row ``slot``: a round's member reads its prompt from the round's cache;
+        any other prompt's KV (its first ``fusion.num_tokens`` slots) is copied into the row. Slots past
+        them keep stale data, which is harmless: a row's query sees only the slots up to its own, and that
+        slot is written by the same forward before attention reads it."""
+        if fusion.context is not None:
+            self.contexts[slot] = RowContext(fusion.context, fusion.num_tokens)
+            return
+        self.contexts.pop(slot, None)
         fusion.write_into(self.keys, self.values, slot)
 
     def move(self, source: int, target: int) -> None:
         for buf in (*self.keys, *self.values):
             buf[target] = buf[source]
+        moved = self.contexts.pop(source, None)
+        if moved is None:
+            self.contexts.pop(target, None)
+        else:
+            self.contexts[target] = moved
+
+    def drop(self, slot: int) -> None:
+        """Row ``slot`` is free: the round cache it read (if no other row reads it) can go."""
+        self.contexts.pop(slot, None)
 
     def view(self, rows: int) -> KVCache:
         """The first ``rows`` rows as a cache whose writes land in this buffer."""
         return KVCache([k[:rows] for k in self.keys], [v[:rows] for v in self.values])
 
+    def row_contexts(self, rows: int) -> list[RowContext | None]:
+        """Per row of the first ``rows``, the round cache it reads its prompt from (None: its own row)."""
+        return [self.contexts.get(slot) for slot in range(rows)]
+
     def release(self) -> None:
         self.keys, self.values = [], []
+        self.contexts.clear()

@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
+from ..blend.context import RoundKV
 from ..blend.fusor import FusionResult
 from ..blend.segments import Segment
 from ..blend.spec import ResolvedMethod
 from ..models.runtime import KVCache, LayerwiseModel
 from .base import FusionStats, GenerationResult, TokenEvent
+from .batch_kv import RowContext
 from .constraints import ConstraintState, masked, start_constraint
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
@@ -137,11 +139,17 @@ def decode_step(
     forward_lock: AbstractContextManager[Any],
     rows: Sequence[DecodeRow],
     cache: KVCache,
+    contexts: Sequence[RowContext | None] = (),
 ) -> list[int]:
     """Feed every row's last token at its own position in one forward over ``cache`` (row i's KV in
-    batch row i) and let each row choose its next token; returns the slots of the rows that finished."""
+    batch row i; ``contexts[i]``, when given, the round cache row i reads its prompt from) and let each row
+    choose its next token; returns the slots of the rows that finished."""
     device = model.device
     ids = torch.tensor([[row.token] for row in rows], device=device)
+    if any(context is not None for context in contexts):
+        with forward_lock:
+            logits = forward_over_rounds(model, ids, rows, cache, contexts)
+        return [slot for slot, row in enumerate(rows) if row.step(logits[slot])]
     if len(rows) == 1:  # a row alone: no mask tensor, the same kernels whether or not it is batched
         positions = torch.tensor([rows[0].position], device=device)
     else:
@@ -149,6 +157,85 @@ def decode_step(
     with forward_lock:
         logits = model.forward(ids, positions, cache)
     return [slot for slot, row in enumerate(rows) if row.step(logits[slot])]
+
+
+@torch.inference_mode()
+def forward_over_rounds(
+    model: LayerwiseModel,
+    ids: torch.Tensor,
+    rows: Sequence[DecodeRow],
+    cache: KVCache,
+    contexts: Sequence[RowContext | None],
+) -> torch.Tensor:
+    """One decode forward where some rows read their prompt from a round's cache in place: such a row's
+    token is projected in the round's frame (its position minus its shift) and written to its own row's
+    slot ``position - start``; it attends to the round's slots it sees and to its own generated tokens, in
+    one softmax. Other rows attend to their own row (slot == position) as :meth:`LayerwiseModel.forward`
+    does. Returns the logits of every row's token [B, vocab]."""
+    device = model.device
+    rope, slots = [], []
+    for row, context in zip(rows, contexts, strict=True):
+        shift, start = (context.shared.delta, context.start) if context is not None else (0, 0)
+        rope.append(row.position - shift)
+        slots.append(row.position - start)
+    positions = torch.tensor(rope, device=device)[:, None]
+    slot_index = torch.tensor(slots, device=device)[:, None]
+    end = max(slots) + 1
+    if end > cache.capacity:
+        raise RuntimeError(f"decode row slot {end - 1} is past the batch buffer's {cache.capacity} slots")
+    own_visible = torch.arange(end, device=device)[None] <= slot_index  # [B, end]
+    groups: dict[int, tuple[RoundKV, torch.Tensor, torch.Tensor]] = {}
+    for i, context in enumerate(contexts):
+        if context is not None:
+            kv = context.shared.kv
+            found = groups.get(id(kv))
+            members = [*found[1].tolist(), i] if found else [i]
+            visible = [contexts[j].shared.visible for j in members]  # type: ignore[union-attr]
+            groups[id(kv)] = (kv, torch.tensor(members, device=device), torch.stack(visible))
+    plain = torch.tensor([i for i, c in enumerate(contexts) if c is None], dtype=torch.long, device=device)
+    hidden = model.embed(ids).to(model.dtype)
+    cos_sin = model.rope.cos_sin(positions, model.dtype)
+    for layer in range(model.num_layers):
+        qkv = model.project_qkv(layer, hidden, positions, cos_sin)
+        cache.write(layer, slot_index, qkv.k, qkv.v)
+        keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
+        attended = _attend_rows(model, layer, qkv.q, keys, values, own_visible, plain, groups.values())
+        hidden = model.finish_layer(layer, hidden, attended)
+    cache.length = max(cache.length, end)
+    return model.logits(hidden[:, -1])
+
+
+def _attend_rows(
+    model: LayerwiseModel,
+    layer: int,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    own_visible: torch.Tensor,
+    plain: torch.Tensor,
+    groups: Collection[tuple[RoundKV, torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Attention of one query per row ``q`` [B, H, 1, d] over its own row (``own_visible`` [B, T]) and,
+    for the rows of each round in ``groups``, the round's slots they see, in one softmax per row; scores
+    in float32. Returns [B, 1, H * d]."""
+    b, heads, _, d = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads, d)  # head h reads kv head h // (heads / kv_heads)
+    scores = (grouped @ keys.transpose(-1, -2)).float() * model.scaling  # [B, Hkv, g, T]
+    scores.masked_fill_(~own_visible[:, None, None, :], float("-inf"))
+    out = torch.empty_like(grouped)
+    if plain.numel():
+        weights = scores[plain].softmax(-1).to(values.dtype)
+        out[plain] = weights @ values[plain]
+    for kv, members, visible in groups:
+        round_keys, round_values = kv.keys[layer], kv.values[layer]  # [1, Hkv, L, d]
+        seen = (grouped[members] @ round_keys.transpose(-1, -2)).float() * model.scaling
+        seen.masked_fill_(~visible[:, None, None, :], float("-inf"))
+        weights = torch.cat([seen, scores[members]], dim=-1).softmax(-1).to(values.dtype)
+        length = round_keys.shape[2]
+        out[members] = weights[..., :length] @ round_values + weights[..., length:] @ values[members]
+    model.attention_token_layers += b
+    return out.reshape(b, 1, heads * d)
 
 
 def decode_alone(

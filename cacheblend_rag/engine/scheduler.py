@@ -9,7 +9,9 @@ a chunk's layers are kept for the group from its first reader until its last use
 shared by several requests is read from the RAM or disk tier once per group. Each fused prompt then
 joins the decode batch, whose KV is one buffer [rows, Hkv, capacity, d] per layer with each row at its
 own position; one forward per step generates the next token of every active row (a [B, 1] query per
-row, masked to that row's own slots, so padding and other rows never leak into an answer). A row that
+row, masked to that row's own slots, so padding and other rows never leak into an answer). Requests of
+a round (:mod:`~cacheblend_rag.blend.round`) that joined its pass keep their prompt in the round's cache,
+held once, and their rows hold only what they generate (:mod:`~cacheblend_rag.blend.context`). A row that
 finishes leaves the batch at once and its slot is refilled by the next admitted request between two
 decode steps.
 
@@ -106,6 +108,7 @@ class _Pending:
     prompt_tokens: int
     max_new: int
     row: DecodeRow | None = None  # its decode state, once fused
+    slots: int = 0  # slots its row takes in the decode batch's buffer, once fused
 
     @property
     def capacity(self) -> int:
@@ -307,7 +310,7 @@ class BatchScheduler:
                 log.exception("batch scheduler step failed; failing its requests")
                 for pending in [*group, *self._rows]:
                     self._fail(pending, exc)
-                self._rows = []
+                self._free_slots(range(len(self._rows)))
 
     def _batch_bytes(self, capacities: Sequence[int]) -> int:
         return len(capacities) * max(capacities) * self.kv_bytes_per_token
@@ -376,15 +379,19 @@ class BatchScheduler:
         # request's KV is copied into it (a copy per request: the last request's first token would
         # otherwise wait for all the others')
         if started:
-            capacities = [p.capacity for p in self._rows] + [p.capacity for p, _ in started]
+            for pending, row in started:
+                assert row.prompt is not None
+                pending.slots = self._cache.slots_needed(row.prompt, pending.max_new)
+            capacities = [p.slots for p in self._rows] + [p.slots for p, _ in started]
             self._cache.reserve(len(capacities), max(capacities), keep=len(self._rows))
-            self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
         for pending, row in started:
             try:
                 self._take_row(pending, row)
             except Exception as exc:
                 log.warning("request %d failed: %s", pending.handle.request_id, exc)
                 self._fail(pending, exc)
+        if started:  # the buffer and, once each, the round caches its rows read
+            self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
 
     def _first_token(self, pending: _Pending, fusion: FusionResult) -> DecodeRow | None:
         """The request's decode row, its first token emitted; None when that token finished it."""
@@ -418,12 +425,13 @@ class BatchScheduler:
         rows = [pending.row for pending in self._rows]
         assert all(row is not None for row in rows)
         try:
-            finished = decode_step(self.model, self.engine.forward_lock, rows, self._cache.view(len(rows)))
+            view, contexts = self._cache.view(len(rows)), self._cache.row_contexts(len(rows))
+            finished = decode_step(self.model, self.engine.forward_lock, rows, view, contexts)
         except Exception as exc:
             log.exception("decode step failed; failing its %d requests", len(rows))
             for pending in self._rows:
                 self._fail(pending, exc)
-            self._rows = []
+            self._free_slots(range(len(self._rows)))
             return
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(rows)
@@ -440,6 +448,7 @@ class BatchScheduler:
             if slot != last:
                 self._cache.move(last, slot)
                 self._rows[slot] = self._rows[last]
+            self._cache.drop(last)
             self._rows.pop()
 
     def _complete(self, pending: _Pending, row: DecodeRow) -> None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from cacheblend_rag.blend.methods import get_method
 from cacheblend_rag.engine import Engine, SamplingParams
@@ -83,6 +84,35 @@ def test_a_round_reads_its_chunks_through_one_loader(engine, refs, monkeypatch):
     # the round's blend reads the chunks once; its members, whose chunks come from the blend, start no
     # loader of their own (each would prefetch layers nobody asks for)
     assert len(made) == 1
+
+
+def _greedy_over_own_cache(model, fusion, count):
+    """Greedy tokens of a fused prompt decoded over a cache of its own (the round's chunks copied in)."""
+    cache, position = fusion.cache, fusion.num_tokens
+    token, tokens = int(fusion.logits.argmax()), []
+    for _ in range(count):
+        tokens.append(token)
+        logits = model.forward(torch.tensor([[token]]), torch.tensor([position]), cache)
+        token, position = int(logits[0].argmax()), position + 1
+    return tokens
+
+
+def test_round_agents_decode_over_the_rounds_cache_held_once(engine, refs):
+    sampling = SamplingParams(max_new_tokens=12)
+    batch = requests(engine, refs, "cacheblend", sampling=sampling)
+    with BatchScheduler(engine, max_batch=3, rounds=True) as scheduler:
+        shared = [h.result(timeout=600) for h in scheduler.submit_many(batch)]
+        peak_shared, kv_bytes = scheduler.stats.peak_kv_bytes, scheduler.kv_bytes_per_token
+    fusions = engine.fuse_round([(r.segments, get_method(r.method)) for r in batch])
+    assert all(f.context is not None for f in fusions)  # every agent joined the round's pass
+    for result, fusion in zip(shared, fusions, strict=True):
+        assert result.round_requests == 3
+        expected = _greedy_over_own_cache(engine.model, fusion, len(result.token_ids))
+        assert result.token_ids == expected  # the round's cache read in place = a copy of it
+    # the round's cache once (its prompt and the agents' own tokens) + 12 slots per agent, where a copy
+    # per agent would take 3 x (prompt + 12)
+    prompt = max(r.prompt_tokens for r in shared)
+    assert peak_shared < 2 * prompt * kv_bytes
 
 
 def test_cancelling_one_agent_leaves_the_others_unchanged(engine, refs):

@@ -267,8 +267,9 @@ def render_round(page, section: dict[str, Any]) -> list[str]:
         f"{section['chunks']} MuSiQue chunks ({sizes} tokens) shared by every agent, each with its own "
         f"role (system message) and question; cacheblend at r = {section['ratio']:g}; "
         f"{section['max_new_tokens']} new tokens each; all agents submitted at once to one scheduler; "
-        "median of the repeats. Peak KV: the decode batch's KV buffer (each agent keeps its own copy of "
-        "the blended chunks).",
+        "median of the repeats. Peak KV: the decode batch's KV buffer and, once, each round's cache, which "
+        "the agents that joined the round's pass decode over in place (an agent fused apart, such as one "
+        "with its own chunk order, keeps its own copy of the blended chunks in its row).",
         "",
         table(
             ["runner", "agents", "all first tokens (s)", "requests/s", "peak KV (MiB)", "round size"], rows
