@@ -133,19 +133,19 @@ def test_round_growth_check_allows_only_the_agents_own_tokens_share():
     from cacheblend_rag.eval.bench.round import _checks
 
     def timing(t8, t16):
-        row = {"shared_tokens": 3000, "round_requests": 8, "requests_per_s": 1.0}
+        row = {"round_recomputed_tokens": 460, "round_requests": 8, "requests_per_s": 1.0}
         return {
             "round": {
-                "8": {**row, "all_first_tokens_s": t8, "own_tokens": 800},
-                "16": {**row, "all_first_tokens_s": t16, "own_tokens": 1600},
+                "8": {**row, "all_first_tokens_s": t8, "agent_computed_tokens": 340},
+                "16": {**row, "all_first_tokens_s": t16, "agent_computed_tokens": 680},
             },
             "per_request": {},
             "full_prefill": {},
         }
 
     fidelity = {"cases": 0}
-    # 3,800 -> 4,600 round tokens: +21 %
-    (within,) = _checks(timing(5.0, 6.0), fidelity)
-    (beyond,) = _checks(timing(5.0, 6.5), fidelity)
-    assert within["passed"] and abs(within["value"] - 0.2) < 1e-9
-    assert not beyond["passed"] and "+21% tokens" in beyond["claim"]
+    # 800 -> 1,140 computed tokens: +42.5 % (printed as 43 %)
+    (within,) = _checks(timing(5.0, 7.0), fidelity)
+    (beyond,) = _checks(timing(5.0, 7.5), fidelity)
+    assert within["passed"] and abs(within["value"] - 0.4) < 1e-9
+    assert not beyond["passed"] and "+43% computed tokens" in beyond["claim"]
