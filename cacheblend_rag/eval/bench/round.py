@@ -130,14 +130,20 @@ def section_round(ctx: BenchContext) -> dict[str, Any]:
             "per_request_own_order": (blend, False, True),
             "round_own_order": (blend, True, True),
         }
-        for label, (method, rounds, own_order) in runners.items():
-            timing[label] = {}
-            for n in levels:
-                if label == "full_prefill" and n not in FULL_PREFILL_LEVELS:
-                    continue
-                batch = agent_requests(engine, refs, questions[:n], method, sampling, own_order)
-                samples = [_timed(engine, batch, rounds) for _ in range(config.repeats)]
-                timing[label][str(n)] = _median(samples)
+        # interleaved: at each N, every repeat runs each runner once in turn, so that a drift of the
+        # machine's speed during the run touches all runners alike
+        for n in levels:
+            batches = {
+                label: (agent_requests(engine, refs, questions[:n], method, sampling, own_order), rounds)
+                for label, (method, rounds, own_order) in runners.items()
+                if label != "full_prefill" or n in FULL_PREFILL_LEVELS
+            }
+            samples: dict[str, list[dict[str, Any]]] = {label: [] for label in batches}
+            for _ in range(config.repeats):
+                for label, (batch, rounds) in batches.items():
+                    samples[label].append(_timed(engine, batch, rounds))
+            for label, runs in samples.items():
+                timing.setdefault(label, {})[str(n)] = _median(runs)
                 logger.info("round: %s at N=%d: %s", label, n, timing[label][str(n)]["all_first_tokens_s"])
         logger.info("round: timing done; fidelity on %d held-out rounds", config.round_fidelity_cases)
         fidelity = _fidelity(engine, config, blend)
@@ -285,9 +291,10 @@ def render_round(page, section: dict[str, Any]) -> list[str]:
         f"{section['chunks']} MuSiQue chunks ({sizes} tokens) shared by every agent, each with its own "
         f"role (system message) and question; cacheblend at r = {section['ratio']:g}; "
         f"{section['max_new_tokens']} new tokens each; all agents submitted at once to one scheduler; "
-        "median of the repeats. Peak KV: the decode batch's KV buffer and, once, each round's cache, which "
-        "the agents that joined the round's pass decode over in place (an agent fused apart, such as one "
-        "with its own chunk order, keeps its own copy of the blended chunks in its row).",
+        "median of the repeats, the runners interleaved at each N. Peak KV: the decode batch's KV buffer "
+        "and, once, each round's cache, which the agents that joined the round's pass decode over in "
+        "place (an agent fused apart, such as one with its own chunk order, keeps its own copy of the "
+        "blended chunks in its row).",
         "",
         table(
             [
