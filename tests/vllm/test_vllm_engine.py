@@ -22,8 +22,9 @@ VLLM_CPU_BLOCK = 128
 
 
 def blended_span(segments) -> int:
-    """Tokens before the question: what the connector claims."""
-    return sum(len(s) for s in segments[:-1])
+    """What the connector claims: every prompt token but the last (the question included: the fusor
+    computes it over the fused KV, and vLLM computes only the last token, to sample)."""
+    return sum(len(s) for s in segments) - 1
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +65,29 @@ def test_cacheblend_at_full_ratio_through_the_connector_is_exact(vllm_engine, pr
     got = vllm_engine.generate(segments, "cacheblend", GREEDY_32, ratio=1.0)
     span = blended_span(segments)
     assert span % VLLM_CPU_BLOCK != 0  # the span ends inside a block, which vLLM completes
+    assert got.paged_layers == vllm_engine.shape.num_layers  # vLLM's kernel attended every fused layer
     assert got.token_ids == reference(segments, "full_recompute").token_ids
     assert got.claimed_tokens == span
     assert got.vllm_cached_tokens == span  # vLLM counts the claimed tokens as computed externally
     assert got.reused_tokens == 0 and got.recompute_ratio == 1.0
+
+
+def test_vllm_computes_only_the_last_token_of_a_blended_prompt(vllm_engine, prompts, reference):
+    """The question is computed once, by the fusor over the fused KV (it is fresh text after the last
+    chunk): vLLM is told every token but the last is computed, so its forward computes one token, and the
+    fusor attended its rows with vLLM's kernel in vLLM's paged cache, writing each layer's K/V there."""
+    segments = prompts[0]
+    prompt_tokens = sum(len(s) for s in segments)
+    question = len(segments[-1])
+    assert question > 1 and not segments[-1].is_cached
+    # (a ratio no other test blends this prompt with: its blocks stay out of their prefix-cache lookups)
+    got = vllm_engine.generate(segments, "cacheblend", GREEDY_32, ratio=0.3)
+    expected = reference(segments, "cacheblend", 0.3)
+    assert got.token_ids == expected.token_ids
+    assert got.claimed_tokens == got.vllm_cached_tokens == prompt_tokens - 1  # vLLM computed 1 token
+    assert got.paged_layers == vllm_engine.shape.num_layers
+    # the fusor computed the PyTorch engine's rows (fresh text and the same selection), once
+    assert got.computed_tokens == expected.computed_tokens > question
 
 
 def test_concurrent_streams_match_torch(vllm_engine, prompts, reference):

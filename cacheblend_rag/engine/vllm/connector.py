@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from .paged import PagedTarget, is_cpu_attention
 from .protocol import BlendRequest
 from .worker import WorkerBlender, current_blender, record_failure
 
@@ -190,13 +191,18 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def _load(self, load: BlendLoad, forward_context: ForwardContext) -> None:
         blender = self.blender
         started = time.perf_counter()
-        fusion = blender.blend(load.request, load.token_ids)
+        layers = [forward_context.no_compile_layers[name] for name, _ in self._layers]
+        target = self._paged_target(load, layers) if blender.pages else None
+        fusion = blender.blend(load.request, load.token_ids, target)
         fused_s = time.perf_counter() - started
+        written = target.written if target is not None else set()
+        # layers the fusion did not write in place (another backend): their claimed K/V, written now
         positions = torch.arange(load.start, load.end)
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
         cache = fusion.cache
-        for name, index in self._layers:
-            layer = forward_context.no_compile_layers[name]
+        for (_, index), layer in zip(self._layers, layers, strict=True):
+            if index in written:
+                continue
             kv_cache = layer.kv_cache
             slots = (
                 blocks[positions // self._block_size] * self._block_size + positions % self._block_size
@@ -222,8 +228,19 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 "fusion_s": fused_s,
                 "write_s": time.perf_counter() - started - fused_s,
                 "load_wait_s": fusion.load_wait_s,
+                # layers whose fused rows vLLM's attention kernel attended in its paged cache
+                "paged_layers": len(written),
+                "fused_token_layers": sum(fusion.attended_tokens_per_layer),
             },
         )
+
+    def _paged_target(self, load: BlendLoad, layers: list[Any]) -> PagedTarget | None:
+        """Where the fusion writes and attends in vLLM's paged cache: every layer on vLLM's CPU backend,
+        and blocks for the whole prompt (None otherwise: the fusion attends in its own cache)."""
+        num_tokens = len(load.token_ids)
+        if len(load.block_ids) * self._block_size < num_tokens or not all(map(is_cpu_attention, layers)):
+            return None
+        return PagedTarget(layers, load.block_ids, self._block_size, load.start, num_tokens)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv wrote every layer before the forward began

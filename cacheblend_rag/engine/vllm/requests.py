@@ -30,6 +30,9 @@ class VLLMGenerationResult(GenerationResult):
     vllm_cached_tokens: int = 0  # vLLM's own count: prefix-cache hits plus external tokens
     fusion_s: float = 0.0  # the worker's fusion (store reads included), part of ttft_s
     kv_write_s: float = 0.0  # writing the fused K/V into vLLM's paged cache, part of ttft_s
+    # layers whose fused rows vLLM's attention kernel attended in its paged cache, where the fusion also
+    # wrote their K/V (engine/vllm/paged.py; 0: the fusor's own attention, K/V written after the fusion)
+    paged_layers: int = 0
 
 
 @dataclass
@@ -158,6 +161,7 @@ def build_result(
         vllm_cached_tokens=cached,
         fusion_s=float(stats.get("fusion_s", 0.0)),
         kv_write_s=float(stats.get("write_s", 0.0)),
+        paged_layers=int(stats.get("paged_layers", 0)),
     )
 
 
