@@ -1,16 +1,18 @@
 """The CacheBlend KV connector for vLLM V1 (``KVConnectorBase_V1``), loaded by module path.
 
 vLLM can skip prefill only for a prefix of a prompt whose KV a connector provides. For a blend request
-(see :mod:`.protocol`) that prefix is the blended span: the template and the retrieved chunks, everything
-before the question. The connector
+(see :mod:`.protocol`) that prefix is every prompt token but the last: the template, the retrieved chunks
+and the question, which the fusor computes anyway (fresh text, exact attention over the fused KV). The
+connector
 
 * on the scheduler side, claims that span as externally computed (``get_num_new_matched_tokens``; never
   the last prompt token), notes the blocks vLLM allocated for it (``update_state_after_alloc``) and passes
   the request's token ids, segmentation and block ids to the worker (``build_connector_meta``);
-* on the worker side, before the forward that prefills the rest (``start_load_kv``), fuses the whole prompt
-  with our layer-wise runtime over vLLM's own modules (:mod:`.weights`) and writes the fused K/V of the
-  claimed positions into vLLM's paged cache.
-  vLLM then computes the question tokens against that KV and decodes as usual.
+* on the worker side, before the forward (``start_load_kv``), fuses the whole prompt with our layer-wise
+  runtime over vLLM's own modules (:mod:`.weights`). On vLLM's CPU backend each layer's fused K/V is
+  written into the request's blocks once it is final and the layer's recomputed rows attend there with
+  vLLM's own kernel (:mod:`.paged`); on another backend the fused K/V of the claimed positions is written
+  after the fusion. vLLM then computes the last prompt token against that KV and decodes as usual.
 
 K/V are written through the attention backend's own ``do_kv_cache_update`` (the call vLLM makes for every
 token it computes), so the paged layout never has to be known here. On this CPU backend it is, per layer,
@@ -18,11 +20,11 @@ token it computes), so the paged layout never has to be known here. On this CPU 
 [head_dim, block_size] then V [block_size, head_dim]; CUDA backends differ, and the same call covers both.
 Keys are cached after RoPE in vLLM as in our runtime, so fused keys go in as they are.
 
-All layers are written in ``start_load_kv``: fusion is one sequential pass over the model's layers, and
-computing the question suffix needs every layer's prefix KV, so a per-layer hand-off would only overlap
-work on a device with spare compute. A blend that fails (store I/O, unknown method) reports its blocks as
-failed; with ``kv_load_failure_policy="recompute"`` vLLM then prefills them itself, so the answer is still
-an exact one.
+Every layer is written before the forward begins: fusion is one sequential pass over the model's layers,
+so a per-layer hand-off to vLLM's forward (``wait_for_layer_load``) would only overlap work on a device
+with spare compute. A blend that fails (store I/O, unknown method) reports its blocks as failed; with
+``kv_load_failure_policy="recompute"`` vLLM then prefills them itself, so the answer is still an exact
+one.
 """
 
 from __future__ import annotations
