@@ -233,6 +233,8 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 # layers whose fused rows vLLM's attention kernel attended in its paged cache
                 "paged_layers": len(written),
                 "fused_token_layers": sum(fusion.attended_tokens_per_layer),
+                # the template's opening, reused exactly (its KV kept in the worker, computed on a miss)
+                "exact_head": exact_head(fusion),
             },
         )
 
@@ -258,3 +260,12 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+
+def exact_head(fusion: Any) -> dict[str, Any]:
+    """The prompt's exact head segment as the worker fused it: its tokens, and whether its KV was computed
+    for this request (no tokens: the prompt had none)."""
+    head = fusion.plan.segments[0]
+    if not (head.is_cached and head.exact):
+        return {"tokens": 0, "computed": False}
+    return {"tokens": len(head), "computed": bool(head.computed)}

@@ -148,7 +148,7 @@ def build_result(
         # request the blocks it blended before) is reused, the rest prefilled
         fusion, claimed = FusionStats(cached, prompt_tokens - cached, 1.0), 0
     finished = time.perf_counter()
-    return VLLMGenerationResult.build(
+    result = VLLMGenerationResult.build(
         text=completion.text,
         token_ids=token_ids,
         finish_reason=completion.finish_reason,
@@ -163,6 +163,15 @@ def build_result(
         kv_write_s=float(stats.get("write_s", 0.0)),
         paged_layers=int(stats.get("paged_layers", 0)),
     )
+    # the worker reused the template's opening exactly (its own segments had it as an exact head, these
+    # have it fresh): counted as the PyTorch engine counts its exact head (docs/accounting.md)
+    head = stats.get("exact_head") or {}
+    if head.get("tokens") and "error" not in stats:
+        if head["computed"]:
+            result.kv_computed_tokens += int(head["tokens"])
+        else:
+            result.cache_read_exact_tokens += int(head["tokens"])
+    return result
 
 
 def blend_keys(requests: Sequence[PreparedRequest]) -> list[str]:

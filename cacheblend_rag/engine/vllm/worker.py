@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...blend.fusor import FusionResult
-from ...blend.methods import get_method
+from ...blend.methods import Reuse, get_method
 from ...blend.segments import ChunkContext, Segment
 from ...config import DEFAULTS, Config
 from ...errors import CacheBlendError
@@ -136,7 +136,8 @@ class WorkerBlender:
         self, request: BlendRequest, token_ids: Sequence[int], target: PagedTarget | None = None
     ) -> FusionResult:
         """Fuse the whole prompt as the PyTorch engine would (chunk KV from the store, computed and stored
-        on a miss), so the blended span's KV is exactly the PyTorch engine's. With ``target`` (vLLM's CPU
+        on a miss) and the template's opening reused exactly (``Engine.exact_head``), so the blended
+        span's KV is exactly the PyTorch engine's. With ``target`` (vLLM's CPU
         backend, :mod:`.paged`), the fusion writes each layer's K/V into those blocks of vLLM's cache and
         attends its rows there with vLLM's kernel."""
         segments = [
@@ -144,6 +145,8 @@ class WorkerBlender:
             for ids, is_cached in request.split(token_ids)
         ]
         method = get_method(request.method, **request.method_options)
+        if method.reuses is Reuse.CHUNKS:  # the template's opening reused exactly, as the PyTorch engine does
+            segments = self.engine.exact_head(segments)
         model = self.engine.model
         if target is None or not isinstance(model, PagedLayerwiseModel):
             return self.engine.fuse(segments, method)
