@@ -9,8 +9,9 @@ warm-up round, and prints the median of ``--repeats`` per part. vLLM's engine co
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the worker's functions are wrapped with timers here:
 
 * ``store``: chunk KV read from the store (``Engine.chunk_kv``), ``probe.*`` / ``select.*``: the query
-  probe and the pass over the selected rows, split into q/k/v projection, attention, o-proj + MLP, and
-  the rest of the layer (placing cached KV, cache writes, per-layer bookkeeping: ``other``);
+  probe and the pass over the selected rows, split into q/k/v projection, placing the cached chunks'
+  KV into the fusion's cache (``place``: layers read, keys re-rotated), attention, o-proj + MLP, and
+  the rest of the layer (cache writes, per-layer bookkeeping: ``other``);
 * ``kv_write``: the fused K/V written into vLLM's paged cache; ``vllm_forward``: vLLM's model forward of
   the tokens it computes itself (``suffix_tokens``: what it was given); ``rest``: TTFT minus all that
   (scheduling, sampling, output processing, the driver's round trips).
@@ -80,6 +81,8 @@ def instrument() -> None:
     timed(paged.PagedLayerwiseModel, "_write", "paged_write")
     timed(probe.ProbePass, "attend", "probe.attention")  # the probe attends from its own probabilities
     timed(probe.ProbePass, "attention_inputs", "probe.attention")  # (its scores are computed here)
+    # cached chunks placed into the fusion's cache, keys re-rotated (by the probe, before its scores)
+    timed(fusor.Fusor, "_place_cached", lambda *a, **k: f"{PHASE[0]}.place")
     timed(torch_engine.Engine, "chunk_kv", "store")
     timed(torch_engine.Engine, "fuse", "fuse")
     timed(worker.WorkerBlender, "blend", "blend")
@@ -140,11 +143,13 @@ def breakdown(parts: dict[str, float]) -> dict[str, float]:
     for phase in ("probe", "select"):
         layer = parts.get(f"{phase}.layer", 0.0)
         inner = 0.0
-        for part in ("qkv", "attention", "mlp"):
+        for part in ("qkv", "place", "attention", "mlp"):
             value = parts.get(f"{phase}.{part}", 0.0)
             out[f"{phase}.{part}"] = value
             inner += value
         out[f"{phase}.other"] = layer - inner
+    out["probe.attention"] -= out["probe.place"]  # placing runs inside the probe's attention inputs
+    out["probe.other"] += out["probe.place"]
     layers = parts.get("probe.layer", 0.0) + parts.get("select.layer", 0.0)
     out["store"] = parts.get("store", 0.0)
     out["fuse.other"] = parts.get("fuse", 0.0) - layers  # setup, embedding, logits, result
