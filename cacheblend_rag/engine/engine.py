@@ -86,7 +86,7 @@ class Engine(PromptSegments):
             chunk_context = ChunkContext(chunk_context_ids(self.model.tokenizer, config.chunk_context))
         self.chunk_context = chunk_context
         self._context_cache: KVCache | None = None
-        # template openings seen lately, by token ids: their exact KV (see _exact_head)
+        # template openings seen lately, by token ids: their exact KV (see exact_head)
         self._heads: OrderedDict[tuple[int, ...], ChunkKV] = OrderedDict()
         self._heads_lock = threading.Lock()
         # A store given is its owner's (a corpus passes its own, Corpus.kv_store); a folder (or the
@@ -199,13 +199,14 @@ class Engine(PromptSegments):
         if reuses is Reuse.PREFIX:
             return layout_segments(parts, reuses, self._prefix_lookup)
         segments = layout_segments(parts, reuses, self._chunk_lookup)
-        return self._exact_head(segments) if reuses is Reuse.CHUNKS else segments
+        return self.exact_head(segments) if reuses is Reuse.CHUNKS else segments
 
-    def _exact_head(self, segments: list[Segment]) -> list[Segment]:
+    def exact_head(self, segments: list[Segment]) -> list[Segment]:
         """The fresh text before the first chunk (a template's opening: system prompt, "Passages:") is the
         same in every prompt of the template, and its KV does not depend on what follows. Computed once
         from position 0 and kept in memory in the compute dtype, it is exactly what a full prefill
-        computes there, so it is reused as an exact segment (as vLLM's prefix caching would)."""
+        computes there, so it is reused as an exact segment (as vLLM's prefix caching would). vLLM's worker
+        applies the same rule to the prompts it blends (engine/vllm/worker.py)."""
         if len(segments) < 2 or segments[0].is_cached or not any(s.is_cached for s in segments[1:]):
             return segments
         ids = segments[0].token_ids

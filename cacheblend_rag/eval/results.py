@@ -34,15 +34,20 @@ def machine_info() -> dict[str, Any]:
     import transformers
 
     cpu = platform.processor() or platform.machine()
+    simd: list[str] = []  # the vector extensions (vLLM's CPU kernels, oneDNN pick their code by them)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith(("flags", "Features")):
+                prefixes = ("avx", "amx", "sse4", "fma", "asimd", "sve")
+                simd = sorted({f for f in line.split(":", 1)[1].split() if f.startswith(prefixes)})
                 break
     except OSError:
         pass
     return {
         "cpu": cpu,
+        "simd": simd,
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -22,14 +22,19 @@ VLLM_CPU_BLOCK = 128
 
 
 def blended_span(segments) -> int:
-    """Tokens before the question: what the connector claims."""
-    return sum(len(s) for s in segments[:-1])
+    """What the connector claims: every prompt token but the last (the question included: the fusor
+    computes it over the fused KV, and vLLM computes only the last token, to sample)."""
+    return sum(len(s) for s in segments) - 1
 
 
 @pytest.fixture(scope="module")
 def prompts(vllm_engine, musique_rag):
-    """Segments (chunk KV attached, precomputed by the vLLM worker) of two real RAG prompts."""
-    return [vllm_engine.rag_segments(*musique_rag(case), "cacheblend") for case in (0, 1)]
+    """Segments (chunk KV attached, precomputed by the vLLM worker) of two real RAG prompts. One blend
+    first (a ratio no test uses) has the worker keep the template's exact head, so every test below finds
+    it there (its accounting counts it read, not computed, whatever runs first)."""
+    prompts = [vllm_engine.rag_segments(*musique_rag(case), "cacheblend") for case in (0, 1)]
+    vllm_engine.generate(prompts[0], "cacheblend", SamplingParams(max_new_tokens=1), ratio=0.05)
+    return prompts
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +46,8 @@ def reference(torch_engine):
         key = (tuple(t for s in segments for t in s.token_ids), method, ratio)
         if key not in answers:
             options = {} if ratio is None else {"ratio": ratio}
+            if method != "full_recompute":  # as the PyTorch engine serves a blend: its opening reused exactly
+                segments = torch_engine.exact_head(segments)
             answers[key] = torch_engine.generate(segments, method, GREEDY_32, **options)
         return answers[key]
 
@@ -64,10 +71,31 @@ def test_cacheblend_at_full_ratio_through_the_connector_is_exact(vllm_engine, pr
     got = vllm_engine.generate(segments, "cacheblend", GREEDY_32, ratio=1.0)
     span = blended_span(segments)
     assert span % VLLM_CPU_BLOCK != 0  # the span ends inside a block, which vLLM completes
+    assert got.paged_layers == vllm_engine.shape.num_layers  # vLLM's kernel attended every fused layer
     assert got.token_ids == reference(segments, "full_recompute").token_ids
     assert got.claimed_tokens == span
     assert got.vllm_cached_tokens == span  # vLLM counts the claimed tokens as computed externally
-    assert got.reused_tokens == 0 and got.recompute_ratio == 1.0
+    # every chunk token recomputed; only the template's opening kept (its exact KV, as the PyTorch engine)
+    assert got.reused_tokens == got.cache_read_exact_tokens == len(segments[0])
+    assert got.recompute_ratio == 1.0
+
+
+def test_vllm_computes_only_the_last_token_of_a_blended_prompt(vllm_engine, prompts, reference):
+    """The question is computed once, by the fusor over the fused KV (it is fresh text after the last
+    chunk): vLLM is told every token but the last is computed, so its forward computes one token, and the
+    fusor attended its rows with vLLM's kernel in vLLM's paged cache, writing each layer's K/V there."""
+    segments = prompts[0]
+    prompt_tokens = sum(len(s) for s in segments)
+    question = len(segments[-1])
+    assert question > 1 and not segments[-1].is_cached
+    # (a ratio no other test blends this prompt with: its blocks stay out of their prefix-cache lookups)
+    got = vllm_engine.generate(segments, "cacheblend", GREEDY_32, ratio=0.3)
+    expected = reference(segments, "cacheblend", 0.3)
+    assert got.token_ids == expected.token_ids
+    assert got.claimed_tokens == got.vllm_cached_tokens == prompt_tokens - 1  # vLLM computed 1 token
+    assert got.paged_layers == vllm_engine.shape.num_layers
+    # the fusor computed the PyTorch engine's rows (fresh text and the same selection), once
+    assert got.computed_tokens == expected.computed_tokens > question
 
 
 def test_concurrent_streams_match_torch(vllm_engine, prompts, reference):
@@ -98,8 +126,12 @@ def test_concurrent_streams_match_torch(vllm_engine, prompts, reference):
     assert got.reused_tokens == expected.reused_tokens > 0
     # accounting per segment from the worker (docs/accounting.md): what was read, what computed for it
     computed = sum(len(s) for s in blended if s.is_cached and s.computed)
-    assert got.kv_computed_tokens == computed
-    assert computed > 0 or got.cache_read_blended_tokens == got.cached_tokens == got.reused_tokens > 0
+    head = len(blended[0])  # the template's opening, reused exactly by the worker (kept since the fixture)
+    assert got.kv_computed_tokens == computed and got.cache_read_exact_tokens == head
+    assert (
+        computed > 0
+        or got.cache_read_blended_tokens == got.cached_tokens - head == got.reused_tokens - head > 0
+    )
     assert got.recompute_ratio == pytest.approx(expected.recompute_ratio)
     assert got.method_options == expected.method_options
     assert 0 < got.ttft_s <= got.total_s

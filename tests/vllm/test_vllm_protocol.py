@@ -16,9 +16,10 @@ def request(lengths, cached, method="cacheblend", options=None) -> BlendRequest:
     return BlendRequest("k", tuple(lengths), tuple(cached), method, options or {})
 
 
-def test_the_claim_is_everything_before_the_question():
-    # template, chunk, separator, chunk, question
-    assert request([30, 100, 1, 100, 25], [0, 1, 0, 1, 0]).claim_end == 231
+def test_the_claim_is_every_token_but_the_last_question_included():
+    # template, chunk, separator, chunk, question: the fusor computes the question with exact attention
+    # over the fused KV, so vLLM computes only the last token (once, to sample), not the question again
+    assert request([30, 100, 1, 100, 25], [0, 1, 0, 1, 0]).claim_end == 255
 
 
 def test_the_last_prompt_token_is_never_claimed():
@@ -26,9 +27,10 @@ def test_the_last_prompt_token_is_never_claimed():
     assert request([100], [1]).claim_end == 99
 
 
-def test_nothing_is_claimed_without_a_cached_chunk_before_the_question():
+def test_nothing_is_claimed_without_a_cached_chunk_before_the_last_token():
     assert request([30, 25], [0, 0]).claim_end == 0
     assert request([30, 100], [0, 0]).claim_end == 0
+    assert request([30, 1], [0, 1]).claim_end == 0  # the only cached token is the last one
 
 
 def test_params_survive_json_and_split_the_prompt():

@@ -1,16 +1,18 @@
 """The CacheBlend KV connector for vLLM V1 (``KVConnectorBase_V1``), loaded by module path.
 
 vLLM can skip prefill only for a prefix of a prompt whose KV a connector provides. For a blend request
-(see :mod:`.protocol`) that prefix is the blended span: the template and the retrieved chunks, everything
-before the question. The connector
+(see :mod:`.protocol`) that prefix is every prompt token but the last: the template, the retrieved chunks
+and the question, which the fusor computes anyway (fresh text, exact attention over the fused KV). The
+connector
 
 * on the scheduler side, claims that span as externally computed (``get_num_new_matched_tokens``; never
   the last prompt token), notes the blocks vLLM allocated for it (``update_state_after_alloc``) and passes
   the request's token ids, segmentation and block ids to the worker (``build_connector_meta``);
-* on the worker side, before the forward that prefills the rest (``start_load_kv``), fuses the whole prompt
-  with our layer-wise runtime over vLLM's own modules (:mod:`.weights`) and writes the fused K/V of the
-  claimed positions into vLLM's paged cache.
-  vLLM then computes the question tokens against that KV and decodes as usual.
+* on the worker side, before the forward (``start_load_kv``), fuses the whole prompt with our layer-wise
+  runtime over vLLM's own modules (:mod:`.weights`). On vLLM's CPU backend each layer's fused K/V is
+  written into the request's blocks once it is final and the layer's recomputed rows attend there with
+  vLLM's own kernel (:mod:`.paged`); on another backend the fused K/V of the claimed positions is written
+  after the fusion. vLLM then computes the last prompt token against that KV and decodes as usual.
 
 K/V are written through the attention backend's own ``do_kv_cache_update`` (the call vLLM makes for every
 token it computes), so the paged layout never has to be known here. On this CPU backend it is, per layer,
@@ -18,11 +20,11 @@ token it computes), so the paged layout never has to be known here. On this CPU 
 [head_dim, block_size] then V [block_size, head_dim]; CUDA backends differ, and the same call covers both.
 Keys are cached after RoPE in vLLM as in our runtime, so fused keys go in as they are.
 
-All layers are written in ``start_load_kv``: fusion is one sequential pass over the model's layers, and
-computing the question suffix needs every layer's prefix KV, so a per-layer hand-off would only overlap
-work on a device with spare compute. A blend that fails (store I/O, unknown method) reports its blocks as
-failed; with ``kv_load_failure_policy="recompute"`` vLLM then prefills them itself, so the answer is still
-an exact one.
+Every layer is written before the forward begins: fusion is one sequential pass over the model's layers,
+so a per-layer hand-off to vLLM's forward (``wait_for_layer_load``) would only overlap work on a device
+with spare compute. A blend that fails (store I/O, unknown method) reports its blocks as failed; with
+``kv_load_failure_policy="recompute"`` vLLM then prefills them itself, so the answer is still an exact
+one.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from .paged import PagedTarget, is_cpu_attention
 from .protocol import BlendRequest
 from .worker import WorkerBlender, current_blender, record_failure
 
@@ -190,13 +193,18 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def _load(self, load: BlendLoad, forward_context: ForwardContext) -> None:
         blender = self.blender
         started = time.perf_counter()
-        fusion = blender.blend(load.request, load.token_ids)
+        layers = [forward_context.no_compile_layers[name] for name, _ in self._layers]
+        target = self._paged_target(load, layers) if blender.pages else None
+        fusion = blender.blend(load.request, load.token_ids, target)
         fused_s = time.perf_counter() - started
+        written = target.written if target is not None else set()
+        # layers the fusion did not write in place (another backend): their claimed K/V, written now
         positions = torch.arange(load.start, load.end)
         blocks = torch.tensor(load.block_ids, dtype=torch.long)
         cache = fusion.cache
-        for name, index in self._layers:
-            layer = forward_context.no_compile_layers[name]
+        for (_, index), layer in zip(self._layers, layers, strict=True):
+            if index in written:
+                continue
             kv_cache = layer.kv_cache
             slots = (
                 blocks[positions // self._block_size] * self._block_size + positions % self._block_size
@@ -222,8 +230,21 @@ class CacheBlendConnector(KVConnectorBase_V1):
                 "fusion_s": fused_s,
                 "write_s": time.perf_counter() - started - fused_s,
                 "load_wait_s": fusion.load_wait_s,
+                # layers whose fused rows vLLM's attention kernel attended in its paged cache
+                "paged_layers": len(written),
+                "fused_token_layers": sum(fusion.attended_tokens_per_layer),
+                # the template's opening, reused exactly (its KV kept in the worker, computed on a miss)
+                "exact_head": exact_head(fusion),
             },
         )
+
+    def _paged_target(self, load: BlendLoad, layers: list[Any]) -> PagedTarget | None:
+        """Where the fusion writes and attends in vLLM's paged cache: every layer on vLLM's CPU backend,
+        and blocks for the whole prompt (None otherwise: the fusion attends in its own cache)."""
+        num_tokens = len(load.token_ids)
+        if len(load.block_ids) * self._block_size < num_tokens or not all(map(is_cpu_attention, layers)):
+            return None
+        return PagedTarget(layers, load.block_ids, self._block_size, load.start, num_tokens)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv wrote every layer before the forward began
@@ -239,3 +260,12 @@ class CacheBlendConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+
+def exact_head(fusion: Any) -> dict[str, Any]:
+    """The prompt's exact head segment as the worker fused it: its tokens, and whether its KV was computed
+    for this request (no tokens: the prompt had none)."""
+    head = fusion.plan.segments[0]
+    if not (head.is_cached and head.exact):
+        return {"tokens": 0, "computed": False}
+    return {"tokens": len(head), "computed": bool(head.computed)}

@@ -40,12 +40,11 @@ class BlendRequest:
 
     @property
     def claim_end(self) -> int:
-        """End of the span whose KV the connector provides: every segment before a trailing fresh segment
-        (the question and generation prompt), and never the last prompt token, which vLLM must compute to
-        produce the first output token. 0 when the span holds no cached chunk (nothing to blend)."""
-        total = self.num_tokens
-        end = total - self.segment_lengths[-1] if not self.cached[-1] else total - 1
-        end = min(end, total - 1)
+        """End of the span whose KV the connector provides: every prompt token but the last, which vLLM
+        must compute to produce the first output token. The fusor computes the fresh text after the last
+        chunk (the question) anyway, with exact attention over the fused KV, so vLLM computes none of it
+        again. 0 when no cached chunk comes before the last token (nothing to blend)."""
+        end = self.num_tokens - 1
         start = 0
         for length, is_cached in zip(self.segment_lengths, self.cached, strict=True):
             if is_cached and start < end:

@@ -30,6 +30,9 @@ class VLLMGenerationResult(GenerationResult):
     vllm_cached_tokens: int = 0  # vLLM's own count: prefix-cache hits plus external tokens
     fusion_s: float = 0.0  # the worker's fusion (store reads included), part of ttft_s
     kv_write_s: float = 0.0  # writing the fused K/V into vLLM's paged cache, part of ttft_s
+    # layers whose fused rows vLLM's attention kernel attended in its paged cache, where the fusion also
+    # wrote their K/V (engine/vllm/paged.py; 0: the fusor's own attention, K/V written after the fusion)
+    paged_layers: int = 0
 
 
 @dataclass
@@ -145,7 +148,7 @@ def build_result(
         # request the blocks it blended before) is reused, the rest prefilled
         fusion, claimed = FusionStats(cached, prompt_tokens - cached, 1.0), 0
     finished = time.perf_counter()
-    return VLLMGenerationResult.build(
+    result = VLLMGenerationResult.build(
         text=completion.text,
         token_ids=token_ids,
         finish_reason=completion.finish_reason,
@@ -158,7 +161,17 @@ def build_result(
         vllm_cached_tokens=cached,
         fusion_s=float(stats.get("fusion_s", 0.0)),
         kv_write_s=float(stats.get("write_s", 0.0)),
+        paged_layers=int(stats.get("paged_layers", 0)),
     )
+    # the worker reused the template's opening exactly (its own segments had it as an exact head, these
+    # have it fresh): counted as the PyTorch engine counts its exact head (docs/accounting.md)
+    head = stats.get("exact_head") or {}
+    if head.get("tokens") and "error" not in stats:
+        if head["computed"]:
+            result.kv_computed_tokens += int(head["tokens"])
+        else:
+            result.cache_read_exact_tokens += int(head["tokens"])
+    return result
 
 
 def blend_keys(requests: Sequence[PreparedRequest]) -> list[str]:

@@ -34,6 +34,7 @@ from ...errors import CacheBlendError
 from ...models.loader import check_supported, config_rope, model_shape
 from ...models.runtime import LayerwiseModel, ModelShape
 from ...models.tokenizer import generation_config, load_model_tokenizer
+from .paged import PagedLayerwiseModel
 
 
 class UnknownLayoutError(CacheBlendError):
@@ -240,7 +241,7 @@ def layerwise_over_vllm(
         raise UnknownLayoutError(f"vLLM's weights are {weight.dtype}, fusion computes in {dtype}")
     shape = model_shape(config, family)
     identity = load_model_tokenizer(path, home)
-    return LayerwiseModel(
+    return PagedLayerwiseModel(
         CausalLMView(vllm_model, shape.vocab_size, generation_config(path)).eval(),
         shape,
         config_rope(config),

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...blend.fusor import FusionResult
-from ...blend.methods import get_method
+from ...blend.methods import Reuse, get_method
 from ...blend.segments import ChunkContext, Segment
 from ...config import DEFAULTS, Config
 from ...errors import CacheBlendError
@@ -36,6 +36,7 @@ from ...models.runtime import LayerwiseModel
 from ...store.kvstore import KVStore
 from ...store.shared import KVStoreOptions
 from ..engine import Engine
+from .paged import PagedLayerwiseModel, PagedTarget
 from .protocol import BlendRequest
 from .weights import UnknownLayoutError, layerwise_over_vllm, sharing_report
 
@@ -131,15 +132,35 @@ class WorkerBlender:
     def shape(self):
         return self.engine.model.shape
 
-    def blend(self, request: BlendRequest, token_ids: Sequence[int]) -> FusionResult:
+    def blend(
+        self, request: BlendRequest, token_ids: Sequence[int], target: PagedTarget | None = None
+    ) -> FusionResult:
         """Fuse the whole prompt as the PyTorch engine would (chunk KV from the store, computed and stored
-        on a miss), so the blended span's KV is exactly the PyTorch engine's."""
+        on a miss) and the template's opening reused exactly (``Engine.exact_head``), so the blended
+        span's KV is exactly the PyTorch engine's. With ``target`` (vLLM's CPU
+        backend, :mod:`.paged`), the fusion writes each layer's K/V into those blocks of vLLM's cache and
+        attends its rows there with vLLM's kernel."""
         segments = [
             Segment.cached(ids, self.engine.chunk_kv(ids)) if is_cached else Segment.fresh(ids)
             for ids, is_cached in request.split(token_ids)
         ]
         method = get_method(request.method, **request.method_options)
-        return self.engine.fuse(segments, method)
+        if method.reuses is Reuse.CHUNKS:  # the template's opening reused exactly, as the PyTorch engine does
+            segments = self.engine.exact_head(segments)
+        model = self.engine.model
+        if target is None or not isinstance(model, PagedLayerwiseModel):
+            return self.engine.fuse(segments, method)
+        with model.forward_lock:
+            model.target = target
+            try:
+                return self.engine.fuse(segments, method)
+            finally:
+                model.target = None
+
+    @property
+    def pages(self) -> bool:
+        """Whether fusion can write into vLLM's paged cache and attend there (:mod:`.paged`)."""
+        return isinstance(self.engine.model, PagedLayerwiseModel)
 
     def ensure_chunks(self, chunks: Sequence[Sequence[int]]) -> int:
         """Precompute and store every chunk not yet in the store; returns the bytes written."""

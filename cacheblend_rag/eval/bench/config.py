@@ -41,6 +41,8 @@ class BenchConfig:
     throughput_max_new_tokens: int = 16
     round_max_agents: int = 16  # the round section's agents: 1, 2, 4, 8, 16 up to this many
     round_fidelity_cases: int = 20  # held-out MuSiQue rounds of 8 agents for the round's fidelity
+    vllm_chunk_counts: tuple[int, ...] = (6, 12)  # the vllm section's prompt sizes (x chunk_tokens)
+    vllm_agreement_prompts: int = 20  # MuSiQue prompts whose first tokens the vllm section compares
     serve_levels: tuple[int, ...] = (1, 4, 8, 16)  # concurrent clients of the serve load test
     serve_rounds: int = 2  # requests each client sends back to back
     serve_max_new_tokens: int = 16
@@ -71,6 +73,8 @@ class BenchConfig:
             throughput_max_new_tokens=2,
             round_max_agents=2,
             round_fidelity_cases=1,
+            vllm_chunk_counts=(3,),
+            vllm_agreement_prompts=1,
             serve_levels=(1, 2),
             serve_rounds=1,
             serve_max_new_tokens=2,

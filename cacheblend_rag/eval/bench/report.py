@@ -342,8 +342,40 @@ def render_vllm(page: Page, vllm: dict[str, Any]) -> list[str]:
         f"externally), {blend['reused_tokens']} reused, recompute ratio {fmt(blend['recompute_ratio'], 3)}; "
         f"same first token: {fmt(vllm['same_first_token'])}; "
         f"engine start {fmt(vllm['engine_startup_s'], 1)} s.",
+        *_vllm_sizes(vllm),
         *_vllm_memory(vllm.get("worker_memory")),
     ]
+
+
+def _vllm_sizes(vllm: dict[str, Any]) -> list[str]:
+    """TTFT per prompt size, first-token agreement over many prompts and the processor (older results
+    have none of them)."""
+    lines = []
+    sizes = vllm.get("by_chunks") or {}
+    if sizes:
+        rows = [
+            [
+                f"{n} x {vllm['chunk_tokens']} ({run['prompt_tokens']} tokens)",
+                fmt(run["ttft_s"][FULL]),
+                fmt(run["ttft_s"][BLEND]),
+                fmt(run["speedup_full_over_cacheblend"], 2),
+                fmt(run["same_first_token"]),
+            ]
+            for n, run in sorted(sizes.items(), key=lambda item: int(item[0]))
+        ]
+        header = ["prompt", "vLLM full prefill (s)", "vLLM + CacheBlend (s)", "speed-up", "same first token"]
+        lines += ["", table(header, rows)]
+    agreement = vllm.get("first_token_agreement")
+    if agreement:
+        lines += [
+            "",
+            f"Same first token as vLLM full prefill on {agreement['same']} of {agreement['prompts']} MuSiQue "
+            f"prompts ({vllm['num_chunks']} x {vllm['chunk_tokens']} tokens, r = {vllm['ratio']:g}).",
+        ]
+    processor = vllm.get("processor")
+    if processor:
+        lines += ["", f"Processor: {processor['cpu']}; SIMD: {' '.join(processor['simd']) or 'unknown'}."]
+    return lines
 
 
 def _vllm_memory(memory: dict[str, Any] | None) -> list[str]:

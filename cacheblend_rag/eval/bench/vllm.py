@@ -26,35 +26,59 @@ from ...engine import ChunkRef, SamplingParams
 from ...errors import EvalDataError
 from ...settings import get_settings
 from ..datasets import load_dataset
+from ..results import machine_info
 from .config import BenchConfig, BenchContext
 
 FULL, BLEND = "vllm_full_prefill", "vllm_cacheblend"
 METHODS = {FULL: "full_recompute", BLEND: "cacheblend"}
 
 
-def rag_prompt(config: BenchConfig, tokenizer) -> tuple[str, list[ChunkRef]]:
-    """The first case with ``num_chunks`` paragraphs of at least ``chunk_tokens`` tokens, cut to that."""
-    for case in load_dataset(config.data).cases:
+def rag_prompt(config: BenchConfig, tokenizer, num_chunks: int | None = None) -> tuple[str, list[ChunkRef]]:
+    """The first case with ``num_chunks`` (default: the config's) paragraphs of at least ``chunk_tokens``
+    tokens, cut to that; when no case has that many, the first case's question over its paragraphs and
+    the next cases' joined and cut into chunks (:func:`joined_prompt`)."""
+    num_chunks = num_chunks or config.num_chunks
+    cases = load_dataset(config.data).cases
+    for case in cases:
         chunks = []
         for context in case.contexts:
             ids = tokenizer(context.document, add_special_tokens=False)["input_ids"]
             if len(ids) >= config.chunk_tokens:
                 chunks.append(ChunkRef(tuple(ids[: config.chunk_tokens]), f"p{len(chunks)}"))
-            if len(chunks) == config.num_chunks:
+            if len(chunks) == num_chunks:
                 return case.question, chunks
-    raise EvalDataError(
-        f"no case of {config.data!r} has {config.num_chunks} paragraphs of {config.chunk_tokens} tokens"
-    )
+    return joined_prompt(config, tokenizer, 0, num_chunks)
 
 
-def _engine(config: BenchConfig, ctx: BenchContext, store: str, share_weights: bool):
+def joined_prompt(
+    config: BenchConfig, tokenizer, index: int, num_chunks: int | None = None
+) -> tuple[str, list[ChunkRef]]:
+    """Case ``index``'s question over ``num_chunks`` chunks of ``chunk_tokens`` tokens cut from its
+    paragraphs, then the following cases' (MuSiQue paragraphs are mostly shorter than a chunk)."""
+    num_chunks = num_chunks or config.num_chunks
+    cases = load_dataset(config.data).cases
+    need = num_chunks * config.chunk_tokens
+    ids: list[int] = []
+    for case in cases[index:]:
+        for context in case.contexts:
+            ids.extend(tokenizer(context.document, add_special_tokens=False)["input_ids"])
+        if len(ids) >= need:
+            size = config.chunk_tokens
+            chunks = [ChunkRef(tuple(ids[i * size : (i + 1) * size]), f"j{i}") for i in range(num_chunks)]
+            return cases[index].question, chunks
+    raise EvalDataError(f"{config.data!r} from case {index} on has fewer than {need} tokens of paragraphs")
+
+
+def _engine(
+    config: BenchConfig, ctx: BenchContext, store: str, share_weights: bool, num_chunks: int | None = None
+):
     from ...engine.vllm import VLLMEngine
 
     return VLLMEngine(
         config.model,
         store=ctx.work_dir / store,
         enable_prefix_caching=False,
-        max_model_len=config.num_chunks * config.chunk_tokens + 512,
+        max_model_len=(num_chunks or config.num_chunks) * config.chunk_tokens + 512,
         share_weights=share_weights,
         config=get_settings(),
     )
@@ -81,49 +105,29 @@ def worker_memory(
     return memory, precompute_s
 
 
-def section_vllm(ctx: BenchContext) -> dict[str, Any]:
-    import vllm
-
-    config = ctx.config
-    # the same work for both engines up to the memory reading: start, precompute into an empty store, one
-    # CacheBlend request; the first engine's fusor loads its own copy of the weights (the former design)
-    copy = _engine(config, ctx, "vllm-kv-copy", share_weights=False)
-    try:
-        memory = {"copy": worker_memory(copy, *rag_prompt(config, copy.model.tokenizer), config.ratio)[0]}
-    finally:
-        copy.close()
-    started = time.perf_counter()
-    engine = _engine(config, ctx, "vllm-kv", share_weights=True)
-    startup_s = time.perf_counter() - started
+def ttft_pair(engine, question: str, chunks: list[ChunkRef], config: BenchConfig) -> dict[str, Any]:
+    """TTFT of vLLM's full prefill and of vLLM + CacheBlend on one prompt: the median of ``repeats``
+    interleaved runs after a warm-up round, and what the last CacheBlend request reported."""
     first_token = SamplingParams(max_new_tokens=1)
-    try:
-        question, chunks = rag_prompt(config, engine.model.tokenizer)
-        memory["shared"], precompute_s = worker_memory(engine, question, chunks, config.ratio)
-        samples: dict[str, list[float]] = {FULL: [], BLEND: []}
-        blends, first_tokens = [], {}
-        for repeat in range(config.repeats + 1):  # the first round warms both paths up and is not counted
-            for label, method in METHODS.items():
-                spec = parse_method(method).with_ratio(config.ratio, where_taken=True)
-                round_started = time.perf_counter()
-                segments = engine.rag_segments(question, chunks, spec)
-                segments_s = time.perf_counter() - round_started
-                result = engine.generate(segments, spec, first_token)
-                first_tokens[label] = result.token_ids
-                if repeat == 0:
-                    continue
-                samples[label].append(segments_s + result.ttft_s)
-                if label == BLEND:
-                    blends.append(result)
-        medians = {label: statistics.median(values) for label, values in samples.items()}
-    finally:
-        engine.close()
+    samples: dict[str, list[float]] = {FULL: [], BLEND: []}
+    blends, first_tokens = [], {}
+    for repeat in range(config.repeats + 1):  # the first round warms both paths up and is not counted
+        for label, method in METHODS.items():
+            spec = parse_method(method).with_ratio(config.ratio, where_taken=True)
+            round_started = time.perf_counter()
+            segments = engine.rag_segments(question, chunks, spec)
+            segments_s = time.perf_counter() - round_started
+            result = engine.generate(segments, spec, first_token)
+            first_tokens[label] = result.token_ids
+            if repeat == 0:
+                continue
+            samples[label].append(segments_s + result.ttft_s)
+            if label == BLEND:
+                blends.append(result)
+    medians = {label: statistics.median(values) for label, values in samples.items()}
     return {
-        "vllm_version": vllm.__version__,
-        "num_chunks": config.num_chunks,
-        "chunk_tokens": config.chunk_tokens,
+        "num_chunks": len(chunks),
         "prompt_tokens": blends[-1].prompt_tokens,
-        "ratio": config.ratio,
-        "repeats": config.repeats,
         "ttft_s": medians,
         "samples_s": samples,
         "speedup_full_over_cacheblend": medians[FULL] / medians[BLEND],
@@ -132,11 +136,69 @@ def section_vllm(ctx: BenchContext) -> dict[str, Any]:
             "vllm_cached_tokens": blends[-1].vllm_cached_tokens,
             "reused_tokens": blends[-1].reused_tokens,
             "recompute_ratio": blends[-1].recompute_ratio,
+            "paged_layers": blends[-1].paged_layers,
             "fusion_s": [r.fusion_s for r in blends],
             "kv_write_s": [r.kv_write_s for r in blends],
             "store_load_wait_s": [r.load_wait_s for r in blends],
         },
         "same_first_token": first_tokens[FULL] == first_tokens[BLEND],
+    }
+
+
+def first_token_agreement(engine, config: BenchConfig, prompts: int) -> dict[str, Any]:
+    """On ``prompts`` MuSiQue prompts (case i's question over ``num_chunks`` chunks cut from its
+    paragraphs and the next cases'), whether vLLM + CacheBlend's first token is vLLM full prefill's."""
+    first_token = SamplingParams(max_new_tokens=1)
+    same = []
+    for index in range(prompts):
+        question, chunks = joined_prompt(config, engine.model.tokenizer, index)
+        tokens = []
+        for method in METHODS.values():
+            spec = parse_method(method).with_ratio(config.ratio, where_taken=True)
+            tokens.append(engine.generate(engine.rag_segments(question, chunks, spec), spec, first_token))
+        same.append(tokens[0].token_ids[:1] == tokens[1].token_ids[:1])
+    return {"prompts": prompts, "same": sum(same), "per_prompt": same}
+
+
+def section_vllm(ctx: BenchContext) -> dict[str, Any]:
+    import vllm
+
+    machine = machine_info()
+    config = ctx.config
+    # the same work for both engines up to the memory reading: start, precompute into an empty store, one
+    # CacheBlend request; the first engine's fusor loads its own copy of the weights (the former design)
+    copy = _engine(config, ctx, "vllm-kv-copy", share_weights=False)
+    try:
+        memory = {"copy": worker_memory(copy, *rag_prompt(config, copy.model.tokenizer), config.ratio)[0]}
+    finally:
+        copy.close()
+    counts = sorted({config.num_chunks, *config.vllm_chunk_counts})
+    started = time.perf_counter()
+    engine = _engine(config, ctx, "vllm-kv", share_weights=True, num_chunks=max(counts))
+    startup_s = time.perf_counter() - started
+    try:
+        question, chunks = rag_prompt(config, engine.model.tokenizer)
+        memory["shared"], precompute_s = worker_memory(engine, question, chunks, config.ratio)
+        main = ttft_pair(engine, question, chunks, config)
+        # larger prompts (12 x 512: the issue's second size), each its own first case
+        by_chunks = {
+            str(n): main
+            if n == config.num_chunks
+            else ttft_pair(engine, *rag_prompt(config, engine.model.tokenizer, n), config)
+            for n in counts
+        }
+        agreement = first_token_agreement(engine, config, config.vllm_agreement_prompts)
+    finally:
+        engine.close()
+    return {
+        "vllm_version": vllm.__version__,
+        "processor": {k: machine[k] for k in ("cpu", "simd")},  # vLLM's CPU kernels differ by processor
+        "chunk_tokens": config.chunk_tokens,
+        "ratio": config.ratio,
+        "repeats": config.repeats,
+        **main,
+        "by_chunks": by_chunks,
+        "first_token_agreement": agreement,
         "engine_startup_s": startup_s,
         "chunk_precompute_s": precompute_s,
         # worker RSS: "copy" = fusor on its own copy of the weights (before), "shared" = on vLLM's (after)

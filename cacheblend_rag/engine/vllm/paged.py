@@ -1,0 +1,184 @@
+"""The fused rows attended by vLLM's own attention kernel, over the request's blocks of vLLM's paged cache.
+
+The fusor recomputes scattered rows (a CacheBlend selection) that each attend over the keys before them.
+Our runtime attends them over its own cache with masked SDPA calls over row blocks, which computes masked
+rectangles; vLLM's CPU attention kernel (``cpu_attention_with_kv_cache``) attends variable-length causal
+query runs over a block table without them. So at every layer, once the fusion's K/V of that layer is
+final (the cached chunks placed, the selected rows' fresh K/V written over them, which
+``LayerwiseModel.attend`` is always called after), :class:`PagedLayerwiseModel`
+
+1. writes that layer's K/V of the request's positions into vLLM's paged cache through the backend's own
+   ``do_kv_cache_update`` (the K/V the connector would write after the fusion: written once, in place);
+2. attends the selected rows with vLLM's kernel: each run of consecutive positions ``[a, b)`` is one
+   causal "sequence" of ``b`` keys whose last ``b - a`` positions are queries, all over the request's
+   block table. The runs, their lengths and the kernel's scheduler metadata are the same at every layer
+   of one selection, so they are built once per selection.
+
+Only vLLM's CPU backend is driven so; on another backend (CUDA), or outside a connector load (chunk
+precompute), attention is our runtime's and the connector writes the fused K/V after the fusion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...models.runtime import QKV, AttentionMask, LayerwiseModel
+
+
+def is_cpu_attention(layer: Any) -> bool:
+    """Whether ``layer`` (a vLLM ``Attention`` module) runs vLLM's CPU attention backend."""
+    impl = getattr(layer, "impl", None)
+    return type(impl).__name__ == "CPUAttentionBackendImpl" and hasattr(layer, "isa")
+
+
+@dataclass
+class PagedTarget:
+    """One request's blocks in vLLM's paged cache: the fusion writes positions [start, num_tokens) of
+    every layer there (positions before ``start`` are vLLM's prefix-cache hits, already in place)."""
+
+    layers: list[Any]  # vLLM's attention modules, in layer order
+    block_ids: list[int]
+    block_size: int
+    start: int
+    num_tokens: int
+    written: set[int] = field(default_factory=set)  # layers whose K/V went into the paged cache
+    _slots: torch.Tensor | None = None
+    _blocks: torch.Tensor | None = None
+    _runs: tuple[AttentionMask, tuple[torch.Tensor, ...]] | None = None
+
+    def slots(self) -> torch.Tensor:
+        if self._slots is None:
+            positions = torch.arange(self.start, self.num_tokens)
+            blocks = torch.tensor(self.block_ids, dtype=torch.long)
+            self._slots = blocks[positions // self.block_size] * self.block_size + positions % self.block_size
+        return self._slots
+
+    def block_table(self, rows: int) -> torch.Tensor:
+        if self._blocks is None:
+            self._blocks = torch.tensor(self.block_ids, dtype=torch.int32)[None]
+        return self._blocks.expand(rows, -1).contiguous()
+
+
+def mask_positions(mask: AttentionMask, rows: int, key_length: int) -> torch.Tensor | None:
+    """The query positions an :class:`AttentionMask` over ``key_length`` keys was built for (None when
+    they are not strictly ascending, which the kernel's causal runs cannot express)."""
+    if mask.is_causal:
+        return torch.arange(key_length)
+    if mask.suffix_start is not None:
+        return torch.arange(mask.suffix_start, key_length)
+    if mask.tensor is None:  # every query at the last slot: one row is one run
+        return torch.full((rows,), key_length - 1) if rows == 1 else None
+    if mask.tensor.shape[0] != 1:
+        return None
+    positions = mask.tensor[0, 0].sum(-1) - 1  # a row at p sees keys 0..p
+    ascending = positions.numel() < 2 or bool((positions[1:] > positions[:-1]).all())
+    return positions if ascending else None
+
+
+def causal_runs(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending ``positions`` as runs of consecutive positions: (query start offsets [R + 1], sequence
+    lengths [R]) in the kernel's int32, a run [a, b) being b keys whose last b - a are queries."""
+    breaks = (positions[1:] != positions[:-1] + 1).nonzero().squeeze(1) + 1
+    ends = torch.cat([breaks, torch.tensor([positions.numel()])])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), ends])
+    return starts.to(torch.int32), (positions[ends - 1] + 1).to(torch.int32)
+
+
+class PagedLayerwiseModel(LayerwiseModel):
+    """A :class:`LayerwiseModel` that, while a :class:`PagedTarget` is set (one connector load), writes
+    each layer's fused K/V into vLLM's paged cache and attends the fused rows with vLLM's kernel."""
+
+    target: PagedTarget | None = None
+    _layer = 0
+
+    def project_qkv(self, layer: int, hidden, positions, cos_sin=None) -> QKV:
+        self._layer = layer  # attend() of this layer comes next (blend/layers.run_layer)
+        return super().project_qkv(layer, hidden, positions, cos_sin)
+
+    @torch.inference_mode()
+    def attend(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
+    ) -> torch.Tensor:
+        target = self.target
+        if target is None or q.shape[0] != 1 or keys.shape[2] != target.num_tokens:
+            return super().attend(q, keys, values, mask)  # not the request's fusion (a chunk precompute)
+        layer = target.layers[self._layer]
+        runs = self._runs(target, mask, q.shape[2], keys.shape[2], layer)
+        if runs is None:
+            return super().attend(q, keys, values, mask)
+        self._write(target, layer, keys, values)
+        query_start, seq_lens, blocks, scheduler = runs
+        from vllm import _custom_ops as ops
+
+        impl = layer.impl
+        kv_cache = layer.kv_cache
+        num_blocks, kv_heads, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, block_size * 2, -1).chunk(2, dim=2)
+        query = q[0].transpose(0, 1).contiguous()  # [S, H, d], token-major as vLLM's forward has it
+        output = torch.empty_like(query)
+        ops.cpu_attention_with_kv_cache(
+            query=query,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=output,
+            query_start_loc=query_start,
+            seq_lens=seq_lens,
+            scale=self.scaling,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=impl.sliding_window,
+            block_table=blocks,
+            softcap=impl.logits_soft_cap,
+            scheduler_metadata=scheduler,
+            s_aux=impl.sinks,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
+        self.attention_token_layers += q.shape[2]
+        return output.view(1, q.shape[2], -1)
+
+    def _runs(self, target: PagedTarget, mask: AttentionMask, rows: int, key_length: int, layer: Any):
+        """The kernel's inputs for ``mask``'s rows, built once per selection (one mask serves its layers)."""
+        if target._runs is not None and target._runs[0] is mask:
+            return target._runs[1]
+        positions = mask_positions(mask, rows, key_length)
+        if positions is None or positions.numel() != rows:
+            return None
+        from vllm import _custom_ops as ops
+        from vllm import envs
+
+        query_start, seq_lens = causal_runs(positions.cpu())
+        impl = layer.impl
+        scheduler = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.numel(),
+            num_heads=self.shape.num_heads,
+            num_kv_heads=self.shape.num_kv_heads,
+            head_dim=self.shape.head_dim,
+            seq_lens=seq_lens,
+            dtype=self.dtype,
+            query_start_loc=query_start,
+            causal=True,
+            sliding_window_size=impl.sliding_window,
+            isa=layer.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
+        runs = (query_start, seq_lens, target.block_table(seq_lens.numel()), scheduler)
+        target._runs = (mask, runs)
+        return runs
+
+    def _write(self, target: PagedTarget, layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """This layer's K/V of positions [start, T) into the request's blocks (final once attend runs)."""
+        if self._layer in target.written:
+            return
+        kv_cache = layer.kv_cache
+        span = slice(target.start, target.num_tokens)
+        # [Hkv, n, d] -> [n, Hkv, d], the token-major shape the backend's cache update takes
+        k = keys[0, :, span].transpose(0, 1).to(kv_cache.dtype).contiguous()
+        v = values[0, :, span].transpose(0, 1).to(kv_cache.dtype).contiguous()
+        layer.impl.do_kv_cache_update(layer, k, v, kv_cache, target.slots().to(kv_cache.device))
+        target.written.add(self._layer)
