@@ -108,7 +108,8 @@ class ProbePass:
             shape = (keys.shape[1], q.shape[1] // keys.shape[1] * q.shape[2], n)
             self.buffers = (torch.empty(shape, device=q.device), torch.empty(shape, device=q.device))
         probabilities = _probabilities(q[0], keys[0], self.grouped_mask, self.model.scaling, self.buffers)
-        mass = probabilities[:, :, self.query_start :].sum(dim=(1, 2))  # [Hkv, T]
+        # [Hkv, T]; rows, then heads (one reduction over both strided dims is ~8x slower on CPU)
+        mass = probabilities[:, :, self.query_start :].sum(dim=2).sum(dim=1)
         self.attention += mass.sum(dim=0)
         # what a token adds to the attention output scales with its value's norm too
         self.contribution += (mass * values[0].float().norm(dim=-1)).sum(dim=0)
