@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, get_method
+from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, parse_method
 from cacheblend_rag.blend.segments import ChunkContext, prefill_chunk_kv
 from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
 from cacheblend_rag.eval.datasets import load_dataset
@@ -64,11 +64,48 @@ def build_prompt(model, chunks: int, chunk_tokens: int):
     return [Segment.cached(head, prefill_chunk_kv(model, head), exact=True), *segments[1:]]
 
 
+# operators by what they do (self CPU time): attention kernels (the probe's explicit softmax among them),
+# GEMMs of the projections and MLPs, and the copies that place cached KV
+_KINDS = {
+    "attention": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_attention_math",
+        "aten::baddbmm",
+        "aten::bmm",
+        "aten::_softmax",
+    ),
+    "projections + MLP": ("aten::mm", "aten::addmm"),
+    "copies": ("aten::copy_", "aten::_index_put_impl_", "aten::index", "aten::addcmul_"),
+}
+
+
+def shares(averages) -> str:
+    """One line per kind of work: its share of the run's self CPU time and its calls; then the probe's
+    region (every operator it ran) as a share of the whole."""
+    by_key = {event.key: event for event in averages}
+    total = sum(event.self_cpu_time_total for event in averages) or 1.0
+    lines = ["shares of self CPU time:"]
+    for kind, keys in _KINDS.items():
+        found = [by_key[k] for k in keys if k in by_key]
+        spent = sum(e.self_cpu_time_total for e in found)
+        calls = sum(e.count for e in found)
+        lines.append(f"  {kind}: {100 * spent / total:.1f} % ({calls} calls)")
+    probe = by_key.get("fusion::probe")
+    if probe is not None:
+        lines.append(f"  the query probe (everything in it): {100 * probe.cpu_time_total / total:.1f} %")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--chunks", type=int, default=6)
     parser.add_argument("--chunk-tokens", type=int, default=512)
-    parser.add_argument("--methods", nargs="+", default=["full_recompute", "full_reuse", "cacheblend"])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["full_recompute", "full_reuse", "cacheblend"],
+        help="method names or specs (cacheblend@ratio=0.15,probe_depth=15)",
+    )
     parser.add_argument("--trace", type=Path, default=None, help="folder for Chrome traces")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--time", type=int, default=0, help="time N runs per method, no profiler")
@@ -79,7 +116,7 @@ def main() -> None:
     fusor = Fusor(model)
     print(f"prompt: {sum(len(s) for s in segments)} tokens, {torch.get_num_threads()} threads")
     for name in args.methods:
-        method = get_method(name)
+        method = parse_method(name).build()  # a spec: cacheblend@ratio=0.15,probe_depth=15
         # full prefill computes every token, the template's opening included
         prompt = [Segment.fresh(s.token_ids) for s in segments] if name == "full_recompute" else segments
         used = [s.kv for s in prompt if s.kv is not None]
@@ -98,7 +135,9 @@ def main() -> None:
             fusor.fuse(prompt, method, DirectLayerKV(used))
         wall = time.perf_counter() - started
         print(f"\n=== {name}: {wall:.3f} s wall (under the profiler) ===")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        averages = prof.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        print(shares(averages))
         if args.trace is not None:
             args.trace.mkdir(parents=True, exist_ok=True)
             prof.export_chrome_trace(str(args.trace / f"{name}.json"))

@@ -3,7 +3,7 @@
 1. lay the segments out; each cached chunk's keys are re-rotated (float64 tables, once per fusion) from
    its own positions 0..n-1 to where it lands in the prompt;
 2. a method that selects by the question's attention gets a probe pass first (:mod:`.probe`), which also
-   places every cached layer;
+   places the cached KV of every layer it runs (all, unless the method's ``probe_layers`` says fewer);
 3. layer 0 runs for the positions the method picks (fresh text plus its selection, or every token for
    HKVD); at a check layer the method compares fresh and cached K/V and narrows the set; only selected
    tokens attend and run the MLP, with an exact causal mask over the layer's full-length K/V;
@@ -228,10 +228,8 @@ class Fusor:
         try:
             probes = {id(run): run.probe_pass() for run in runs if run.wants_probe}
             if probes:
-                passes = list(probes.values())
                 with record_function("fusion::probe"):
-                    for layer in range(model.num_layers):
-                        run_layer(model, layer, passes, finish=layer < model.num_layers - 1)
+                    _run_probes(model, list(probes.values()))
             for run in runs:
                 run.begin(probes.get(id(run)))
             with record_function("fusion::layers"):
@@ -249,8 +247,7 @@ class Fusor:
         run = _Run(self, FusionRequest(segments, _PROBE_ONLY, kv_provider))
         probe = run.probe_pass()
         try:
-            for layer in range(self.model.num_layers):
-                run_layer(self.model, layer, [probe], finish=layer < self.model.num_layers - 1)
+            _run_probes(self.model, [probe])
         finally:
             run.provider.close()
         return probe.result()
@@ -297,6 +294,14 @@ class Fusor:
             raise FusionInputError("a method selected positions not computed at the previous layer")
 
 
+def _run_probes(model: LayerwiseModel, probes: list[ProbePass]) -> None:
+    """Each probe's layers (the first ``probe.layers``), those that share a layer in one batch; a probe's
+    last layer stops before attention (only its K/V and what it records from q/k/v are needed)."""
+    for layer in range(max(probe.layers for probe in probes)):
+        active = [probe for probe in probes if layer < probe.layers]
+        run_layer(model, layer, active, finish=any(layer < probe.layers - 1 for probe in active))
+
+
 class _Run:
     """One prompt's fusion as a :class:`~.layers.LayerPass`: its plan, cache and selected positions."""
 
@@ -319,7 +324,7 @@ class _Run:
         self.wants_probe = (
             plan.num_cached > 0 and self.query_scores is None and request.method.uses_query_attention(plan)
         )
-        self.probed = False
+        self.placed_layers = 0  # the first layers, whose cached KV a probe placed already
         self.qkv_counts: list[int] = []
         self.attended_counts: list[int] = []
         self.load_wait = 0.0
@@ -330,7 +335,8 @@ class _Run:
         plan = self.plan
         if self.probe_suffix:  # the same layout with the suffix's rows after it
             plan = FusionPlan.from_segments([*plan.segments, Segment.fresh(self.probe_suffix)])
-        return ProbePass(self.model, plan, self.cache, self.provider, place)
+        layers = self.method.probe_layers(self.model.num_layers)
+        return ProbePass(self.model, plan, self.cache, self.provider, place, layers)
 
     def begin(self, probe: ProbePass | None) -> None:
         """Take the probe's findings (when one ran) and the method's layer-0 positions."""
@@ -339,10 +345,10 @@ class _Run:
             result = probe.result()
             n = plan.num_tokens  # (a probe suffix's positions come after the prompt's)
             plan.query_attention, plan.query_contribution = result.attention[:n], result.contribution[:n]
-            self.load_wait, self.probe_token_layers, self.probed = (
+            self.load_wait, self.probe_token_layers, self.placed_layers = (
                 result.load_wait_s,
                 result.token_layers,
-                True,
+                probe.layers,
             )
         elif self.query_scores is not None:
             plan.query_attention, plan.query_contribution = self.query_scores
@@ -360,7 +366,7 @@ class _Run:
         plan, cache, selected = self.plan, self.cache, self.positions
         n = plan.num_tokens
         self.qkv_counts.append(selected.numel())
-        if self.spans and not self.probed:  # the probe placed every cached layer already
+        if self.spans and layer >= self.placed_layers:  # (a probe placed the layers it ran)
             waited = time.perf_counter()
             layer_kv = self.provider.layer(layer)  # providers serve layers in order; always ask
             self.load_wait += time.perf_counter() - waited

@@ -87,6 +87,11 @@ class RecomputeMethod(BaseModel, ABC):
         ``plan.query_attention`` before :meth:`layer0_positions`; no by default."""
         return False
 
+    def probe_layers(self, num_layers: int) -> int:
+        """How many of the model's layers (the first ones) the query probe runs and scores; all by
+        default."""
+        return num_layers
+
     def describe(self) -> dict[str, Any]:
         """The method and its options, JSON-able (what results report as ``method_options``)."""
         return {"method": self.name, **self.options()}
@@ -194,6 +199,13 @@ class CacheBlend(RecomputeMethod):
     min_ratio: float = Field(
         0.02, ge=0.0, le=1.0, description="budget=auto: fewest cached tokens recomputed, as a share"
     )
+    probe_depth: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="query only: score the question's attention over the first N layers only (a cheaper "
+        "probe, a different selection); 0 (default) scores every layer",
+    )
     signal: Literal["k", "v", "kv"] = Field(
         "k", description="hkvd only: deviation of K, V or both (each normalised)"
     )
@@ -213,6 +225,9 @@ class CacheBlend(RecomputeMethod):
 
     def uses_query_attention(self, plan: FusionPlan) -> bool:
         return self.selection == "query"
+
+    def probe_layers(self, num_layers: int) -> int:
+        return min(self.probe_depth, num_layers) if self.probe_depth else num_layers
 
     def round_sharing(self) -> RoundSharing:
         # r = 1 promises each request its own full prefill: a shared blend keeps it only for requests

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cacheblend_rag.blend import CacheBlend, FullReuse, Fusor, Segment
+from cacheblend_rag.blend import CacheBlend, FullReuse, Fusor, RecomputeMethod, Segment
 from cacheblend_rag.blend.probe import (
     _attention_output,
     _grouped_causal_mask,
@@ -142,6 +142,42 @@ def test_probe_attention_comes_from_the_probabilities_it_records(model):
     assert (probabilities.sum(dim=-1) - 1).abs().max().item() <= 1e-5
     reference = model.attend(q, keys, values, AttentionMask.for_positions(positions, n))
     assert (_attention_output(probabilities, values[0]) - reference).abs().max().item() <= 1e-5
+
+
+class _Fixed(RecomputeMethod):
+    """Recomputes given positions, found by no probe of its own."""
+
+    name = "fixed_positions"
+    positions: tuple[int, ...]
+
+    def layer0_positions(self, plan):
+        return torch.tensor(self.positions)
+
+
+def test_a_shallower_probe_scores_its_layers_and_fuses_what_it_selected(model, prompts):
+    """probe_depth=N runs the probe over the first N layers: each query row's attention per head sums to
+    one per layer it ran, the fusion places the layers it left and equals recomputing its selection
+    without any probe; probe_depth = every layer is the default exactly."""
+    segments, _ = prompts[0]
+    fusor = Fusor(model)
+    shape, layers = model.shape, model.num_layers
+    default = fusor.fuse(segments, CacheBlend())
+    every = fusor.fuse(segments, CacheBlend(probe_depth=layers))
+    assert torch.equal(default.selected, every.selected) and torch.equal(default.logits, every.logits)
+    shallow = fusor.fuse(segments, CacheBlend(probe_depth=4))
+    fresh = int(shallow.plan.must_compute.sum())
+    assert shallow.probe_token_layers == 4 * fresh and default.probe_token_layers == layers * fresh
+    rows = query_positions(shallow.plan).numel() * shape.num_heads
+    assert math.isclose(float(shallow.plan.query_attention.sum()), 4 * rows, rel_tol=1e-4)
+    assert math.isclose(float(default.plan.query_attention.sum()), layers * rows, rel_tol=1e-4)
+    assert shallow.selected.numel() == default.selected.numel()
+    again = fusor.fuse(segments, _Fixed(positions=tuple(shallow.selected.tolist())))
+    assert again.probe_token_layers == 0
+    assert torch.equal(shallow.logits, again.logits)
+    n = shallow.num_tokens
+    for layer in (0, 3, 4, layers - 1):  # placed by the probe, and by the fusion after it
+        assert torch.equal(shallow.cache.keys[layer][:, :, :n], again.cache.keys[layer][:, :, :n])
+        assert torch.equal(shallow.cache.values[layer][:, :, :n], again.cache.values[layer][:, :, :n])
 
 
 def test_no_cached_chunk_means_no_probe(model):
