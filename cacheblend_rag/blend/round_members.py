@@ -162,7 +162,6 @@ class MembersPass:
             model.rope.rerotation(shifted, true, torch.float32) if any(m.delta for m in members) else None
         )
         self.mask = self._mask(device)
-        self.split = _SplitAttention.of(self) if device.type == "cpu" else None
         self.load_wait = 0.0
 
     def _own_tables(self, member: MemberLayout) -> list[tuple[tuple, tuple | None]]:
@@ -227,10 +226,7 @@ class MembersPass:
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
-        if self.split is None:
-            return self.model.attend(q, keys, values, mask)
-        self.model.attention_token_layers += q.shape[2]
-        return self.split(q, keys, values, self.model.scaling)
+        return self.model.attend(q, keys, values, mask)
 
     def results(self) -> list[FusionResult]:
         """Each member's result: its logits, its own K/V and its chunks' K/V pending in the round's cache."""
@@ -277,86 +273,6 @@ class MembersPass:
     def close(self) -> None:
         for member in self.members:
             member.provider.close()
-
-
-class _SplitAttention:
-    """The members' attention as the masked single call computes it, in parts that skip its masked
-    rectangles (CPU): every member's rows over its own slots only (one small call each), and the rows that
-    see the round's chunks over those slots gathered, with no mask where a row sees them all (the rows
-    after a member's last chunk: its question), merged through the parts' log-sum-exps. The single call
-    spends most of its work on slots a row does not see (the other members' own tokens, the round's own
-    text) and runs the masked kernel, about 1.5x slower here than the unmasked one."""
-
-    def __init__(
-        self,
-        own: list[tuple[slice, slice, torch.Tensor]],
-        chunk_slots: torch.Tensor,
-        full_rows: torch.Tensor,
-        partial_rows: torch.Tensor,
-        partial_mask: torch.Tensor,
-    ) -> None:
-        self.own, self.chunk_slots = own, chunk_slots
-        self.full_rows, self.partial_rows, self.partial_mask = full_rows, partial_rows, partial_mask
-
-    @classmethod
-    def of(cls, members_pass: MembersPass) -> _SplitAttention | None:
-        """The parts of ``members_pass``'s attention; None when its members see different chunk slots."""
-        visible = members_pass.mask.tensor[0, 0].cpu()  # [rows, keys_end]
-        length = members_pass.length
-        chunk = torch.zeros(length, dtype=torch.bool)
-        for (start, end), _ in members_pass.members[0].chunk_spans:
-            chunk[start:end] = True
-        own, first = [], 0
-        for member in members_pass.members:
-            member_chunk = torch.zeros(length, dtype=torch.bool)
-            for (start, end), _ in member.chunk_spans:
-                member_chunk[start:end] = True
-            if not torch.equal(member_chunk, chunk):
-                return None
-            rows = slice(first, first + member.rows.numel())
-            slots = slice(member.slot, member.slot + member.own_positions.numel())
-            additive = torch.zeros(rows.stop - rows.start, slots.stop - slots.start)
-            additive.masked_fill_(~visible[rows, slots], float("-inf"))
-            own.append((rows, slots, additive[None, None]))
-            first = rows.stop
-        slots = chunk.nonzero().squeeze(1)
-        seen = visible[:, slots]  # [rows, chunk slots]
-        full = seen.all(dim=1)
-        partial = seen.any(dim=1) & ~full
-        partial_mask = torch.zeros(int(partial.sum()), slots.numel())
-        partial_mask.masked_fill_(~seen[partial], float("-inf"))
-        return cls(
-            own, slots, full.nonzero().squeeze(1), partial.nonzero().squeeze(1), partial_mask[None, None]
-        )
-
-    def __call__(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
-    ) -> torch.Tensor:
-        """[1, R, H * d] for the members' rows ``q`` [1, H, R, d] over the round's cache [1, Hkv, T, d]."""
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        _, heads, rows, _ = q.shape
-        groups = heads // keys.shape[1]
-        out = torch.empty(q.shape, dtype=torch.float32)
-        lse = torch.empty(q.shape[:3], dtype=torch.float32)
-        for row_part, slot_part, mask in self.own:  # every row sees at least its own slot
-            own_k = keys[:, :, slot_part].repeat_interleave(groups, dim=1)
-            own_v = values[:, :, slot_part].repeat_interleave(groups, dim=1)
-            part, part_lse = flash(
-                q[:, :, row_part], own_k, own_v, attn_mask=mask.to(q.dtype), scale=scaling
-            )[:2]
-            out[:, :, row_part], lse[:, :, row_part] = part, part_lse
-        chunk_k = keys[:, :, self.chunk_slots].repeat_interleave(groups, dim=1)
-        chunk_v = values[:, :, self.chunk_slots].repeat_interleave(groups, dim=1)
-        for index, mask in ((self.full_rows, None), (self.partial_rows, self.partial_mask)):
-            if not index.numel():
-                continue
-            attn_mask = mask.to(q.dtype) if mask is not None else None
-            seen, seen_lse = flash(q[:, :, index], chunk_k, chunk_v, attn_mask=attn_mask, scale=scaling)[:2]
-            own, own_lse = out[:, :, index], lse[:, :, index]
-            top = torch.maximum(seen_lse, own_lse)
-            seen_w, own_w = torch.exp(seen_lse - top).unsqueeze(-1), torch.exp(own_lse - top).unsqueeze(-1)
-            out[:, :, index] = (seen * seen_w + own * own_w) / (seen_w + own_w)
-        return out.to(q.dtype).transpose(1, 2).reshape(1, rows, -1)
 
 
 def own_spans(segments: Sequence[Segment], plan: FusionPlan, occurrences: Sequence[ChunkKey | None]):

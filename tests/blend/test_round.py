@@ -160,31 +160,3 @@ def test_members_over_the_rounds_cache_equal_members_fused_on_their_own(model, p
         for layer in (0, model.num_layers - 1):
             for mine, theirs in ((one.cache.keys, other.cache.keys), (one.cache.values, other.cache.values)):
                 assert (mine[layer][0, :, :n] - theirs[layer][0, :, :n]).abs().max() <= 1e-3
-
-
-def test_members_attention_in_parts_equals_the_one_masked_call(model, parts, monkeypatch):
-    from cacheblend_rag.blend import round_members
-
-    # own roles (shifted members), separators between the chunks (rows that see only some chunks)
-    agents = [prompt(parts, q, role) for q, role in zip(QUESTIONS, [*ROLES, ""], strict=True)]
-    method = get_method("cacheblend")
-
-    def fused():
-        results = fuse_round(Fusor(model), [FusionRequest(a, method) for a in agents])
-        assert all(r.context is not None for r in results)  # every agent joined the members' pass
-        return results
-
-    calls = []
-    real_call = round_members._SplitAttention.__call__
-    monkeypatch.setattr(
-        round_members._SplitAttention, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a)
-    )
-    split = fused()
-    assert len(calls) == model.num_layers  # the parts ran, at every layer
-    monkeypatch.setattr(round_members._SplitAttention, "of", classmethod(lambda cls, members_pass: None))
-    whole = fused()
-    for a, b in zip(split, whole, strict=True):
-        assert (a.logits - b.logits).abs().max() <= 1e-4
-        for layer in (0, model.num_layers - 1):
-            assert torch.allclose(a.cache.keys[layer], b.cache.keys[layer], atol=1e-4)
-            assert torch.allclose(a.cache.values[layer], b.cache.values[layer], atol=1e-4)
