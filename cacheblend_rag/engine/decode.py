@@ -184,14 +184,18 @@ def forward_over_rounds(
     if end > cache.capacity:
         raise RuntimeError(f"decode row slot {end - 1} is past the batch buffer's {cache.capacity} slots")
     own_visible = torch.arange(end, device=device)[None] <= slot_index  # [B, end]
-    groups: dict[int, tuple[RoundKV, torch.Tensor, torch.Tensor]] = {}
+    by_round: dict[int, list[tuple[int, RowContext]]] = {}  # the rows of each round cache, by its id
     for i, context in enumerate(contexts):
         if context is not None:
-            kv = context.shared.kv
-            found = groups.get(id(kv))
-            members = [*found[1].tolist(), i] if found else [i]
-            visible = [contexts[j].shared.visible for j in members]  # type: ignore[union-attr]
-            groups[id(kv)] = (kv, torch.tensor(members, device=device), torch.stack(visible))
+            by_round.setdefault(id(context.shared.kv), []).append((i, context))
+    groups = [
+        (
+            rows_of[0][1].shared.kv,
+            torch.tensor([i for i, _ in rows_of], device=device),
+            torch.stack([c.shared.visible for _, c in rows_of]),
+        )
+        for rows_of in by_round.values()
+    ]
     plain = torch.tensor([i for i, c in enumerate(contexts) if c is None], dtype=torch.long, device=device)
     hidden = model.embed(ids).to(model.dtype)
     cos_sin = model.rope.cos_sin(positions, model.dtype)
@@ -199,7 +203,7 @@ def forward_over_rounds(
         qkv = model.project_qkv(layer, hidden, positions, cos_sin)
         cache.write(layer, slot_index, qkv.k, qkv.v)
         keys, values = cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end]
-        attended = _attend_rows(model, layer, qkv.q, keys, values, own_visible, plain, groups.values())
+        attended = _attend_rows(model, layer, qkv.q, keys, values, own_visible, plain, groups)
         hidden = model.finish_layer(layer, hidden, attended)
     cache.length = max(cache.length, end)
     return model.logits(hidden[:, -1])
