@@ -33,7 +33,7 @@ from .layers import LayerPass, run_layer
 from .methods import FullReuse, RecomputeMethod
 from .plan import FusionPlan, LayerState
 from .probe import ProbePass, ProbeResult
-from .segments import DirectLayerKV, LayerKVProvider, Segment
+from .segments import DirectLayerKV, LayerKVProvider, Segment, kv_sources
 
 # Called at every layer with (layer, query positions, q [1, H, S, d], keys [1, Hkv, T, d], mask): lets
 # diagnostics look at attention without a second code path.
@@ -311,7 +311,7 @@ class _Run:
         self.method, self.observer = request.method, request.observer
         segments = request.segments
         self.plan = plan = FusionPlan.from_segments(segments)
-        self.provider = request.kv_provider or DirectLayerKV([s.kv for s in segments if s.kv is not None])
+        self.provider = request.kv_provider or DirectLayerKV(kv_sources(segments))
         self.spans = plan.cached_spans()
         # every slot 0..n-1 is written before attention reads it (placed or recomputed), decode slots too
         self.probe_suffix = request.probe_suffix

@@ -46,7 +46,7 @@ from .methods import RoundSharing
 from .plan import FusionPlan
 from .probe import query_positions
 from .round_members import MemberLayout, MembersPass, layout, own_spans
-from .segments import ChunkKV, ChunkKVSource, DirectLayerKV, LayerKVProvider, Segment
+from .segments import ChunkKV, ChunkKVSource, DirectLayerKV, LayerKVProvider, Segment, kv_sources
 
 # Where a pass of the round reads its cached layers from (the engine passes its pipelined loader).
 ProviderFactory = Callable[[Sequence[ChunkKVSource]], LayerKVProvider]
@@ -123,7 +123,7 @@ def fuse_round(
 def _with_provider(request: FusionRequest, provider_for: ProviderFactory) -> FusionRequest:
     if request.kv_provider is not None:
         return request
-    return replace(request, kv_provider=provider_for([s.kv for s in request.segments if s.kv is not None]))
+    return replace(request, kv_provider=provider_for(kv_sources(request.segments)))
 
 
 def _blend_round(
@@ -135,7 +135,7 @@ def _blend_round(
     started = time.perf_counter()
     lead = members[0]
     segments = list(lead.segments[: _last_chunk(lead.segments) + 1])
-    sources = [s.kv for s in segments if s.kv is not None]
+    sources = kv_sources(segments)
     plan = FusionPlan.from_segments(segments)
     starts = {key: start for (start, _), key in zip(plan.spans, _occurrences(segments), strict=True) if key}
     joining = {j: found for j, m in enumerate(members) if (found := _joins(m, starts)) is not None}
@@ -276,7 +276,7 @@ def _member(
     return FusionRequest(
         segments,
         request.method,
-        provider_for([s.kv for s in segments if s.kv is not None]),
+        provider_for(kv_sources(segments)),
         request.extra_capacity,
         request.observer,
     )

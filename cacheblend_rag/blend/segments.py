@@ -125,6 +125,11 @@ class Segment:
         return len(self.token_ids)
 
 
+def kv_sources(segments: Sequence[Segment]) -> list[ChunkKVSource]:
+    """The cached segments' KV sources, in prompt order (what a layer KV provider serves)."""
+    return [s.kv for s in segments if s.kv is not None]
+
+
 def prefill_chunk_kv(
     model: LayerwiseModel,
     token_ids: Sequence[int],

@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import MethodOptionError
 from .controller import Decision, LoadingController
 from .methods import RecomputeMethod, Reuse, get_method, jsonable, method_class, options_help
-from .segments import Segment
+from .segments import Segment, kv_sources
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ def resolve_method(
 
 def choose_ratio(controller: LoadingController, segments: Sequence[Segment]) -> Decision:
     """The controller's ratio for a prompt: matched to the slowest tier its chunks load from."""
-    sources = [s.kv for s in segments if s.kv is not None]
+    sources = kv_sources(segments)
     cached = sum(source.num_tokens for source in sources)
     # the controller profiles RAM and disk; a remote chunk loads at least as slowly as one from disk
     slow = ("disk", "remote")

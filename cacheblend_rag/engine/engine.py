@@ -20,6 +20,7 @@ from ..blend.segments import (
     ChunkKV,
     ChunkKVSource,
     Segment,
+    kv_sources,
     prefill_chunk_kv,
     prefill_context,
 )
@@ -198,15 +199,17 @@ class Engine(PromptSegments):
         reuses = reuse_of(method)
         if reuses is Reuse.PREFIX:
             return layout_segments(parts, reuses, self._prefix_lookup)
-        segments = layout_segments(parts, reuses, self._chunk_lookup)
-        return self.exact_head(segments) if reuses is Reuse.CHUNKS else segments
+        return self.exact_head(layout_segments(parts, reuses, self._chunk_lookup), reuses)
 
-    def exact_head(self, segments: list[Segment]) -> list[Segment]:
+    def exact_head(self, segments: list[Segment], reuses: Reuse) -> list[Segment]:
         """The fresh text before the first chunk (a template's opening: system prompt, "Passages:") is the
         same in every prompt of the template, and its KV does not depend on what follows. Computed once
         from position 0 and kept in memory in the compute dtype, it is exactly what a full prefill
-        computes there, so it is reused as an exact segment (as vLLM's prefix caching would). vLLM's worker
-        applies the same rule to the prompts it blends (engine/vllm/worker.py)."""
+        computes there, so a method that reuses chunks (``reuses``) reuses it as an exact segment (as
+        vLLM's prefix caching would); any other method gets ``segments`` back. vLLM's worker applies the
+        same rule to the prompts it blends (engine/vllm/worker.py)."""
+        if reuses is not Reuse.CHUNKS:
+            return segments
         if len(segments) < 2 or segments[0].is_cached or not any(s.is_cached for s in segments[1:]):
             return segments
         ids = segments[0].token_ids
@@ -228,7 +231,7 @@ class Engine(PromptSegments):
         """Fuse with the store's pipelined loader. A chunk found corrupt while loading is recomputed,
         rewritten and the fusion retried once."""
         for attempt in (1, 2):
-            loader = self._loader([s.kv for s in segments if s.kv is not None])
+            loader = self._loader(kv_sources(segments))
             try:
                 with self.forward_lock:
                     return self.fusor.fuse(segments, method, loader, extra_capacity, observer)
@@ -272,7 +275,7 @@ class Engine(PromptSegments):
         they are fused one at a time instead, so one request's problem stays its own: the caller gets
         each request's result or exception in order."""
         loaders = [
-            FusionRequest(segments, method, self._loader([s.kv for s in segments if s.kv is not None]))
+            FusionRequest(segments, method, self._loader(kv_sources(segments)))
             for segments, method in requests
         ]
         try:

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from cacheblend_rag.blend.methods import CacheBlend, register_method
+from cacheblend_rag.blend.spec import reuse_of
 from cacheblend_rag.engine import SamplingParams
 
 pytestmark = pytest.mark.vllm
@@ -46,8 +47,8 @@ def reference(torch_engine):
         key = (tuple(t for s in segments for t in s.token_ids), method, ratio)
         if key not in answers:
             options = {} if ratio is None else {"ratio": ratio}
-            if method != "full_recompute":  # as the PyTorch engine serves a blend: its opening reused exactly
-                segments = torch_engine.exact_head(segments)
+            # as the PyTorch engine serves a blend: its opening reused exactly
+            segments = torch_engine.exact_head(segments, reuse_of(method))
             answers[key] = torch_engine.generate(segments, method, GREEDY_32, **options)
         return answers[key]
 

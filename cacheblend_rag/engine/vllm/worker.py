@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...blend.fusor import FusionResult
-from ...blend.methods import Reuse, get_method
+from ...blend.methods import get_method
 from ...blend.segments import ChunkContext, Segment
 from ...config import DEFAULTS, Config
 from ...errors import CacheBlendError
@@ -145,8 +145,7 @@ class WorkerBlender:
             for ids, is_cached in request.split(token_ids)
         ]
         method = get_method(request.method, **request.method_options)
-        if method.reuses is Reuse.CHUNKS:  # the template's opening reused exactly, as the PyTorch engine does
-            segments = self.engine.exact_head(segments)
+        segments = self.engine.exact_head(segments, method.reuses)  # as the PyTorch engine reuses it
         model = self.engine.model
         if target is None or not isinstance(model, PagedLayerwiseModel):
             return self.engine.fuse(segments, method)
