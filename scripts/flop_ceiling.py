@@ -28,6 +28,7 @@ import torch
 from profile_fusion import build_prompt  # scripts/ is on sys.path when a script in it runs
 
 from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, parse_method
+from cacheblend_rag.blend.segments import kv_sources
 from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.settings import get_settings
 
@@ -35,7 +36,7 @@ from cacheblend_rag.settings import get_settings
 def linear_params_per_layer(model) -> int:
     """Weights of one decoder layer's matmuls (projections and MLP), from the loaded modules."""
     layer = model.hf_model.model.layers[0]
-    return sum(p.numel() for name, p in layer.named_parameters() if p.dim() == 2)
+    return sum(p.numel() for p in layer.parameters() if p.dim() == 2)
 
 
 def row_flops(positions: torch.Tensor, linear: int, heads: int, head_dim: int) -> float:
@@ -49,6 +50,11 @@ def method_flops(model, result, linear: int) -> tuple[float, int, int]:
     layers = shape.num_layers
     selected = result.selected.cpu()
     flops = layers * row_flops(selected, linear, shape.num_heads, shape.head_dim)
+    # the positions are the last layer's; a method that computes more rows at some layers (HKVD's first
+    # layer computes every token) is counted by those layers' row counts, at the prompt's mean position
+    n = result.plan.num_tokens
+    extra = sum(c - selected.numel() for c in result.qkv_tokens_per_layer if c > selected.numel())
+    flops += extra * (2 * linear + 4 * shape.num_heads * shape.head_dim * (n + 1) / 2)
     probe_rows = 0
     if result.probe_token_layers:
         fresh = result.plan.must_compute.nonzero().squeeze(1)
@@ -78,7 +84,8 @@ def main() -> None:
     print(f"full prefill: {full / 1e9:.1f} GFLOP")
 
     def timed(prompt, method) -> float:
-        used = [s.kv for s in prompt if s.kv is not None]
+        used = kv_sources(prompt)
+        fusor.fuse(prompt, method, DirectLayerKV(used))  # warm-up
         walls = []
         for _ in range(args.time):
             started = time.perf_counter()
@@ -90,14 +97,8 @@ def main() -> None:
     full_wall = timed(full_prompt, full_method) if args.time else 0.0
     for name in args.methods:
         method = parse_method(name).build()
-        used = [s.kv for s in segments if s.kv is not None]
-        result = fusor.fuse(segments, method, DirectLayerKV(used))
+        result = fusor.fuse(segments, method, DirectLayerKV(kv_sources(segments)))
         flops, rows, probe_rows = method_flops(model, result, linear)
-        # the positions are the last layer's; a method that computes more rows at some layers (HKVD's
-        # first layer computes every token) is counted by those layers' row counts at mean position
-        extra = sum(c - rows for c in result.qkv_tokens_per_layer if c > rows)
-        if extra:
-            flops += extra * (2 * linear + 4 * shape.num_heads * shape.head_dim * (n + 1) / 2)
         line = (
             f"{name}: {rows} rows recomputed ({rows / n:.3f} of the prompt), probe {probe_rows} rows, "
             f"{flops / 1e9:.1f} GFLOP; FLOP ratio full / method {full / flops:.2f}x"

@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, parse_method
-from cacheblend_rag.blend.segments import ChunkContext, prefill_chunk_kv
+from cacheblend_rag.blend.segments import ChunkContext, kv_sources, prefill_chunk_kv
 from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
 from cacheblend_rag.eval.datasets import load_dataset
 from cacheblend_rag.models.loader import load_model
@@ -119,7 +119,7 @@ def main() -> None:
         method = parse_method(name).build()  # a spec: cacheblend@ratio=0.15,probe_depth=15
         # full prefill computes every token, the template's opening included
         prompt = [Segment.fresh(s.token_ids) for s in segments] if name == "full_recompute" else segments
-        used = [s.kv for s in prompt if s.kv is not None]
+        used = kv_sources(prompt)
         fusor.fuse(prompt, method, DirectLayerKV(used))  # warm-up
         if args.time:
             walls = []

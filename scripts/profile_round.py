@@ -32,6 +32,7 @@ from cacheblend_rag.blend import layers as layers_module
 from cacheblend_rag.blend import probe as probe_module
 from cacheblend_rag.blend import round as round_module
 from cacheblend_rag.blend.fusor import FusionRequest
+from cacheblend_rag.blend.segments import kv_sources
 from cacheblend_rag.blend.spec import parse_method
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.engine.prompt import ChunkRef
@@ -143,7 +144,7 @@ def old_requests(engine, work) -> list[FusionRequest]:
         pass
 
     return [
-        FusionRequest(segments, method, engine._loader([s.kv for s in segments if s.kv]), observer=observer)
+        FusionRequest(segments, method, engine._loader(kv_sources(segments)), observer=observer)
         for segments, method in work
     ]
 

@@ -12,6 +12,7 @@ from ..store.kvstore import KVStore
 from .base import (
     BatchRequest,
     EngineProtocol,
+    FusionDiagnostics,
     FusionStats,
     GenerationResult,
     StreamHandle,
@@ -58,6 +59,7 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "EngineProtocol",
+    "FusionDiagnostics",
     "FusionStats",
     "GenerationResult",
     "JsonConstraint",

@@ -27,8 +27,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection, Generator, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
+
+import torch
 
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionResult
@@ -136,6 +138,20 @@ class PromptAccounting:
         return {f.name: getattr(self, f.name) for f in fields(PromptAccounting)}
 
 
+@dataclass(frozen=True)
+class FusionDiagnostics:
+    """What scoring an answer's fidelity reads of its prompt's fusion (eval, ``check``), filled when the
+    request's :class:`SamplingParams` asked for ``diagnostics``. Every engine fills the first token's
+    distribution; a field an engine cannot know is None (the vLLM engine scores no continuation)."""
+
+    first_token_logprobs: torch.Tensor  # float32 [vocab]: log-softmax of the first token's logits
+    recomputed_positions: tuple[int, ...] | None  # prompt positions recomputed at the last layer, ascending
+    compute_fraction: float | None  # the fusion's matmul token-layers over a full prefill's
+    fusion_s: float | None  # seconds the fusion took (loading, recompute and the probe)
+    # per SamplingParams.score_continuations: mean NLL per token of the sequence after the prompt
+    continuation_nll: tuple[float | None, ...] = ()
+
+
 @dataclass
 class GenerationResult(PromptAccounting):
     """One answer and what producing it cost."""
@@ -154,6 +170,7 @@ class GenerationResult(PromptAccounting):
     method_options: dict = field(default_factory=dict)
     load_wait_s: float = 0.0
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+    diagnostics: FusionDiagnostics | None = None  # when the sampling params asked for them
 
     @classmethod
     def build(
@@ -196,7 +213,10 @@ class GenerationResult(PromptAccounting):
         )
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "cached_tokens": self.cached_tokens}
+        """The result's fields as plain values, without its diagnostics (which hold a tensor)."""
+        out = asdict(replace(self, diagnostics=None))
+        del out["diagnostics"]
+        return {**out, "cached_tokens": self.cached_tokens}
 
 
 @dataclass

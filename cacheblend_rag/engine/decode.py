@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Generator, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,9 +26,10 @@ from ..blend.fusor import FusionResult
 from ..blend.segments import Segment
 from ..blend.spec import ResolvedMethod
 from ..models.runtime import KVCache, LayerwiseModel
-from .base import FusionStats, GenerationResult, TokenEvent
+from .base import FusionDiagnostics, FusionStats, GenerationResult, TokenEvent
 from .batch_kv import RowContext
 from .constraints import ConstraintState, masked, start_constraint
+from .metrics import continuation_nll
 from .sampling import SamplingParams, make_generator, sample_next
 from .textstream import TextStream
 
@@ -65,6 +67,7 @@ class DecodeRow:
         self.constraint: ConstraintState | None = None  # structured output: the request's JSON matcher
         self.prompt: FusionResult | None = None  # the fused prompt, until a scheduler has taken its KV
         self.fusion: FusionStats | None = None
+        self.diagnostics: FusionDiagnostics | None = None  # when the sampling params ask for them
         self.token = 0  # fed at the next step, at ``position``
         self.position = 0
         self.ttft_s = 0.0
@@ -87,6 +90,15 @@ class DecodeRow:
         """Take the fused prompt (its KV and the logits of its last token) and choose the first token;
         True when that already ended the answer."""
         self.fusion = FusionStats.of(fusion)
+        if self.sampling.diagnostics:
+            self.diagnostics = FusionDiagnostics(
+                first_token_logprobs=torch.log_softmax(fusion.logits.detach().float().cpu(), dim=-1),
+                recomputed_positions=tuple(int(p) for p in fusion.selected.cpu().tolist()),
+                compute_fraction=fusion.compute_fraction,
+                fusion_s=fusion.seconds,
+                # scored once decoding is over (decode_alone), over the prompt's own cache
+                continuation_nll=tuple(None for _ in self.sampling.score_continuations),
+            )
         self.prompt = fusion  # its KV is read when decoding starts (a round's member's is written then)
         self.position = self.prompt_tokens
         vocab = fusion.logits.shape[-1]
@@ -131,7 +143,19 @@ class DecodeRow:
             fusion=self.fusion,
             ttft_s=self.ttft_s,
             total_s=time.perf_counter() - self.started,
+            diagnostics=self.diagnostics,
         )
+
+    def score_continuations(self, model: LayerwiseModel, fusion: FusionResult) -> None:
+        """Fill the diagnostics' continuation NLLs over ``fusion``'s cache (the prompt's slots are left as
+        they are; the slots past it are overwritten, so only once the answer is decoded)."""
+        if self.diagnostics is None or not self.sampling.score_continuations:
+            return
+        scores = tuple(
+            continuation_nll(model, fusion.cache, fusion.num_tokens, fusion.logits, ids)
+            for ids in self.sampling.score_continuations
+        )
+        self.diagnostics = replace(self.diagnostics, continuation_nll=scores)
 
 
 def decode_step(
@@ -251,6 +275,8 @@ def decode_alone(
     while True:
         yield from row.take_events()
         if finished:
+            with forward_lock:
+                row.score_continuations(model, fusion)
             return row.result()
         assert row.cache is not None
         finished = bool(decode_step(model, forward_lock, [row], row.cache))

@@ -26,6 +26,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     constraint: JsonConstraint | None = None
     strict_max_tokens: bool = False
+    # Scoring fidelity (eval, ``check``): ``diagnostics`` fills the result's :class:`~.base.FusionDiagnostics`
+    # (the first token's whole distribution, the positions recomputed); ``score_continuations`` are token
+    # sequences whose teacher-forced NLL after the prompt it also reports, where the engine can score them.
+    diagnostics: bool = False
+    score_continuations: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -34,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.score_continuations and not self.diagnostics:
+            raise ValueError("score_continuations needs diagnostics=True: their NLL is reported there")
         if self.constraint is not None:
             from .constraints import JsonConstraint  # llguidance loads only when a constraint is used
 
