@@ -19,15 +19,7 @@ from .blend.spec import MethodSpec
 from .config import Config
 from .corpus.corpus import Corpus, RetrievedChunk
 from .engine import ChunkRef, EngineProtocol, SamplingParams
-from .engine.fidelity import (
-    REFERENCE,
-    MethodRun,
-    RecordingEngine,
-    compare_methods,
-    method_table,
-    store_in_ram,
-)
-from .models.runtime import LayerwiseModel
+from .engine.fidelity import REFERENCE, MethodRun, compare_methods, method_table, store_in_ram
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +125,7 @@ def sample_questions(corpus: Corpus, n: int) -> list[str]:
     return list(questions)
 
 
-def method_runs(engine: RecordingEngine, method: str, ratios: Sequence[float | None]) -> list[MethodRun]:
+def method_runs(engine: EngineProtocol, method: str, ratios: Sequence[float | None]) -> list[MethodRun]:
     """Full prefill, then ``method`` once per ratio; once as given when it has no ratio or names its
     own."""
     base = MethodSpec.parse(method)
@@ -161,11 +153,7 @@ def run_check(
     check_options(ratios, target_agreement, max_new_tokens, sample)
     sampled = questions is None
     asked = sample_questions(rag.corpus, sample) if questions is None else clean_questions(questions)
-    if not isinstance(rag.engine.model, LayerwiseModel):  # the PyTorch runtime's model, weights in hand
-        raise ValueError("check needs the PyTorch engine (it reads each method's first-token logits)")
-    base = rag.engine
-    # the RAG's model, store, prompts and chunk context, recording each fusion's logits and cache
-    engine = RecordingEngine(base.model, base.store, base.prompts, base.chunk_context, config=rag.config)
+    engine = rag.engine  # scored from what it returns: each answer's diagnostics
     runs = method_runs(engine, method or rag.config.method, ratios)
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
     cases = []
@@ -173,7 +161,8 @@ def run_check(
         chunks = rag.retrieve(question, top_k)
         refs = [ChunkRef(c.token_ids, c.chunk_id) for c in chunks]
         store_in_ram(engine, question, refs, [run.spec for run in runs])
-        records, prompt_tokens = compare_methods(runs, question, refs, sampling, nll_reference=False)
+        compared, prompt_tokens = compare_methods(runs, question, refs, sampling, nll_reference=False)
+        records = {label: record.to_dict() for label, record in compared.items()}
         for record in records.values():
             record.pop("answer_tokens")
         cases.append(

@@ -106,6 +106,14 @@ def eval_command(
         typer.Option("--kv-dir", help="Chunk KV store kept across runs (default: settings home)."),
     ] = None,
     model: Annotated[str | None, typer.Option("--model", help="Model name or local HF folder.")] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            "--engine",
+            help="What answers: torch (our engine) or vllm (vLLM with the CacheBlend connector; scores "
+            "no NLL, and runs one chunk context and codec).",
+        ),
+    ] = "torch",
     kv_dtypes: Annotated[
         str | None,
         typer.Option(
@@ -117,12 +125,15 @@ def eval_command(
 ) -> None:
     """Answer each case with every method; score against the gold answers and the full_recompute answer."""
     from ..blend.spec import split_specs
+    from ..engine import ENGINE_KINDS
     from ..eval.datasets import load_dataset
     from ..eval.harness import EvalConfig, run_eval
     from ..eval.markdown import update_markdown
     from ..eval.report import eval_section_name, plot_quality_vs_ttft, render_eval
     from ..eval.variants import CHUNK_CONTEXTS
 
+    if engine not in ENGINE_KINDS:
+        raise typer.BadParameter(f"--engine: use {' or '.join(ENGINE_KINDS)}, got {engine!r}")
     if chunk_context is not None and chunk_context not in CHUNK_CONTEXTS:
         raise typer.BadParameter(f"--chunk-context: use {' or '.join(CHUNK_CONTEXTS)}, got {chunk_context!r}")
     method_list = split_specs(methods)
@@ -148,6 +159,7 @@ def eval_command(
                 "--max-new-tokens": max_new_tokens,
                 "--task": task if task != "auto" else None,
                 "--model": model,
+                "--engine": engine if engine != "torch" else None,
                 "--kv-dtypes": kv_dtypes,
                 "--json": json_path,
                 "--markdown": markdown,
@@ -171,6 +183,7 @@ def eval_command(
             skip=skip,
             chunk_context=chunk_context,
             kv_dtypes=tuple(parse_list(kv_dtypes, str, "--kv-dtypes")) if kv_dtypes else (),
+            engine=engine,
         )
 
         def progress(done: int, total: int, record: dict) -> None:

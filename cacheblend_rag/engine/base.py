@@ -150,6 +150,7 @@ class FusionDiagnostics:
     fusion_s: float | None  # seconds the fusion took (loading, recompute and the probe)
     # per SamplingParams.score_continuations: mean NLL per token of the sequence after the prompt
     continuation_nll: tuple[float | None, ...] = ()
+    answer_nll: float | None = None  # mean NLL per token of the answer itself, from the logits that chose it
 
 
 @dataclass

@@ -68,6 +68,7 @@ class DecodeRow:
         self.prompt: FusionResult | None = None  # the fused prompt, until a scheduler has taken its KV
         self.fusion: FusionStats | None = None
         self.diagnostics: FusionDiagnostics | None = None  # when the sampling params ask for them
+        self._answer_logprobs: list[float] = []  # each chosen token's log-probability, with diagnostics
         self.token = 0  # fed at the next step, at ``position``
         self.position = 0
         self.ttft_s = 0.0
@@ -90,20 +91,24 @@ class DecodeRow:
         """Take the fused prompt (its KV and the logits of its last token) and choose the first token;
         True when that already ended the answer."""
         self.fusion = FusionStats.of(fusion)
-        if self.sampling.diagnostics:
-            self.diagnostics = FusionDiagnostics(
-                first_token_logprobs=torch.log_softmax(fusion.logits.detach().float().cpu(), dim=-1),
-                recomputed_positions=tuple(int(p) for p in fusion.selected.cpu().tolist()),
-                compute_fraction=fusion.compute_fraction,
-                fusion_s=fusion.seconds,
-                # scored once decoding is over (decode_alone), over the prompt's own cache
-                continuation_nll=tuple(None for _ in self.sampling.score_continuations),
-            )
         self.prompt = fusion  # its KV is read when decoding starts (a round's member's is written then)
         self.position = self.prompt_tokens
         vocab = fusion.logits.shape[-1]
         self.constraint = start_constraint(self.sampling, self._tokenizer, self._eos_ids, vocab, self.max_new)
-        return self._choose(fusion.logits)
+        finished = self._choose(fusion.logits)
+        if self.sampling.diagnostics:  # read after the first token is chosen: they cost its TTFT nothing
+            self._diagnostics_of(fusion)
+        return finished
+
+    def _diagnostics_of(self, fusion: FusionResult) -> None:
+        self.diagnostics = FusionDiagnostics(
+            first_token_logprobs=torch.log_softmax(fusion.logits.detach().float().cpu(), dim=-1),
+            recomputed_positions=tuple(int(p) for p in fusion.selected.cpu().tolist()),
+            compute_fraction=fusion.compute_fraction,
+            fusion_s=fusion.seconds,
+            # scored once decoding is over (decode_alone), over the prompt's own cache
+            continuation_nll=tuple(None for _ in self.sampling.score_continuations),
+        )
 
     def step(self, logits: torch.Tensor) -> bool:
         """The row's last token has been fed: choose the next one from its ``logits`` [vocab]; True when
@@ -116,6 +121,8 @@ class DecodeRow:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
             self.ttft_s = self.first_token_at - self.started
+        if self.sampling.diagnostics:
+            self._answer_logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
         piece = self.text.push(token)
         if piece is not None:
             self._emit(TokenEvent(token, piece))
@@ -143,8 +150,16 @@ class DecodeRow:
             fusion=self.fusion,
             ttft_s=self.ttft_s,
             total_s=time.perf_counter() - self.started,
-            diagnostics=self.diagnostics,
+            diagnostics=self._final_diagnostics(),
         )
+
+    def _final_diagnostics(self) -> FusionDiagnostics | None:
+        # the answer's own tokens: a stop token chosen last is not part of it
+        chosen = self._answer_logprobs[: len(self.text.token_ids)]
+        if self.diagnostics is None or not chosen:
+            return self.diagnostics
+        nll = -sum(chosen) / len(chosen)
+        return replace(self.diagnostics, answer_nll=nll)
 
     def score_continuations(self, model: LayerwiseModel, fusion: FusionResult) -> None:
         """Fill the diagnostics' continuation NLLs over ``fusion``'s cache (the prompt's slots are left as

@@ -6,7 +6,8 @@ each other method after it, in turn, so their TTFTs are measured side by side; e
 answer, TTFT (building the segments, which includes the KV look-ups, plus fusion and the first token),
 the fusion's recompute accounting, and the fidelity metrics against the reference: first-token agreement,
 first-token KL, agreement F1 (token F1 with the reference's answer) and, when asked, the teacher-forced
-NLL of the reference's answer under the method's fused cache. :func:`method_table` averages records over
+NLL of the reference's answer under the method's fused cache. It reads only what the engine returns
+(:class:`~.base.FusionDiagnostics`), so it scores any engine. :func:`method_table` averages records over
 prompts (medians for times, the speed-up the median of per-prompt ratios).
 """
 
@@ -14,17 +15,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
-from ..blend.fusor import FusionResult
 from ..blend.methods import Reuse
 from ..blend.spec import MethodSpec
-from .engine import Engine
-from .metrics import continuation_nll, kl_divergence, qa_f1
+from .base import EngineProtocol
+from .metrics import kl_divergence, qa_f1
 from .prompt import ChunkRef, PromptBuilder
 from .sampling import SamplingParams
 
@@ -45,17 +45,6 @@ MEAN_FIELDS = (
 )
 
 
-class RecordingEngine(Engine):
-    """The engine, keeping the last :class:`FusionResult` so its cache and logits can be scored after
-    generation (generation writes only past the prompt's slots)."""
-
-    last_fusion: FusionResult | None = None
-
-    def fuse(self, segments, method, extra_capacity=0, observer=None) -> FusionResult:
-        self.last_fusion = super().fuse(segments, method, extra_capacity, observer)
-        return self.last_fusion
-
-
 @dataclass(frozen=True)
 class MethodRun:
     """One column: its label (``cacheblend@0.15``), spec and the engine it runs on (the reference's
@@ -63,10 +52,12 @@ class MethodRun:
 
     label: str
     spec: MethodSpec
-    engine: RecordingEngine
+    engine: EngineProtocol
 
 
-def store_in_ram(engine: Engine, question: str, refs: Sequence[ChunkRef], reuses: Iterable = ()) -> None:
+def store_in_ram(
+    engine: EngineProtocol, question: str, refs: Sequence[ChunkRef], reuses: Iterable = ()
+) -> None:
     """Compute and store whatever KV the methods will reuse (``reuses``: specs or :class:`Reuse` kinds;
     default the chunks and the prompt's prefix), and bring it into the RAM tier, so every method's TTFT
     is measured with its KV in RAM."""
@@ -87,17 +78,59 @@ def chunk_positions(builder: PromptBuilder, question: str, refs: Sequence[ChunkR
     return torch.tensor(mask + [False] * len(suffix))
 
 
-def chunk_recompute_ratio(fusion: FusionResult, chunk_mask: torch.Tensor) -> float:
+def chunk_recompute_ratio(
+    positions: Sequence[int] | None, prompt_tokens: int, chunk_mask: torch.Tensor
+) -> float | None:
     """Share of the retrieved chunks' tokens recomputed at the last layer (comparable across methods:
     ``recompute_ratio`` counts only segments a method treats as cached, e.g. just the prefix for
-    prefix_cache)."""
-    if chunk_mask.numel() != fusion.num_tokens:
-        raise ValueError(f"chunk mask covers {chunk_mask.numel()} positions, the prompt {fusion.num_tokens}")
-    return float(chunk_mask[fusion.selected].sum()) / max(1, int(chunk_mask.sum()))
+    prefix_cache); None when the engine did not report the positions it recomputed."""
+    if positions is None:
+        return None
+    if chunk_mask.numel() != prompt_tokens:
+        raise ValueError(f"chunk mask covers {chunk_mask.numel()} positions, the prompt {prompt_tokens}")
+    selected = torch.tensor(list(positions), dtype=torch.long)
+    return float(chunk_mask[selected].sum()) / max(1, int(chunk_mask.sum()))
 
 
-# what a caller adds to each record while the method's fused cache is still there: (run, answer, fusion)
-Extra = Callable[[MethodRun, Any, FusionResult], dict[str, Any]]
+@dataclass
+class MethodRecord:
+    """One method's answer to one prompt and its scores against the reference (see the module's doc).
+    ``None``: not measured (an engine that does not report it, or a score not asked for)."""
+
+    answer: str
+    answer_tokens: list[int]
+    finish_reason: str
+    ttft_s: float
+    segments_s: float
+    fusion_s: float | None
+    load_wait_s: float
+    total_s: float
+    recompute_ratio: float
+    chunk_recompute_ratio: float | None
+    compute_fraction: float | None
+    reused_tokens: int
+    computed_tokens: int
+    first_token: int
+    agreement_f1: float
+    first_token_agreement: bool
+    kl_first_token: float
+    nll_reference: float | None = None
+    # eval's scores against the gold answers
+    gold: float | None = None
+    nll_gold: float | None = None
+    agreement_rouge_l: float | None = None
+    options: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as a results file holds it: what was not measured is left out."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class _Reference:
+    text: str
+    ids: list[int]
+    logprobs: torch.Tensor
 
 
 def compare_methods(
@@ -105,73 +138,68 @@ def compare_methods(
     question: str,
     refs: Sequence[ChunkRef],
     sampling: SamplingParams,
-    extra: Extra | None = None,
+    continuation: Sequence[int] | None = None,
     nll_reference: bool = True,
-) -> tuple[dict[str, dict[str, Any]], int]:
+) -> tuple[dict[str, MethodRecord], int]:
     """Answer ``question`` over ``refs`` with each of ``runs`` in turn (the reference first) and score each
-    against the reference; returns the records by label and the prompt's length in tokens."""
+    against the reference from what its engine returns (:class:`~.base.FusionDiagnostics`); returns the
+    records by label and the prompt's length in tokens. ``continuation``: a token sequence (eval's gold
+    answer) whose NLL after each method's prompt goes in the record's ``nll_gold``; ``nll_reference``:
+    score the reference's answer under each method's prompt too (where the engine scores continuations)."""
     if not runs or runs[0].label != REFERENCE:
         raise ValueError(f"{REFERENCE} must be the first method: it is the reference of the others")
     chunk_mask = chunk_positions(runs[0].engine.prompts, question, refs)
-    reference: dict[str, Any] = {}
-    records: dict[str, dict[str, Any]] = {}
+    reference: _Reference | None = None
+    records: dict[str, MethodRecord] = {}
     prompt_tokens = 0
     for run in runs:
         engine = run.engine
         t0 = time.perf_counter()
         segments = engine.rag_segments(question, refs, run.spec)
         segments_s = time.perf_counter() - t0
-        result = engine.generate(segments, run.spec.build(), sampling)
-        fusion = engine.last_fusion
-        assert fusion is not None
-        prompt_tokens = fusion.num_tokens
+        scored = [] if continuation is None else [tuple(continuation)]
+        if nll_reference and reference is not None:
+            scored.append(tuple(reference.ids))
+        asked = replace(sampling, diagnostics=True, score_continuations=tuple(scored))
+        result = engine.generate(segments, run.spec.build(), asked)
+        diagnostics = result.diagnostics
+        if diagnostics is None:
+            raise ValueError(f"the {type(engine).__name__} returned no diagnostics: it cannot be scored")
+        prompt_tokens = result.prompt_tokens
+        if reference is None:
+            reference = _Reference(result.text, result.token_ids, diagnostics.first_token_logprobs)
+        nll = dict(zip(["gold"] * (continuation is not None), diagnostics.continuation_nll, strict=False))
         if run.label == REFERENCE:
-            reference = {"text": result.text, "ids": result.token_ids, "logits": fusion.logits}
-        record = _record(run, result, fusion, segments_s, reference, chunk_mask, nll_reference)
-        if extra is not None:
-            record.update(extra(run, result, fusion))
-        records[run.label] = record
-        engine.last_fusion = None
-    return records, prompt_tokens
-
-
-def _record(
-    run: MethodRun,
-    result,
-    fusion: FusionResult,
-    segments_s: float,
-    reference: dict[str, Any],
-    chunk_mask: torch.Tensor,
-    nll_reference: bool,
-) -> dict[str, Any]:
-    first_token = int(fusion.logits.argmax())
-    record = {
-        "answer": result.text,
-        "answer_tokens": result.token_ids,
-        "finish_reason": result.finish_reason,
-        "ttft_s": segments_s + result.ttft_s,
-        "segments_s": segments_s,
-        "fusion_s": fusion.seconds,
-        "load_wait_s": fusion.load_wait_s,
-        "total_s": segments_s + result.total_s,
-        "recompute_ratio": fusion.recompute_ratio,
-        "chunk_recompute_ratio": chunk_recompute_ratio(fusion, chunk_mask),
-        "compute_fraction": fusion.compute_fraction,
-        "reused_tokens": fusion.reused_tokens,
-        "computed_tokens": fusion.computed_tokens,
-        "first_token": first_token,
-        "agreement_f1": qa_f1(result.text, [reference["text"]]),
-        "first_token_agreement": first_token == int(reference["logits"].argmax()),
-        "kl_first_token": kl_divergence(reference["logits"], fusion.logits),
-    }
-    if nll_reference:
-        model = run.engine.model
-        record["nll_reference"] = continuation_nll(
-            model, fusion.cache, fusion.num_tokens, fusion.logits, reference["ids"]
+            ref_nll = diagnostics.answer_nll
+        else:
+            ref_nll = diagnostics.continuation_nll[-1] if nll_reference else None
+        records[run.label] = MethodRecord(
+            answer=result.text,
+            answer_tokens=result.token_ids,
+            finish_reason=result.finish_reason,
+            ttft_s=segments_s + result.ttft_s,
+            segments_s=segments_s,
+            fusion_s=diagnostics.fusion_s,
+            load_wait_s=result.load_wait_s,
+            total_s=segments_s + result.total_s,
+            recompute_ratio=result.recompute_ratio,
+            chunk_recompute_ratio=chunk_recompute_ratio(
+                diagnostics.recomputed_positions, result.prompt_tokens, chunk_mask
+            ),
+            compute_fraction=diagnostics.compute_fraction,
+            reused_tokens=result.reused_tokens,
+            computed_tokens=result.computed_tokens,
+            first_token=int(diagnostics.first_token_logprobs.argmax()),
+            agreement_f1=qa_f1(result.text, [reference.text]),
+            first_token_agreement=bool(
+                int(diagnostics.first_token_logprobs.argmax()) == int(reference.logprobs.argmax())
+            ),
+            kl_first_token=kl_divergence(reference.logprobs, diagnostics.first_token_logprobs),
+            nll_reference=ref_nll if nll_reference else None,
+            nll_gold=nll.get("gold"),
+            options=dict(run.spec.options) if run.spec.options else None,
         )
-    if run.spec.options:
-        record["options"] = dict(run.spec.options)
-    return record
+    return records, prompt_tokens
 
 
 def method_table(cases: Sequence[dict[str, Any]], labels: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -1,7 +1,8 @@
 """The evaluation harness behind ``cacheblend-rag eval``.
 
-For each case: chunk every context with the ingest chunker (at most ``chunk_tokens`` tokens), retrieve the
-``top_k`` chunks by embedding similarity to the question (summaries have no question: they take the first
+For each case: store its contexts in the data set's eval corpus (the product's corpus, chunked at most
+``chunk_tokens`` tokens and embedded as a user's documents are; :mod:`.retrieval`), retrieve the ``top_k``
+chunks with the corpus's search filtered to the case (summaries have no question: they take the first
 ``top_k`` chunks in document order), precompute the chunks' KV into a persistent KV store (reused across
 runs), then answer with every method. ``full_recompute`` runs first: its answer, first-token logits and
 answer tokens are the reference the other methods are scored against.
@@ -24,21 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ..blend.fusor import FusionResult
 from ..blend.methods import Reuse
 from ..blend.segments import ChunkContext
 from ..blend.spec import reuse_of
 from ..config import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
-from ..corpus.embedder import Embedder
-from ..engine import ChunkRef, Engine, PromptBuilder, SamplingParams
-from ..engine.fidelity import (
-    MethodRun,
-    RecordingEngine,
-    compare_methods,
-    store_in_ram,
-)
+from ..engine import ChunkRef, Engine, EngineProtocol, PromptBuilder, SamplingParams
+from ..engine.fidelity import MethodRecord, MethodRun, compare_methods, store_in_ram
 from ..errors import EvalDataError
 from ..models.runtime import LayerwiseModel, ModelShape
 from ..models.tokenizer import chunk_context_ids
@@ -46,10 +38,10 @@ from ..settings import get_settings
 from ..store.keys import dtype_name
 from ..store.kvstore import KVStore
 from ..store.shared import KVStoreOptions
-from ..text.chunker import Chunker
 from .datasets import Dataset, EvalCase, load_dataset, select_cases
-from .metrics import continuation_nll, qa_f1, rouge_l
+from .metrics import qa_f1, rouge_l
 from .results import machine_info, write_json_atomic
+from .retrieval import CaseChunk, EvalCorpus
 from .summary import REFERENCE, summarize
 from .variants import Variant, method_variants
 
@@ -76,7 +68,10 @@ _RESUME_KEYS = (
     "kv_dtype",
     "prompt",
     "chunk_context",
+    "engine",
 )
+# what a results file made before a key was recorded ran with
+_RESUME_DEFAULTS = {"engine": "torch"}
 
 
 def settings_store(
@@ -89,9 +84,17 @@ def settings_store(
     return KVStore(root, fingerprint, shape, codec or settings.kv_dtype, **kwargs)
 
 
-def default_kv_dir(model: LayerwiseModel) -> Path:
-    """Where eval and bench keep chunk KV across runs: one store per model under the settings' home."""
-    return get_settings().home / "eval" / "kv" / model.fingerprint[:16]
+def default_kv_dir(model: LayerwiseModel | str) -> Path:
+    """Where eval and bench keep chunk KV across runs: one store per model (or model fingerprint) under
+    the settings' home."""
+    fingerprint = model if isinstance(model, str) else model.fingerprint
+    return get_settings().home / "eval" / "kv" / fingerprint[:16]
+
+
+def default_corpus_dir(kv_dir: Path, dataset: Dataset, chunk_tokens: int) -> Path:
+    """Where a data set's eval corpus lives: beside the run's KV store, one per data set file and chunk
+    size."""
+    return kv_dir.with_name(f"{kv_dir.name}-corpora") / f"{dataset.sha256[:16]}-{chunk_tokens}"
 
 
 def prompt_builder(tokenizer, task: str) -> PromptBuilder:
@@ -102,43 +105,6 @@ def prompt_builder(tokenizer, task: str) -> PromptBuilder:
 
 def task_question(case: EvalCase, task: str) -> str:
     return SUMMARY_INSTRUCTION if task == "summary" else case.question
-
-
-# -- retrieval ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CaseChunk:
-    """A chunk an eval case's prompt holds: where it was cut from, its tokens and its retrieval score."""
-
-    context: int  # index of the context the chunk was cut from
-    chunk: int  # index of the chunk within that context
-    token_ids: tuple[int, ...]
-    score: float | None  # cosine similarity to the question (None: taken in document order)
-
-
-def retrieve_chunks(
-    case: EvalCase, chunker: Chunker, embedder: Embedder | None, top_k: int, task: str
-) -> tuple[list[CaseChunk], int]:
-    """The chunks a case's prompt holds, in prompt order, and how many chunks the case has in all.
-
-    QA: the ``top_k`` most similar to the question, best first (the paper's retrieval). Summaries: the
-    first ``top_k`` chunks in document order."""
-    pieces: list[tuple[int, int, tuple[int, ...], str]] = []
-    for i, context in enumerate(case.contexts):
-        for j, chunk in enumerate(chunker.split(context.document)):
-            pieces.append((i, j, chunk.token_ids, chunk.text))
-    if not pieces:
-        raise EvalDataError(f"case {case.case_id}: its contexts give no tokens")
-    if task == "summary":
-        return [CaseChunk(i, j, ids, None) for i, j, ids, _ in pieces[:top_k]], len(pieces)
-    if embedder is None:
-        raise ValueError("QA retrieval needs an embedder")
-    vectors = embedder.embed([text for *_, text in pieces])
-    scores = vectors @ embedder.embed_query(case.question)
-    order = np.argsort(-scores, kind="stable")[:top_k]
-    chosen = [CaseChunk(*pieces[k][:3], float(scores[k])) for k in order]
-    return chosen, len(pieces)
 
 
 # -- the run -----------------------------------------------------------------------------------------
@@ -163,7 +129,9 @@ class EvalConfig:
     command: str = ""
     skip: int = 0  # cases of the seeded order left out before --limit (a held-out set)
     chunk_context: str | None = None  # the chunk context of variants that name none (default: settings)
+    corpus_dir: Path | None = None  # the data set's eval corpus (default: beside the KV store)
     kv_dtypes: Sequence[str] = ()  # chunk KV codecs to compare, the first the run's own (default: settings)
+    engine: str = "torch"  # the engine that answers: "torch" (ours) or "vllm" (vLLM with our connector)
 
 
 @dataclass
@@ -173,10 +141,9 @@ class EvalRun:
     dataset: Dataset
     task: str
     specs: list[Variant]
-    engine: RecordingEngine  # the run's chunk context
-    engines: dict[str, RecordingEngine]  # by engine_name(): chunk context [/codec], sharing the model
-    chunker: Chunker
-    embedder: Embedder | None
+    engine: EngineProtocol  # the run's chunk context
+    engines: dict[str, EngineProtocol]  # by engine_name(): chunk context [/codec], sharing the model
+    corpus: EvalCorpus  # the data set's contexts, retrieved from as the product retrieves
     sampling: SamplingParams
     config: dict[str, Any] = field(default_factory=dict)
 
@@ -184,6 +151,7 @@ class EvalRun:
 def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRun:
     from ..corpus.embedder import get_embedder
     from ..models.loader import load_model
+    from ..models.tokenizer import load_model_tokenizer
 
     dataset = load_dataset(config.data)
     task = dataset.task if config.task == "auto" else config.task
@@ -191,24 +159,23 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
         raise ValueError(f"unknown task {config.task!r}: use auto, qa or summary")
     if config.top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {config.top_k}")
-    codecs = [dtype_name(c) for c in config.kv_dtypes] or [dtype_name(get_settings().kv_dtype)]
+    settings = get_settings()
+    codecs = [dtype_name(c) for c in config.kv_dtypes] or [dtype_name(settings.kv_dtype)]
     specs = method_variants(config.methods, config.ratios, codecs)
-    model = model or load_model(config.model, config=get_settings())
-    kv_dir = Path(config.kv_dir) if config.kv_dir is not None else default_kv_dir(model)
-    context = config.chunk_context or get_settings().chunk_context
-    engines: dict[str, RecordingEngine] = {}
-    stores: dict[str, KVStore] = {}  # one per codec, shared by the chunk contexts
-    for variant in [Variant(REFERENCE, specs[0].spec), *specs]:
-        name = engine_name(variant, context, codecs[0])
-        if name in engines:
-            continue
-        codec = variant.kv_dtype or codecs[0]
-        if codec not in stores:
-            stores[codec] = settings_store(kv_dir, model.fingerprint, model.shape, codec)
-        chunk_context = ChunkContext(chunk_context_ids(model.tokenizer, variant.context or context))
-        engines[name] = RecordingEngine(
-            model, stores[codec], prompt_builder(model.tokenizer, task), chunk_context, config=get_settings()
+    context = config.chunk_context or settings.chunk_context
+    tokenizer = load_model_tokenizer(config.model, settings.home)
+    kv_dir = Path(config.kv_dir) if config.kv_dir is not None else default_kv_dir(tokenizer.fingerprint)
+    if config.engine == "vllm":
+        engines, compute_dtype = (
+            _vllm_engines(config, specs, context, codecs[0], kv_dir, task),
+            settings.compute_dtype,
         )
+    elif config.engine == "torch":
+        model = model or load_model(config.model, config=settings)
+        compute_dtype = str(model.dtype).removeprefix("torch.")
+        engines = _torch_engines(model, specs, context, codecs, kv_dir, task)
+    else:
+        raise ValueError(f"unknown engine {config.engine!r}: use torch or vllm")
     engine = engines[engine_name(Variant(REFERENCE, specs[0].spec), context, codecs[0])]
     max_new = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task]
     builder = engine.prompts
@@ -223,32 +190,84 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
         "top_k": config.top_k,
         "chunk_tokens": config.chunk_tokens,
         "max_new_tokens": max_new,
-        "model": model.name,
-        "model_fingerprint": model.fingerprint,
-        "compute_dtype": str(model.dtype).removeprefix("torch."),
+        "engine": config.engine,
+        "model": engine.model.name,
+        "model_fingerprint": engine.model.fingerprint,
+        "compute_dtype": compute_dtype,
         "kv_dtype": engine.store.kv_dtype_name,
         "kv_dtypes": codecs,
         "chunk_context": context,
         "skip": config.skip,
         "kv_dir": str(kv_dir),
-        "retrieval": "top-k by cosine similarity (all-MiniLM-L6-v2)" if task == "qa" else "first k chunks",
+        "retrieval": (
+            "the eval corpus's top-k search (cosine, all-MiniLM-L6-v2), filtered to the case's documents"
+            if task == "qa"
+            else "first k chunks"
+        ),
         "prompt": {
             "system": builder.system_prompt,
             "user_template": builder.user_template,
             "question": SUMMARY_INSTRUCTION if task == "summary" else "{question}",
         },
     }
+    corpus_dir = config.corpus_dir or default_corpus_dir(kv_dir, dataset, config.chunk_tokens)
     return EvalRun(
         dataset=dataset,
         task=task,
         specs=specs,
         engine=engine,
         engines=engines,
-        chunker=Chunker(model.tokenizer, config.chunk_tokens),
-        embedder=get_embedder() if task == "qa" else None,
+        corpus=EvalCorpus.open(
+            Path(corpus_dir),
+            tokenizer,
+            get_embedder(),
+            config.chunk_tokens,
+            engine.store,
+            context,
+        ),
         sampling=SamplingParams(max_new_tokens=max_new),
         config=run_config,
     )
+
+
+def _torch_engines(
+    model: LayerwiseModel, specs: list[Variant], context: str, codecs: list[str], kv_dir: Path, task: str
+) -> dict[str, EngineProtocol]:
+    """A PyTorch engine per chunk context and codec the variants run on, all over one model."""
+    engines: dict[str, EngineProtocol] = {}
+    stores: dict[str, KVStore] = {}  # one per codec, shared by the chunk contexts
+    for variant in [Variant(REFERENCE, specs[0].spec), *specs]:
+        name = engine_name(variant, context, codecs[0])
+        if name in engines:
+            continue
+        codec = variant.kv_dtype or codecs[0]
+        if codec not in stores:
+            stores[codec] = settings_store(kv_dir, model.fingerprint, model.shape, codec)
+        chunk_context = ChunkContext(chunk_context_ids(model.tokenizer, variant.context or context))
+        engines[name] = Engine(
+            model, stores[codec], prompt_builder(model.tokenizer, task), chunk_context, config=get_settings()
+        )
+    return engines
+
+
+def _vllm_engines(
+    config: EvalConfig, specs: list[Variant], context: str, codec: str, kv_dir: Path, task: str
+) -> dict[str, EngineProtocol]:
+    """The one vLLM engine a run on ``engine="vllm"`` answers with (each starts a vLLM instance: the
+    variants must share its chunk context and codec)."""
+    from ..engine import create_engine
+    from ..models.tokenizer import load_model_tokenizer
+
+    others = {engine_name(v, context, codec) for v in specs} - {context}
+    if others:
+        raise ValueError(
+            f"eval on the vLLM engine runs one chunk context and codec; drop the variants {sorted(others)}"
+        )
+    builder = prompt_builder(load_model_tokenizer(config.model, get_settings().home).tokenizer, task)
+    engine = create_engine(
+        "vllm", config.model, kv_dir, prompt_builder=builder, kv_dtype=codec, config=get_settings()
+    )
+    return {context: engine}
 
 
 def engine_name(variant: Variant, context: str, codec: str) -> str:
@@ -272,13 +291,44 @@ def _encode_once(engines: Sequence[Engine], refs: Sequence[ChunkRef]) -> None:
                     engine.store.put(engine.chunk_key(ref.token_ids), kv)
 
 
-def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dict[str, Any]:
+@dataclass
+class CaseRecord:
+    """One case of a results file: the question, what was retrieved and every method's record."""
+
+    id: int
+    question: str
+    answers: list[str]
+    chunks_total: int
+    retrieved: list[CaseChunk]
+    prompt_tokens: int
+    cached_tokens: int
+    precompute_s: float
+    methods: dict[str, MethodRecord]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The case as the results file holds it."""
+        return {
+            "id": self.id,
+            "question": self.question,
+            "answers": self.answers,
+            "chunks_total": self.chunks_total,
+            "retrieved": [
+                {"context": r.context, "chunk": r.chunk, "tokens": len(r.token_ids), "score": r.score}
+                for r in self.retrieved
+            ],
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "precompute_s": self.precompute_s,
+            "methods": {label: record.to_dict() for label, record in self.methods.items()},
+        }
+
+
+def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> CaseRecord:
     """Retrieve, precompute and answer ``case`` with each of ``specs`` (the reference must be first)."""
     engine, task = run.engine, run.task
     question = task_question(case, task)
-    top_k = run.config["top_k"]
-    retrieved, total_chunks = retrieve_chunks(case, run.chunker, run.embedder, top_k, task)
-    refs = [ChunkRef(r.token_ids) for r in retrieved]
+    retrieved, total_chunks = run.corpus.retrieve(case, run.config["top_k"], task)
+    refs = [ChunkRef(r.token_ids, r.chunk_id) for r in retrieved]
     started = time.perf_counter()
     context, codec = run.config["chunk_context"], run.config["kv_dtypes"][0]
     needs: dict[str, set[Reuse]] = {}
@@ -290,37 +340,25 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> dic
             store_in_ram(run.engines[name], question, refs, sorted(reuses - {Reuse.NOTHING}))
     precompute_s = time.perf_counter() - started
 
-    tokenizer = engine.model.tokenizer
-    gold_ids = tokenizer(case.answers[0], add_special_tokens=False)["input_ids"]
+    gold_ids = engine.model.tokenizer(case.answers[0], add_special_tokens=False)["input_ids"]
     runs = [MethodRun(v.label, v.spec, run.engines[engine_name(v, context, codec)]) for v in specs]
-
-    def gold(method: MethodRun, result, fusion: FusionResult) -> dict[str, Any]:
-        return {
-            "gold": gold_score(task, result.text, case.answers),
-            "nll_gold": continuation_nll(
-                engine.model, fusion.cache, fusion.num_tokens, fusion.logits, gold_ids
-            ),
-        }
-
-    methods, prompt_tokens = compare_methods(runs, question, refs, run.sampling, gold)
-    if task == "summary":
-        reference = methods[REFERENCE]["answer"]
-        for record in methods.values():
-            record["agreement_rouge_l"] = rouge_l(record["answer"], [reference])
-    return {
-        "id": case.case_id,
-        "question": case.question,
-        "answers": list(case.answers),
-        "chunks_total": total_chunks,
-        "retrieved": [
-            {"context": r.context, "chunk": r.chunk, "tokens": len(r.token_ids), "score": r.score}
-            for r in retrieved
-        ],
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": sum(len(r.token_ids) for r in retrieved),
-        "precompute_s": precompute_s,
-        "methods": methods,
-    }
+    methods, prompt_tokens = compare_methods(runs, question, refs, run.sampling, continuation=gold_ids)
+    reference = methods[REFERENCE].answer
+    for record in methods.values():
+        record.gold = gold_score(task, record.answer, case.answers)
+        if task == "summary":
+            record.agreement_rouge_l = rouge_l(record.answer, [reference])
+    return CaseRecord(
+        id=case.case_id,
+        question=case.question,
+        answers=list(case.answers),
+        chunks_total=total_chunks,
+        retrieved=retrieved,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=sum(len(r.token_ids) for r in retrieved),
+        precompute_s=precompute_s,
+        methods=methods,
+    )
 
 
 def gold_score(task: str, answer: str, answers: Sequence[str]) -> float:
@@ -336,6 +374,13 @@ def run_eval(
     """Run (or resume) an evaluation; returns the results object, also written to ``config.json_path``
     after every case when given."""
     run = setup_run(config, model)
+    try:
+        return _run_cases(run, config, on_case)
+    finally:
+        run.corpus.close()
+
+
+def _run_cases(run: EvalRun, config: EvalConfig, on_case) -> dict[str, Any]:
     cases = select_cases(run.dataset.cases, config.limit, config.seed, config.skip)
     results = _start_results(run, config)
     done = {c["id"]: c for c in results["cases"]}
@@ -347,7 +392,7 @@ def run_eval(
             if previous is not None and missing[0].label != REFERENCE:
                 # the reference's answer and logits are needed again; its rerun is deterministic
                 missing.insert(0, next(s for s in run.specs if s.label == REFERENCE))
-            record = evaluate_case(run, case, missing)
+            record = evaluate_case(run, case, missing).to_dict()
             log.info("case %d: %s", case.case_id, ", ".join(s.label for s in missing))
             if previous is not None:
                 previous["methods"].update(record["methods"])
@@ -372,7 +417,7 @@ def _start_results(run: EvalRun, config: EvalConfig) -> dict[str, Any]:
         results = load_results(path)
         stored = results.get("config", {})
         for key in _RESUME_KEYS:
-            if stored.get(key) != run.config.get(key):
+            if stored.get(key, _RESUME_DEFAULTS.get(key)) != run.config.get(key):
                 raise EvalDataError(
                     f"{path} was produced with another {key} ({stored.get(key)!r}, now {run.config[key]!r}); "
                     "give a new --json file to start over"

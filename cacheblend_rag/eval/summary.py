@@ -57,15 +57,16 @@ def _checks(table: dict[str, dict[str, Any]], task: str) -> list[dict[str, Any]]
         checks.append(
             _check(f"{default} first-token KL <= 0.5 x full_reuse's", kl <= 0.5 * reuse_kl, [kl, reuse_kl])
         )
-        gap = blend["nll_reference"] - reference["nll_reference"]
-        reuse_gap = reuse["nll_reference"] - reference["nll_reference"]
-        checks.append(
-            _check(
-                f"{default} gap to full prefill in NLL of its answer <= 0.5 x full_reuse's",
-                gap <= 0.5 * reuse_gap,
-                [gap, reuse_gap],
+        nll = [e.get("nll_reference") for e in (blend, reuse, reference)]
+        if None not in nll:  # an engine that scores no continuation (vLLM) reports none
+            gap, reuse_gap = nll[0] - nll[2], nll[1] - nll[2]
+            checks.append(
+                _check(
+                    f"{default} gap to full prefill in NLL of its answer <= 0.5 x full_reuse's",
+                    gap <= 0.5 * reuse_gap,
+                    [gap, reuse_gap],
+                )
             )
-        )
     if epic is not None:
         checks.append(
             _check(

@@ -88,14 +88,14 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
 
     for checked, evaluated in zip(report.cases, eval_cases, strict=True):
         chunks = rag.corpus.get_chunks(checked["chunk_ids"])
-        assert [len(c.token_ids) for c in chunks] == [r["tokens"] for r in evaluated["retrieved"]]
-        assert checked["prompt_tokens"] == evaluated["prompt_tokens"]
+        assert [c.token_ids for c in chunks] == [r.token_ids for r in evaluated.retrieved]
+        assert checked["prompt_tokens"] == evaluated.prompt_tokens
         for label in ("full_recompute", "cacheblend@0.15"):
-            ours, theirs = checked["methods"][label], evaluated["methods"][label]
+            ours, theirs = checked["methods"][label], evaluated.methods[label].to_dict()
             for key in ("answer", "first_token", "first_token_agreement", "agreement_f1", "kl_first_token"):
                 assert ours[key] == theirs[key], (label, key)
             assert ours["chunk_recompute_ratio"] == theirs["chunk_recompute_ratio"]
-    summary = summarize({"cases": eval_cases, "config": {"task": "qa"}})["methods"]
+    summary = summarize({"cases": [c.to_dict() for c in eval_cases], "config": {"task": "qa"}})["methods"]
     for row in report.rows:
         entry = summary[row.label]
         assert row.first_token_agreement == entry["first_token_agreement"]

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from ...blend.segments import prefill_chunk_kv
-from ...engine import ChunkRef
+from ...engine import ChunkRef, Engine
 from ...settings import get_settings
 from ...store.keys import chunk_key
 from ...store.kvstore import KVStore
 from ...store.remote import RedisKVTier
-from ..harness import RecordingEngine, settings_store, store_in_ram
+from ..harness import settings_store, store_in_ram
 from ..markdown import fmt, table
 from .config import BenchContext
 from .ttft import _engine_ttft
@@ -103,7 +103,7 @@ def _ingest_rate(ctx: BenchContext, chunks: list[tuple[int, ...]]) -> dict[str, 
     model = ctx.model
     seconds = dict.fromkeys(CODECS, 0.0)
     engines = {
-        c: RecordingEngine(
+        c: Engine(
             model,
             settings_store(ctx.work_dir / f"codec-ingest-{c}", model.fingerprint, model.shape, c),
             config=get_settings(),
@@ -133,7 +133,7 @@ def _ttft(ctx: BenchContext, stores: dict[str, KVStore], chunks: list[tuple[int,
     """cacheblend TTFT from the RAM tier and a cold disk per codec, interleaved, median of the repeats."""
     config = ctx.config
     refs = [ChunkRef(ids) for ids in chunks]
-    engines = {c: RecordingEngine(ctx.model, store, config=get_settings()) for c, store in stores.items()}
+    engines = {c: Engine(ctx.model, store, config=get_settings()) for c, store in stores.items()}
     samples: dict[str, dict[str, list[float]]] = {c: {"ram": [], "disk": []} for c in CODECS}
     for engine in engines.values():
         store_in_ram(engine, ctx.question, refs)

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 from ...corpus.embedder import get_embedder
 from ...engine import ChunkRef, Engine
+from ...models.tokenizer import load_model_tokenizer
 from ...settings import get_settings
-from ...text.chunker import Chunker
-from ..datasets import load_dataset, select_cases
-from ..harness import default_kv_dir, prompt_builder, retrieve_chunks
+from ..datasets import Dataset, load_dataset, select_cases
+from ..harness import default_corpus_dir, default_kv_dir, prompt_builder
+from ..retrieval import EvalCorpus
 from .config import BenchConfig, BenchContext
 
 
@@ -27,15 +28,29 @@ class RagQuestion:
 def rag_prompts(engine: Engine, config: BenchConfig, count: int) -> list[RagQuestion]:
     """``count`` MuSiQue questions with their top-k chunks (retrieved as in ``eval``), KV stored."""
     dataset = load_dataset(config.data)
-    chunker, embedder = Chunker(engine.model.tokenizer, config.chunk_tokens), get_embedder()
     prompts = []
-    for case in select_cases(dataset.cases, count, seed=0):
-        retrieved, _ = retrieve_chunks(case, chunker, embedder, config.top_k, "qa")
-        refs = [ChunkRef(r.token_ids) for r in retrieved]
-        for ref in refs:
-            engine.ensure_chunk_kv(ref.token_ids)
-        prompts.append(RagQuestion(case.question, refs, case.case_id))
+    with eval_corpus(engine, dataset, config) as corpus:
+        for case in select_cases(dataset.cases, count, seed=0):
+            retrieved, _ = corpus.retrieve(case, config.top_k, "qa")
+            refs = [ChunkRef(r.token_ids, r.chunk_id) for r in retrieved]
+            for ref in refs:
+                engine.ensure_chunk_kv(ref.token_ids)
+            prompts.append(RagQuestion(case.question, refs, case.case_id))
     return prompts
+
+
+def eval_corpus(engine: Engine, dataset: Dataset, config: BenchConfig) -> EvalCorpus:
+    """The eval corpus of ``dataset`` at the bench's chunk size, beside ``engine``'s KV store (the one
+    ``eval`` retrieves from, so bench prompts hold the chunks ``eval`` retrieves)."""
+    settings = get_settings()
+    return EvalCorpus.open(
+        default_corpus_dir(engine.store.root, dataset, config.chunk_tokens),
+        load_model_tokenizer(config.model, settings.home),
+        get_embedder(),
+        config.chunk_tokens,
+        engine.store,
+        settings.chunk_context,
+    )
 
 
 def eval_engine(ctx: BenchContext) -> Engine:

@@ -19,17 +19,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...blend.spec import parse_method
-from ...corpus.embedder import get_embedder
 from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
 from ...engine.prompt import ChunkRef, PromptBuilder
 from ...store.keys import kv_bytes_per_token
-from ...text.chunker import Chunker
 from ..datasets import load_dataset, select_cases
-from ..harness import QA_TEMPLATE, retrieve_chunks, store_in_ram
+from ..harness import QA_TEMPLATE, store_in_ram
 from ..markdown import checks_list, fmt, table
 from ..metrics import kl_divergence
 from .config import BenchContext
-from .prompts import eval_engine, rag_prompts
+from .prompts import eval_corpus, eval_engine, rag_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -165,30 +163,29 @@ def _fidelity(engine: Engine, config, blend) -> dict[str, Any]:
     """Per agent, first-token KL and agreement against its own full prefill: per-request cacheblend vs the
     round, on ``round_fidelity_cases`` held-out MuSiQue cases (8 roles asking each case's question)."""
     dataset = load_dataset("musique-heldout")
-    chunker = Chunker(engine.model.tokenizer, config.chunk_tokens)
     method, full = blend.build(), parse_method("full_recompute").build()
-    embedder = get_embedder()
     rows: dict[str, list[float]] = {
         "kl_per_request": [],
         "kl_round": [],
         "agree_per_request": [],
         "agree_round": [],
     }
-    for case in select_cases(dataset.cases, config.round_fidelity_cases, seed=0):
-        retrieved, _ = retrieve_chunks(case, chunker, embedder, config.top_k, "qa")
-        refs = [ChunkRef(r.token_ids) for r in retrieved]
-        questions = [case.question] * FIDELITY_AGENTS
-        requests = agent_requests(engine, refs, questions, method, None, own_order=False)
-        fresh = agent_requests(engine, refs, questions, full, None, own_order=False)
-        references = [engine.fuse(r.segments, full).logits for r in fresh]
-        jobs = [(r.segments, method) for r in requests]
-        per_request, rounded = engine.fuse_many(jobs), engine.fuse_round(jobs)
-        for reference, alone, shared in zip(references, per_request, rounded, strict=True):
-            top = int(reference.argmax())
-            rows["kl_per_request"].append(kl_divergence(reference, alone.logits))
-            rows["kl_round"].append(kl_divergence(reference, shared.logits))
-            rows["agree_per_request"].append(float(int(alone.logits.argmax()) == top))
-            rows["agree_round"].append(float(int(shared.logits.argmax()) == top))
+    with eval_corpus(engine, dataset, config) as corpus:
+        for case in select_cases(dataset.cases, config.round_fidelity_cases, seed=0):
+            retrieved, _ = corpus.retrieve(case, config.top_k, "qa")
+            refs = [ChunkRef(r.token_ids) for r in retrieved]
+            questions = [case.question] * FIDELITY_AGENTS
+            requests = agent_requests(engine, refs, questions, method, None, own_order=False)
+            fresh = agent_requests(engine, refs, questions, full, None, own_order=False)
+            references = [engine.fuse(r.segments, full).logits for r in fresh]
+            jobs = [(r.segments, method) for r in requests]
+            per_request, rounded = engine.fuse_many(jobs), engine.fuse_round(jobs)
+            for reference, alone, shared in zip(references, per_request, rounded, strict=True):
+                top = int(reference.argmax())
+                rows["kl_per_request"].append(kl_divergence(reference, alone.logits))
+                rows["kl_round"].append(kl_divergence(reference, shared.logits))
+                rows["agree_per_request"].append(float(int(alone.logits.argmax()) == top))
+                rows["agree_round"].append(float(int(shared.logits.argmax()) == top))
     return {
         "cases": config.round_fidelity_cases,
         "agents": FIDELITY_AGENTS,

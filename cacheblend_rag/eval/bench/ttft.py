@@ -15,11 +15,11 @@ import torch
 
 from ...blend.methods import Reuse
 from ...blend.spec import parse_method
-from ...engine import ChunkRef, SamplingParams
+from ...engine import ChunkRef, Engine, SamplingParams
 from ...models.runtime import LayerwiseModel
 from ...settings import get_settings
 from ...store.profile import drop_page_cache
-from ..harness import RecordingEngine, settings_store, store_in_ram
+from ..harness import settings_store, store_in_ram
 from .config import BenchContext
 
 # The TTFT table's columns, in order: label -> (method, KV tier). "transformers" is the HF peer;
@@ -39,7 +39,7 @@ TTFT_COLUMNS = {
 
 
 def _engine_ttft(
-    engine: RecordingEngine, question: str, refs: list[ChunkRef], label: str, ratio: float
+    engine: Engine, question: str, refs: list[ChunkRef], label: str, ratio: float
 ) -> dict[str, float]:
     method, tier = TTFT_COLUMNS[label]
     spec = parse_method(method).with_ratio(ratio, where_taken=True)
@@ -52,16 +52,14 @@ def _engine_ttft(
     started = time.perf_counter()
     segments = engine.rag_segments(question, refs, spec)
     segments_s = time.perf_counter() - started
-    result = engine.generate(segments, spec.build(), SamplingParams(max_new_tokens=1))
-    fusion = engine.last_fusion
-    assert fusion is not None
+    result = engine.generate(segments, spec.build(), SamplingParams(max_new_tokens=1, diagnostics=True))
+    assert result.diagnostics is not None
     out = {
         "ttft_s": segments_s + result.ttft_s,
-        "compute_fraction": fusion.compute_fraction,
-        "load_wait_s": fusion.load_wait_s,
-        "prompt_tokens": fusion.num_tokens,
+        "compute_fraction": result.diagnostics.compute_fraction,
+        "load_wait_s": result.load_wait_s,
+        "prompt_tokens": result.prompt_tokens,
     }
-    engine.last_fusion = None
     if tier == "disk":
         store_in_ram(engine, question, refs)  # the other columns measure with their KV in RAM
     return out
@@ -78,7 +76,7 @@ def hf_ttft(model: LayerwiseModel, ids: Sequence[int]) -> float:
 
 
 def measure_ttft_point(
-    engine: RecordingEngine, question: str, chunks: list[tuple[int, ...]], repeats: int, ratio: float
+    engine: Engine, question: str, chunks: list[tuple[int, ...]], repeats: int, ratio: float
 ) -> dict[str, Any]:
     """All TTFT columns at one (chunk count, chunk length) point, interleaved, median of ``repeats``."""
     refs = [ChunkRef(ids) for ids in chunks]
@@ -118,7 +116,7 @@ def measure_ttft_point(
 def section_ttft(ctx: BenchContext) -> dict[str, Any]:
     config = ctx.config
     store = settings_store(ctx.work_dir / "ttft-kv", ctx.model.fingerprint, ctx.model.shape)
-    engine = RecordingEngine(ctx.model, store, config=get_settings())
+    engine = Engine(ctx.model, store, config=get_settings())
     try:
         points = sorted(
             {(n, config.chunk_tokens) for n in config.chunk_counts}
