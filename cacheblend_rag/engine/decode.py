@@ -161,16 +161,19 @@ class DecodeRow:
         nll = -sum(chosen) / len(chosen)
         return replace(self.diagnostics, answer_nll=nll)
 
-    def score_continuations(self, model: LayerwiseModel, fusion: FusionResult) -> None:
-        """Fill the diagnostics' continuation NLLs over ``fusion``'s cache (the prompt's slots are left as
-        they are; the slots past it are overwritten, so only once the answer is decoded)."""
-        if self.diagnostics is None or not self.sampling.score_continuations:
+    def score_continuations(
+        self, model: LayerwiseModel, fusion: FusionResult, result: GenerationResult
+    ) -> None:
+        """Fill ``result``'s diagnostics with the NLLs of the sampling params' continuations over
+        ``fusion``'s cache (the prompt's slots are left as they are; the slots past it are overwritten,
+        so only once the answer is decoded, and after its times were taken)."""
+        if result.diagnostics is None or not self.sampling.score_continuations:
             return
         scores = tuple(
             continuation_nll(model, fusion.cache, fusion.num_tokens, fusion.logits, ids)
             for ids in self.sampling.score_continuations
         )
-        self.diagnostics = replace(self.diagnostics, continuation_nll=scores)
+        result.diagnostics = replace(result.diagnostics, continuation_nll=scores)
 
 
 def decode_step(
@@ -290,8 +293,9 @@ def decode_alone(
     while True:
         yield from row.take_events()
         if finished:
+            result = row.result()
             with forward_lock:
-                row.score_continuations(model, fusion)
-            return row.result()
+                row.score_continuations(model, fusion, result)
+            return result
         assert row.cache is not None
         finished = bool(decode_step(model, forward_lock, [row], row.cache))

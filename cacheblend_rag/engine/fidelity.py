@@ -168,11 +168,9 @@ def compare_methods(
         prompt_tokens = result.prompt_tokens
         if reference is None:
             reference = _Reference(result.text, result.token_ids, diagnostics.first_token_logprobs)
-        nll = dict(zip(["gold"] * (continuation is not None), diagnostics.continuation_nll, strict=False))
-        if run.label == REFERENCE:
-            ref_nll = diagnostics.answer_nll
-        else:
-            ref_nll = diagnostics.continuation_nll[-1] if nll_reference else None
+        # (gold, reference's answer), each when asked for; None where the engine scores none
+        scores = [*diagnostics.continuation_nll, None, None][: max(1, len(scored))]
+        ref_nll = diagnostics.answer_nll if run.label == REFERENCE else scores[-1]  # its own: as chosen
         records[run.label] = MethodRecord(
             answer=result.text,
             answer_tokens=result.token_ids,
@@ -196,7 +194,7 @@ def compare_methods(
             ),
             kl_first_token=kl_divergence(reference.logprobs, diagnostics.first_token_logprobs),
             nll_reference=ref_nll if nll_reference else None,
-            nll_gold=nll.get("gold"),
+            nll_gold=scores[0] if continuation is not None else None,
             options=dict(run.spec.options) if run.spec.options else None,
         )
     return records, prompt_tokens

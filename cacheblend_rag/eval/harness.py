@@ -200,7 +200,7 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
         "skip": config.skip,
         "kv_dir": str(kv_dir),
         "retrieval": (
-            "the eval corpus's top-k search (cosine, all-MiniLM-L6-v2), filtered to the case's documents"
+            "top-k by cosine similarity (all-MiniLM-L6-v2), the eval corpus's search filtered to the case"
             if task == "qa"
             else "first k chunks"
         ),

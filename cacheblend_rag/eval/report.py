@@ -23,6 +23,12 @@ def eval_section_name(results: dict[str, Any]) -> str:
     return f"eval-{config['dataset']}" + (f"-{tokens}" if tokens != DEFAULT_CHUNK_TOKENS else "") + codecs
 
 
+def _engine(config: dict[str, Any]) -> str:
+    """The engine that answered, when not ours (results files from before it was recorded are ours)."""
+    engine = config.get("engine", "torch")
+    return "" if engine == "torch" else f"on the {engine} engine, "
+
+
 def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = None) -> str:
     config, summary = results["config"], results["summary"]
     summary_task = config["task"] == "summary"
@@ -75,7 +81,7 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
         "",
         f"Machine: {machine_line(results['machine'])}.",
         "",
-        f"Model {config['model']} ({config['compute_dtype']} compute, chunk KV stored in "
+        f"Model {config['model']} ({_engine(config)}{config['compute_dtype']} compute, chunk KV stored in "
         f"{config['kv_dtype']}); "
         f"contexts chunked to <= {config['chunk_tokens']} tokens, {config['top_k']} chunks per prompt "
         f"({config['retrieval']}); greedy, at most {config['max_new_tokens']} new tokens. Data: "
