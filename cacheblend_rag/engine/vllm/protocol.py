@@ -1,7 +1,8 @@
 """The per-request message from :class:`VLLMEngine` to the connector, carried as vLLM ``kv_transfer_params``.
 
-It is small JSON: segment lengths, which segments are cached chunks, the method and its options, and a
-request key for the worker's accounting. Token ids are not repeated: the connector reads them from the
+It is small JSON: segment lengths, which segments are cached chunks, the method and its options, a
+request key for the worker's accounting, and whether the request asked for diagnostics (then the worker
+reports the positions it recomputed too). Token ids are not repeated: the connector reads them from the
 request vLLM already holds, and chunk KV is found in the store by those ids. This module imports neither
 vLLM nor torch, so both the engine and the connector (scheduler and worker processes) share it.
 """
@@ -27,6 +28,8 @@ class BlendRequest:
     cached: tuple[bool, ...]
     method: str
     method_options: dict[str, Any] = field(default_factory=dict)
+    # report the fusion's recomputed positions (SamplingParams.diagnostics); changes no KV, so no salt
+    diagnostics: bool = False
 
     def __post_init__(self) -> None:
         if not self.segment_lengths or len(self.segment_lengths) != len(self.cached):
@@ -84,6 +87,7 @@ class BlendRequest:
                 "cached": [int(c) for c in self.cached],
                 "method": self.method,
                 "method_options": self.method_options,
+                "diagnostics": int(self.diagnostics),
             }
         }
 
@@ -105,6 +109,7 @@ class BlendRequest:
                 cached=tuple(bool(c) for c in body["cached"]),
                 method=str(body["method"]),
                 method_options=dict(body.get("method_options") or {}),
+                diagnostics=bool(body.get("diagnostics", 0)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed blend request in kv_transfer_params: {exc!r}") from exc

@@ -10,12 +10,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ...blend.controller import LoadingController
 from ...blend.methods import Reuse
 from ...blend.segments import Segment
 from ...blend.spec import ResolvedMethod, resolve_method
 from ...errors import CacheBlendError
-from ..base import FusionStats, GenerationResult, Method, generation_budget
+from ..base import FusionDiagnostics, FusionStats, GenerationResult, Method, generation_budget
 from ..sampling import SamplingParams
 from .protocol import BlendRequest
 
@@ -45,6 +47,7 @@ class PreparedRequest:
     resolved: ResolvedMethod
     segments: list[Segment]
     blend: BlendRequest | None
+    sampling: SamplingParams
     started: float = 0.0
     first_token_at: float | None = None
     output: Any = None  # the last vllm RequestOutput
@@ -78,6 +81,7 @@ def prepare_request(
             tuple(s.is_cached for s in segments),
             recompute.name,
             recompute.options(),
+            diagnostics=sampling.diagnostics,
         )
         if blend.claim_end == 0:
             blend = None  # no cached chunk before the question: nothing to blend
@@ -96,8 +100,12 @@ def prepare_request(
         skip_special_tokens=True,
         extra_args=extra_args,
         structured_outputs=structured_outputs(sampling),
+        # diagnostics: the whole vocabulary's raw log-probabilities (the engine starts vLLM with
+        # logprobs_mode="raw_logprobs" and no max_logprobs cap); vLLM has no switch for the first token
+        # alone, so such a request gets them at every step, and only it: other requests ask for none
+        **({"logprobs": -1, "flat_logprobs": True} if sampling.diagnostics else {}),
     )
-    return PreparedRequest(key, prompt, params, resolved, list(segments), blend)
+    return PreparedRequest(key, prompt, params, resolved, list(segments), blend, sampling)
 
 
 def structured_outputs(sampling: SamplingParams) -> Any:
@@ -114,10 +122,10 @@ def structured_outputs(sampling: SamplingParams) -> Any:
 
 
 def build_result(
-    request: PreparedRequest, stats: dict[str, Any] | None, eos_ids: set[int]
+    request: PreparedRequest, stats: dict[str, Any] | None, eos_ids: set[int], vocab_size: int
 ) -> VLLMGenerationResult:
     """The result of a finished request, from vLLM's last output and the worker's fusion accounting
-    (``stats``; None when nothing was blended)."""
+    (``stats``; None when nothing was blended), with its diagnostics when its sampling asked for them."""
     output = request.output
     completion = output.outputs[0]
     if completion.finish_reason not in ("stop", "length"):
@@ -162,6 +170,9 @@ def build_result(
         fusion_s=float(stats.get("fusion_s", 0.0)),
         kv_write_s=float(stats.get("write_s", 0.0)),
         paged_layers=int(stats.get("paged_layers", 0)),
+        diagnostics=(
+            diagnostics(request, stats, cached, vocab_size) if request.sampling.diagnostics else None
+        ),
     )
     # the worker reused the template's opening exactly (its own segments had it as an exact head, these
     # have it fresh): counted as the PyTorch engine counts its exact head (docs/accounting.md)
@@ -172,6 +183,68 @@ def build_result(
         else:
             result.cache_read_exact_tokens += int(head["tokens"])
     return result
+
+
+def diagnostics(
+    request: PreparedRequest, stats: dict[str, Any], cached: int, vocab_size: int
+) -> FusionDiagnostics:
+    """A finished request's :class:`FusionDiagnostics`. The first token's distribution is vLLM's own raw
+    log-probabilities over the whole vocabulary (before temperature and logits processors; a JSON
+    constraint's grammar mask is already in them, as vLLM applies it to the logits). The fusion's
+    figures come from the worker (``stats``); a request vLLM prefilled itself recomputed every position
+    its prefix cache did not serve (``cached``), with no fusion time; where vLLM's prefix cache served
+    blocks blended for an earlier request, they are None. vLLM scores no continuation here: each
+    ``continuation_nll`` is None."""
+    prompt_tokens = sum(len(s) for s in request.segments)
+    fused = stats.get("diagnostics")
+    positions: tuple[int, ...] | None
+    fraction: float | None
+    fusion_s: float | None = None
+    if fused is not None:
+        positions = tuple(int(p) for p in fused["recomputed_positions"])
+        fraction, fusion_s = float(fused["compute_fraction"]), float(fused["fusion_s"])
+    elif "error" in stats:  # the blend failed and vLLM prefilled the claimed span itself
+        positions, fraction = tuple(range(prompt_tokens)), 1.0
+    elif request.blend is not None and cached > 0:
+        # nothing claimed: vLLM's prefix cache served blocks an earlier request blended, whose
+        # recomputed positions this request never saw
+        log.debug("request %s: blended KV came from vLLM's prefix cache; no fusion figures", request.key)
+        positions, fraction = None, None
+    else:  # vLLM's own prefill (or its prefix cache's exact KV for the first ``cached`` tokens)
+        positions, fraction = tuple(range(cached, prompt_tokens)), (prompt_tokens - cached) / prompt_tokens
+    return FusionDiagnostics(
+        first_token_logprobs=first_token_logprobs(request.output.outputs[0], vocab_size),
+        recomputed_positions=positions,
+        compute_fraction=fraction,
+        fusion_s=fusion_s,
+        continuation_nll=tuple(None for _ in request.sampling.score_continuations),
+    )
+
+
+def first_token_logprobs(completion: Any, vocab_size: int) -> torch.Tensor:
+    """The first generated token's log-probabilities over the vocabulary (float32 [vocab], on CPU), from
+    a vLLM completion that asked for every token's (``logprobs=-1``). A token vLLM gave none for is NaN:
+    unknown, never made up."""
+    from vllm.logprobs import FlatLogprobs
+
+    logprobs = completion.logprobs
+    if not logprobs:
+        raise CacheBlendError("vLLM returned no log-probabilities for the first generated token")
+    if isinstance(logprobs, FlatLogprobs):  # its lists, not a dict of a Logprob per vocabulary entry
+        start, end = logprobs.start_indices[0], logprobs.end_indices[0]
+        ids, values = logprobs.token_ids[start:end], logprobs.logprobs[start:end]
+    else:
+        ids, values = list(logprobs[0]), [lp.logprob for lp in logprobs[0].values()]
+    out = torch.full((vocab_size,), float("nan"), dtype=torch.float32)
+    out[torch.tensor(ids, dtype=torch.long)] = torch.tensor(values, dtype=torch.float32)
+    missing = int(out.isnan().sum())
+    if missing:
+        log.warning(
+            "vLLM gave the first token's log-probabilities of %d of %d tokens (the rest are NaN)",
+            vocab_size - missing,
+            vocab_size,
+        )
+    return out
 
 
 def blend_keys(requests: Sequence[PreparedRequest]) -> list[str]:
