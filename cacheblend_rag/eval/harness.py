@@ -148,7 +148,12 @@ class EvalRun:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRun:
+def setup_run(
+    config: EvalConfig, model: LayerwiseModel | None = None, engine: EngineProtocol | None = None
+) -> EvalRun:
+    """Load what a run needs. ``model``: the PyTorch engines' model (default: load ``config.model``);
+    ``engine``: an engine of ``config.engine``'s kind to answer every variant with, with its own prompts
+    and store (default: eval makes its own, with the QA or summary prompt)."""
     from ..corpus.embedder import get_embedder
     from ..models.loader import load_model
     from ..models.tokenizer import load_model_tokenizer
@@ -165,17 +170,23 @@ def setup_run(config: EvalConfig, model: LayerwiseModel | None = None) -> EvalRu
     context = config.chunk_context or settings.chunk_context
     tokenizer = load_model_tokenizer(config.model, settings.home)
     kv_dir = Path(config.kv_dir) if config.kv_dir is not None else default_kv_dir(tokenizer.fingerprint)
-    if config.engine == "vllm":
-        engines, compute_dtype = (
-            _vllm_engines(config, specs, context, codecs[0], kv_dir, task),
-            settings.compute_dtype,
-        )
+    compute_dtype = settings.compute_dtype
+    if engine is not None:
+        _one_engine(specs, context, codecs[0], config.engine)
+        engines: dict[str, EngineProtocol] = {context: engine}
+        kv_dir = engine.store.root
+    elif config.engine == "vllm":
+        engines = _vllm_engines(config, specs, context, codecs[0], kv_dir, task)
     elif config.engine == "torch":
         model = model or load_model(config.model, config=settings)
         compute_dtype = str(model.dtype).removeprefix("torch.")
         engines = _torch_engines(model, specs, context, codecs, kv_dir, task)
     else:
         raise ValueError(f"unknown engine {config.engine!r}: use torch or vllm")
+    if tokenizer.fingerprint != next(iter(engines.values())).model.fingerprint:  # the corpus's tokens
+        raise ValueError(
+            f"the engine's model is not {config.model or 'the default model'}; name it in --model"
+        )
     engine = engines[engine_name(Variant(REFERENCE, specs[0].spec), context, codecs[0])]
     max_new = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task]
     builder = engine.prompts
@@ -258,16 +269,19 @@ def _vllm_engines(
     from ..engine import create_engine
     from ..models.tokenizer import load_model_tokenizer
 
-    others = {engine_name(v, context, codec) for v in specs} - {context}
-    if others:
-        raise ValueError(
-            f"eval on the vLLM engine runs one chunk context and codec; drop the variants {sorted(others)}"
-        )
+    _one_engine(specs, context, codec, "vllm")
     builder = prompt_builder(load_model_tokenizer(config.model, get_settings().home).tokenizer, task)
     engine = create_engine(
         "vllm", config.model, kv_dir, prompt_builder=builder, kv_dtype=codec, config=get_settings()
     )
     return {context: engine}
+
+
+def _one_engine(specs: list[Variant], context: str, codec: str, kind: str) -> None:
+    """Refuse variants one engine cannot answer: those of another chunk context or codec."""
+    others = {engine_name(v, context, codec) for v in specs} - {context}
+    if others:
+        raise ValueError(f"eval on one {kind} engine runs one chunk context and codec; drop {sorted(others)}")
 
 
 def engine_name(variant: Variant, context: str, codec: str) -> str:
@@ -370,10 +384,11 @@ def run_eval(
     config: EvalConfig,
     model: LayerwiseModel | None = None,
     on_case: Callable[[int, int, dict[str, Any]], None] | None = None,
+    engine: EngineProtocol | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) an evaluation; returns the results object, also written to ``config.json_path``
-    after every case when given."""
-    run = setup_run(config, model)
+    after every case when given. ``model``, ``engine``: see :func:`setup_run`."""
+    run = setup_run(config, model, engine)
     try:
         return _run_cases(run, config, on_case)
     finally:
