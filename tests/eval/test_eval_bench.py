@@ -4,12 +4,17 @@ Timings are not checked (the quick sizes are too small to mean anything)."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from typer.testing import CliRunner
 
 from cacheblend_rag.cli import app
-from cacheblend_rag.eval.bench import QUERY_METHODS, SECTIONS, THROUGHPUT_METHODS, TTFT_COLUMNS
+from cacheblend_rag.eval.bench import QUERY_METHODS, SECTIONS, THROUGHPUT_METHODS, TTFT_COLUMNS, render_bench
+from cacheblend_rag.eval.bench.report import RENDERERS
 from cacheblend_rag.eval.markdown import update_markdown
+
+REPO = Path(__file__).parents[2]
 
 
 def test_update_markdown_replaces_only_its_section(tmp_path):
@@ -130,22 +135,66 @@ def test_bench_codec_section_compares_codecs(tmp_path, monkeypatch):
 
 
 def test_round_growth_check_allows_only_the_agents_own_tokens_share():
-    from cacheblend_rag.eval.bench.round import _checks
+    from cacheblend_rag.eval.bench.round import RoundFidelity, RoundTiming, _checks
 
     def timing(t8, t16):
         row = {"round_recomputed_tokens": 460, "round_requests": 8, "requests_per_s": 1.0}
+        row |= {"peak_kv_bytes": 0, "samples_all_first_tokens_s": []}
         return {
             "round": {
-                "8": {**row, "all_first_tokens_s": t8, "agent_computed_tokens": 340},
-                "16": {**row, "all_first_tokens_s": t16, "agent_computed_tokens": 680},
+                "8": RoundTiming(**row, all_first_tokens_s=t8, agent_computed_tokens=340),
+                "16": RoundTiming(**row, all_first_tokens_s=t16, agent_computed_tokens=680),
             },
             "per_request": {},
             "full_prefill": {},
         }
 
-    fidelity = {"cases": 0}
+    fidelity = RoundFidelity(cases=0)
     # 800 -> 1,140 computed tokens: +42.5 % (printed as 43 %)
     (within,) = _checks(timing(5.0, 7.0), fidelity)
     (beyond,) = _checks(timing(5.0, 7.5), fidelity)
-    assert within["passed"] and abs(within["value"] - 0.4) < 1e-9
-    assert not beyond["passed"] and "+43% computed tokens" in beyond["claim"]
+    assert within.passed and abs(within.value - 0.4) < 1e-9
+    assert not beyond.passed and "+43% computed tokens" in beyond.claim
+
+
+def _through_records(results: dict) -> dict:
+    """``results`` with every section read into its record and written back."""
+    sections = {
+        name: RENDERERS[name].result.from_dict(s).to_dict() for name, s in results["sections"].items()
+    }
+    return {**results, "sections": sections}
+
+
+def test_the_committed_bench_results_render_the_same_through_their_records():
+    """docs/results/bench.json read into the sections' records and written back is the same file (keys in
+    the same order), and renders the bench block of BENCHMARKS.md as committed."""
+    results = json.loads((REPO / "docs" / "results" / "bench.json").read_text())
+    rewritten = _through_records(results)
+    assert json.dumps(rewritten) == json.dumps(results)
+    markdown = REPO / "BENCHMARKS.md"
+    plots = {
+        "ttft": REPO / "docs" / "ttft_vs_chunks.png",
+        "deviation": REPO / "docs" / "attention_deviation_vs_ratio.png",
+    }
+    page = render_bench(rewritten, markdown, plots)
+    assert page == render_bench(results, markdown, plots)
+    committed = re.search(r"<!-- BEGIN bench -->\n(.*?)\n<!-- END bench -->", markdown.read_text(), re.DOTALL)
+    assert committed is not None and page == committed.group(1)
+
+
+def test_older_bench_results_without_the_newer_keys_still_render():
+    """Keys older results lack (vLLM's sizes, agreement, processor and memory; the round's computed
+    tokens; batched fusion) are left out when written back, and the rest renders as before."""
+    results = json.loads((REPO / "docs" / "results" / "bench.json").read_text())
+    sections = results["sections"]
+    for key in ("processor", "by_chunks", "first_token_agreement", "worker_memory"):
+        del sections["vllm"][key]
+    for rows in sections["round"]["timing"].values():
+        for row in rows.values():
+            del row["agent_computed_tokens"], row["round_recomputed_tokens"]
+    del sections["throughput"]["batched_fusion"]
+    assert _through_records(results) == results
+    page = render_bench(results, REPO / "BENCHMARKS.md", {})
+    assert "vLLM worker resident memory" not in page and "Processor:" not in page
+    assert "| (c) round | 8 |" in page and " | - | - |" in page
+    assert "Fusing an admission group" not in page and "Throughput: concurrent requests" in page

@@ -57,7 +57,7 @@ def test_storage_cost_of_the_default_model(model):
     assert kv_bytes_per_token(model.shape, torch.bfloat16) == 23_040
     assert kv_bytes_per_token(model.shape, torch.float32) == 46_080
     cost = storage_cost(model.shape, 512)
-    assert cost["float16"]["payload_bytes"] == cost["bfloat16"]["payload_bytes"] == 11_796_480
-    assert cost["float32"]["payload_bytes"] == 23_592_960
+    assert cost["float16"].payload_bytes == cost["bfloat16"].payload_bytes == 11_796_480
+    assert cost["float32"].payload_bytes == 23_592_960
     for row in cost.values():  # the header (tensor table, checksums) is small
-        assert row["payload_bytes"] < row["file_bytes"] < row["payload_bytes"] + 16_384
+        assert row.payload_bytes < row.file_bytes < row.payload_bytes + 16_384

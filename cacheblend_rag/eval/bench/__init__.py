@@ -1,7 +1,10 @@
 """The benchmark suite behind ``cacheblend-rag bench``: every timing side by side in one run, one module
-per section (``ttft``, ``prefill``, ``store``, ``deviation``, ``ingest``, ``throughput``, ``serve``, and
-``vllm``, which runs only when named with ``--only``). :mod:`.results` reads and writes the results file,
-:mod:`.report` renders each section into BENCHMARKS.md, :mod:`.plots` draws the figures."""
+per section (``ttft``, ``prefill``, ``store``, ``deviation``, ``ingest``, ``throughput``, ``round``,
+``serve``, and ``vllm`` and ``codec``, which run only when named with ``--only``). Each section's module
+holds its runner, the frozen dataclass it returns (a :class:`.record.Record`, written to the results file
+as the JSON object it always was) and its renderer, which reads that record back. :mod:`.results` reads
+and writes the results file, :mod:`.report` puts the sections on the page (:mod:`.page`: a section's
+header), :mod:`.plots` draws the figures."""
 
 from .config import ALL_SECTIONS, OPTIONAL_SECTIONS, SECTIONS, BenchConfig, BenchContext
 from .ingest import QUERY_METHODS

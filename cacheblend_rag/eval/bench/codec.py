@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,60 @@ from ...store.remote import RedisKVTier
 from ..harness import settings_store, store_in_ram
 from ..markdown import fmt, table
 from .config import BenchContext
+from .page import Page
+from .record import Record
 from .ttft import _engine_ttft
 
 CODECS = ("float16", "int8", "int4")
 SAMPLE_CORPUS = Path(__file__).parents[3] / "examples" / "data" / "corpus"
 
 
-def section_codec(ctx: BenchContext) -> dict[str, Any]:
+@dataclass(frozen=True)
+class CodecBytes(Record):
+    """Stored file bytes (metadata included) of some chunks in one codec."""
+
+    file_bytes: int
+    bytes_per_token: float
+    vs_float16: float
+
+
+@dataclass(frozen=True)
+class CodecIngest(Record):
+    """Precompute and store of the sample corpus in one codec."""
+
+    seconds: float
+    tokens_per_s: float
+    vs_float16: float
+
+
+@dataclass(frozen=True)
+class CodecTtft(Record):
+    """cacheblend TTFT per codec and tier (``ram``, ``disk``): median, samples, and vs float16."""
+
+    median_s: dict[str, dict[str, float]]
+    samples_s: dict[str, dict[str, list[float]]]
+    vs_float16: dict[str, dict[str, float]]
+
+
+@dataclass(frozen=True)
+class CodecResult(Record):
+    """The codecs side by side: bytes per token per set of chunks (the sample corpus, N-token chunks),
+    ingest, TTFT, and the remote read (:func:`_remote_read`: ``skipped`` saying why, or per codec)."""
+
+    codecs: list[str]
+    params: dict[str, Any]
+    chunk_tokens: int
+    num_chunks: int
+    ratio: float
+    repeats: int
+    bytes_per_token: dict[str, dict[str, CodecBytes]]
+    sample_corpus: dict[str, int]
+    ingest: dict[str, CodecIngest]
+    ttft: CodecTtft
+    remote: dict[str, Any]
+
+
+def section_codec(ctx: BenchContext) -> CodecResult:
     config = ctx.config
     model = ctx.model
     sample = sample_corpus_chunks(ctx, config.chunk_tokens)
@@ -37,22 +85,22 @@ def section_codec(ctx: BenchContext) -> dict[str, Any]:
         c: settings_store(ctx.work_dir / f"codec-{c}", model.fingerprint, model.shape, c) for c in CODECS
     }
     try:
-        return {
-            "codecs": list(CODECS),
-            "params": {c: stores[c].codec.params for c in CODECS},
-            "chunk_tokens": config.chunk_tokens,
-            "num_chunks": config.num_chunks,
-            "ratio": config.ratio,
-            "repeats": config.repeats,
-            "bytes_per_token": {
+        return CodecResult(
+            codecs=list(CODECS),
+            params={c: stores[c].codec.params for c in CODECS},
+            chunk_tokens=config.chunk_tokens,
+            num_chunks=config.num_chunks,
+            ratio=config.ratio,
+            repeats=config.repeats,
+            bytes_per_token={
                 "sample_corpus": _bytes_per_token(ctx, sample, "sample"),
                 f"{config.chunk_tokens}_token_chunks": _bytes_per_token(ctx, long_chunks, "long"),
             },
-            "sample_corpus": {"chunks": len(sample), "tokens": sum(map(len, sample))},
-            "ingest": _ingest_rate(ctx, sample),
-            "ttft": _ttft(ctx, stores, long_chunks),
-            "remote": _remote_read(ctx, long_chunks[0]),
-        }
+            sample_corpus={"chunks": len(sample), "tokens": sum(map(len, sample))},
+            ingest=_ingest_rate(ctx, sample),
+            ttft=_ttft(ctx, stores, long_chunks),
+            remote=_remote_read(ctx, long_chunks[0]),
+        )
     finally:
         for store in stores.values():
             store.close()
@@ -67,7 +115,7 @@ def sample_corpus_chunks(ctx: BenchContext, tokens: int) -> list[tuple[int, ...]
     return out
 
 
-def _bytes_per_token(ctx: BenchContext, chunks: list[tuple[int, ...]], tag: str) -> dict[str, Any]:
+def _bytes_per_token(ctx: BenchContext, chunks: list[tuple[int, ...]], tag: str) -> dict[str, CodecBytes]:
     """File bytes (metadata included) per token of ``chunks`` stored in each codec."""
     model = ctx.model
     stores = {
@@ -88,17 +136,10 @@ def _bytes_per_token(ctx: BenchContext, chunks: list[tuple[int, ...]], tag: str)
         for store in stores.values():
             store.close()
     tokens = sum(map(len, chunks))
-    return {
-        c: {
-            "file_bytes": sizes[c],
-            "bytes_per_token": sizes[c] / tokens,
-            "vs_float16": sizes[c] / sizes["float16"],
-        }
-        for c in CODECS
-    }
+    return {c: CodecBytes(sizes[c], sizes[c] / tokens, sizes[c] / sizes["float16"]) for c in CODECS}
 
 
-def _ingest_rate(ctx: BenchContext, chunks: list[tuple[int, ...]]) -> dict[str, Any]:
+def _ingest_rate(ctx: BenchContext, chunks: list[tuple[int, ...]]) -> dict[str, CodecIngest]:
     """Tokens/s of precompute + store per codec (chunks interleaved over codecs, fresh stores)."""
     model = ctx.model
     seconds = dict.fromkeys(CODECS, 0.0)
@@ -123,13 +164,10 @@ def _ingest_rate(ctx: BenchContext, chunks: list[tuple[int, ...]]) -> dict[str, 
             engine.close()
     tokens = sum(map(len, chunks))
     rates = {c: tokens / seconds[c] for c in CODECS}
-    return {
-        c: {"seconds": seconds[c], "tokens_per_s": rates[c], "vs_float16": rates[c] / rates["float16"]}
-        for c in CODECS
-    }
+    return {c: CodecIngest(seconds[c], rates[c], rates[c] / rates["float16"]) for c in CODECS}
 
 
-def _ttft(ctx: BenchContext, stores: dict[str, KVStore], chunks: list[tuple[int, ...]]) -> dict[str, Any]:
+def _ttft(ctx: BenchContext, stores: dict[str, KVStore], chunks: list[tuple[int, ...]]) -> CodecTtft:
     """cacheblend TTFT from the RAM tier and a cold disk per codec, interleaved, median of the repeats."""
     config = ctx.config
     refs = [ChunkRef(ids) for ids in chunks]
@@ -144,13 +182,11 @@ def _ttft(ctx: BenchContext, stores: dict[str, KVStore], chunks: list[tuple[int,
                 measured = _engine_ttft(engine, ctx.question, refs, f"cacheblend_{tier}", config.ratio)
                 samples[codec][tier].append(measured["ttft_s"])
     medians = {c: {t: statistics.median(v) for t, v in tiers.items()} for c, tiers in samples.items()}
-    return {
-        "median_s": medians,
-        "samples_s": samples,
-        "vs_float16": {
-            c: {t: medians[c][t] / medians["float16"][t] for t in ("ram", "disk")} for c in CODECS
-        },
-    }
+    return CodecTtft(
+        median_s=medians,
+        samples_s=samples,
+        vs_float16={c: {t: medians[c][t] / medians["float16"][t] for t in ("ram", "disk")} for c in CODECS},
+    )
 
 
 def _remote_read(ctx: BenchContext, ids: tuple[int, ...]) -> dict[str, Any]:
@@ -204,17 +240,17 @@ def _remote_read(ctx: BenchContext, ids: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
-def render_codec(page: Any, section: dict[str, Any]) -> list[str]:
+def render_codec(page: Page, section: CodecResult) -> list[str]:
     """The section in markdown (registered in report.py)."""
-    codecs = section["codecs"]
-    bpt = section["bytes_per_token"]
-    sample = section["sample_corpus"]
-    ttft, ingest, remote = section["ttft"], section["ingest"], section["remote"]
+    codecs = section.codecs
+    bpt = section.bytes_per_token
+    sample = section.sample_corpus
+    ttft, ingest, remote = section.ttft, section.ingest, section.remote
     parts = [
         f"Codecs {', '.join(codecs)} (int8/int4 parameters: "
-        + "; ".join(f"{c} {section['params'][c]}" for c in codecs if section["params"][c])
+        + "; ".join(f"{c} {section.params[c]}" for c in codecs if section.params[c])
         + f"). Sample corpus: {sample['chunks']} chunks, {sample['tokens']} tokens (files cut into "
-        f"≤{section['chunk_tokens']}-token chunks).",
+        f"≤{section.chunk_tokens}-token chunks).",
         "",
         table(
             [
@@ -225,15 +261,15 @@ def render_codec(page: Any, section: dict[str, Any]) -> list[str]:
             [
                 [
                     c,
-                    *(fmt(bpt[w][c]["bytes_per_token"], 1) for w in bpt),
-                    *(fmt(bpt[w][c]["vs_float16"], 3) for w in bpt),
+                    *(fmt(bpt[w][c].bytes_per_token, 1) for w in bpt),
+                    *(fmt(bpt[w][c].vs_float16, 3) for w in bpt),
                 ]
                 for c in codecs
             ],
         ),
         "",
-        f"cacheblend TTFT at {section['num_chunks']} × {section['chunk_tokens']} "
-        f"(r = {section['ratio']:g}), median of {section['repeats']} interleaved runs; ingest = precompute "
+        f"cacheblend TTFT at {section.num_chunks} × {section.chunk_tokens} "
+        f"(r = {section.ratio:g}), median of {section.repeats} interleaved runs; ingest = precompute "
         "and store of the sample corpus:",
         "",
         table(
@@ -249,12 +285,12 @@ def render_codec(page: Any, section: dict[str, Any]) -> list[str]:
             [
                 [
                     c,
-                    fmt(ttft["median_s"][c]["ram"], 4),
-                    fmt(ttft["vs_float16"][c]["ram"], 3),
-                    fmt(ttft["median_s"][c]["disk"], 4),
-                    fmt(ttft["vs_float16"][c]["disk"], 3),
-                    fmt(ingest[c]["tokens_per_s"], 0),
-                    fmt(ingest[c]["vs_float16"], 3),
+                    fmt(ttft.median_s[c]["ram"], 4),
+                    fmt(ttft.vs_float16[c]["ram"], 3),
+                    fmt(ttft.median_s[c]["disk"], 4),
+                    fmt(ttft.vs_float16[c]["disk"], 3),
+                    fmt(ingest[c].tokens_per_s, 0),
+                    fmt(ingest[c].vs_float16, 3),
                 ]
                 for c in codecs
             ],

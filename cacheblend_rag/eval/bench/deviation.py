@@ -5,16 +5,43 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 from ...blend.diagnostics import measure_deviation
 from ...blend.methods import Reuse
 from ...blend.spec import parse_method
+from ..markdown import fmt, table
 from .config import BenchContext
+from .page import Page, checks_lines
 from .prompts import eval_engine, rag_prompts
+from .record import Check, Record
 
 
-def section_deviation(ctx: BenchContext) -> dict[str, Any]:
+@dataclass(frozen=True)
+class MethodDeviation(Record):
+    """One method's deviation, averaged over layers then prompts, and its share of tokens recomputed;
+    ``ratio`` is the method's recompute ratio (None for the methods without one)."""
+
+    attention: float
+    kv: float
+    recompute_ratio: float
+    ratio: float | None
+
+
+@dataclass(frozen=True)
+class DeviationResult(Record):
+    """The summary per method label, and every prompt's numbers (per layer too) as measured."""
+
+    prompts: int
+    ratios: list[float]
+    epic_matched_k: int
+    summary: dict[str, MethodDeviation]
+    per_prompt: list[dict[str, Any]]
+    checks: list[Check]
+
+
+def section_deviation(ctx: BenchContext) -> DeviationResult:
     """Issue 3: attention/KV deviation vs ratio, with epic (k=16 and k matched to the ratio's cost) and
     full_reuse beside it, on real multi-chunk prompts."""
     config = ctx.config
@@ -51,44 +78,64 @@ def section_deviation(ctx: BenchContext) -> dict[str, Any]:
     summary = {}
     for spec in specs:
         rows = [p["methods"][spec.label] for p in per_prompt]
-        summary[spec.label] = {
-            "attention": statistics.fmean(r["attention"] for r in rows),
-            "kv": statistics.fmean(r["kv"] for r in rows),
-            "recompute_ratio": statistics.fmean(r["recompute_ratio"] for r in rows),
-            "ratio": spec.ratio,
-        }
-    return {
-        "prompts": len(per_prompt),
-        "ratios": list(config.deviation_ratios),
-        "epic_matched_k": matched_k,
-        "summary": summary,
-        "per_prompt": per_prompt,
-        "checks": _deviation_checks(summary, config.ratio, matched_k),
-    }
+        summary[spec.label] = MethodDeviation(
+            attention=statistics.fmean(r["attention"] for r in rows),
+            kv=statistics.fmean(r["kv"] for r in rows),
+            recompute_ratio=statistics.fmean(r["recompute_ratio"] for r in rows),
+            ratio=spec.ratio,
+        )
+    return DeviationResult(
+        prompts=len(per_prompt),
+        ratios=list(config.deviation_ratios),
+        epic_matched_k=matched_k,
+        summary=summary,
+        per_prompt=per_prompt,
+        checks=_deviation_checks(summary, config.ratio, matched_k),
+    )
 
 
-def _deviation_checks(summary: dict[str, Any], ratio: float, matched_k: int) -> list[dict[str, Any]]:
+def _deviation_checks(summary: dict[str, MethodDeviation], ratio: float, matched_k: int) -> list[Check]:
     blend = summary.get(f"cacheblend@{ratio:g}")
     if blend is None:
         return []
     checks = []
-    curve = [(e["ratio"], e["attention"]) for e in summary.values() if e["ratio"] is not None]
+    curve = [(e.ratio, e.attention) for e in summary.values() if e.ratio is not None]
     if len(curve) >= 2:
         lowest, highest = min(curve), max(curve)
         checks.append(
-            {
-                "claim": f"attention deviation falls as r rises from {lowest[0]:g} to {highest[0]:g}",
-                "passed": highest[1] < lowest[1],
-                "value": lowest[1] / highest[1] if highest[1] > 0 else math.inf,
-            }
+            Check(
+                f"attention deviation falls as r rises from {lowest[0]:g} to {highest[0]:g}",
+                highest[1] < lowest[1],
+                lowest[1] / highest[1] if highest[1] > 0 else math.inf,
+            )
         )
     for other in ("epic@16", f"epic@{matched_k}", "full_reuse"):
         if other in summary:
             checks.append(
-                {
-                    "claim": f"cacheblend@{ratio:g} deviates less than {other}",
-                    "passed": blend["attention"] < summary[other]["attention"],
-                    "value": summary[other]["attention"] / blend["attention"],
-                }
+                Check(
+                    f"cacheblend@{ratio:g} deviates less than {other}",
+                    blend.attention < summary[other].attention,
+                    summary[other].attention / blend.attention,
+                )
             )
     return checks
+
+
+def render_deviation(page: Page, dev: DeviationResult) -> list[str]:
+    return [
+        f"{dev.prompts} real RAG prompts (MuSiQue questions with their retrieved chunks). Deviation "
+        "against full prefill, averaged over layers then prompts: attention = L2 distance of the "
+        "question tokens' attention rows; KV = relative L2 distance of the prompt's K and V. "
+        f"`epic@{dev.epic_matched_k}` recomputes as many tokens per chunk as cacheblend at r = 0.15.",
+        "",
+        table(
+            ["method", "tokens recomputed", "attention deviation", "KV deviation"],
+            [
+                [f"`{label}`", fmt(e.recompute_ratio, 3), fmt(e.attention, 4), fmt(e.kv, 4)]
+                for label, e in dev.summary.items()
+            ],
+        ),
+        "",
+        checks_lines(dev.checks),
+        *page.plot("deviation", "attention deviation vs ratio"),
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,35 @@ from ...errors import EvalDataError
 from ...ingest import ingest
 from ...rag import CacheBlendRAG
 from ...settings import get_settings
+from ..markdown import fmt, table
 from .config import BenchConfig, BenchContext
+from .page import Page
+from .record import Record
 
 SAMPLE_CORPUS = Path(__file__).resolve().parents[3] / "examples" / "data"
 QUERY_METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
 
 
-def section_ingest(ctx: BenchContext) -> dict[str, Any]:
+@dataclass(frozen=True)
+class IngestResult(Record):
+    """The ingest summary of the sample corpus (KV included), the median query TTFT per method, and
+    every query's answer and numbers per method."""
+
+    files: int
+    chunks: int
+    tokens: int
+    kv_chunks: int
+    kv_bytes: int
+    stage_seconds: dict[str, float]
+    work_seconds: float
+    chunks_per_s: float
+    tokens_per_s: float
+    chunk_tokens: int
+    query_ttft_median_s: dict[str, float]
+    queries: dict[str, list[dict[str, Any]]]
+
+
+def section_ingest(ctx: BenchContext) -> IngestResult:
     """Issue 5: ingest the sample corpus (KV included) into a fresh store, then query TTFT per method."""
     config = ctx.config
     sources, questions = copy_sample_corpus(ctx, "sources")
@@ -49,22 +72,48 @@ def section_ingest(ctx: BenchContext) -> dict[str, Any]:
                 )
     finally:
         engine.store.close()
-    return {
-        "files": summary.files,
-        "chunks": summary.chunks,
-        "tokens": summary.tokens,
-        "kv_chunks": summary.kv_chunks,
-        "kv_bytes": summary.kv_bytes,
-        "stage_seconds": summary.stage_seconds,
-        "work_seconds": summary.work_seconds,
-        "chunks_per_s": summary.chunks_per_s,
-        "tokens_per_s": summary.tokens_per_s,
-        "chunk_tokens": config.chunk_tokens,
-        "query_ttft_median_s": {
+    return IngestResult(
+        files=summary.files,
+        chunks=summary.chunks,
+        tokens=summary.tokens,
+        kv_chunks=summary.kv_chunks,
+        kv_bytes=summary.kv_bytes,
+        stage_seconds=summary.stage_seconds,
+        work_seconds=summary.work_seconds,
+        chunks_per_s=summary.chunks_per_s,
+        tokens_per_s=summary.tokens_per_s,
+        chunk_tokens=config.chunk_tokens,
+        query_ttft_median_s={
             m: statistics.median([q["ttft_s"] for q in rows]) for m, rows in queries.items()
         },
-        "queries": queries,
-    }
+        queries=queries,
+    )
+
+
+def render_ingest(page: Page, ing: IngestResult) -> list[str]:
+    stages = ", ".join(f"{k} {v:.1f} s" for k, v in ing.stage_seconds.items())
+    return [
+        table(
+            ["files", "chunks", "tokens", "KV bytes", "work (s)", "chunks/s", "tokens/s"],
+            [
+                [
+                    ing.files,
+                    ing.chunks,
+                    ing.tokens,
+                    ing.kv_bytes,
+                    fmt(ing.work_seconds, 1),
+                    fmt(ing.chunks_per_s, 2),
+                    fmt(ing.tokens_per_s, 0),
+                ]
+            ],
+        ),
+        "",
+        f"Stages: {stages} (work excludes loading the tokenizer, embedder and model). Query TTFT "
+        "(engine TTFT as `query --json` reports it; retrieval excluded), median over the "
+        f"{len(next(iter(ing.queries.values())))} sample questions:",
+        "",
+        table(["method", "TTFT (s)"], [[f"`{m}`", fmt(s)] for m, s in ing.query_ttft_median_s.items()]),
+    ]
 
 
 def copy_sample_corpus(ctx: BenchContext, name: str) -> tuple[Path, list[dict[str, Any]]]:

@@ -16,6 +16,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...blend.spec import parse_method
@@ -24,10 +25,12 @@ from ...engine.prompt import ChunkRef, PromptBuilder
 from ...store.keys import kv_bytes_per_token
 from ..datasets import load_dataset, select_cases
 from ..harness import QA_TEMPLATE, store_in_ram
-from ..markdown import checks_list, fmt, table
+from ..markdown import fmt, table
 from ..metrics import kl_divergence
 from .config import BenchContext
+from .page import Page, checks_lines
 from .prompts import eval_corpus, eval_engine, rag_prompts
+from .record import OPTIONAL, Check, Record
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,48 @@ ROLES = (
 ROUND_LEVELS = (1, 2, 4, 8, 16)
 FULL_PREFILL_LEVELS = (1, 8)  # full prefill is timed where the claims compare against it
 FIDELITY_AGENTS = 8
+
+
+@dataclass(frozen=True)
+class RoundTiming(Record):
+    """One runner at one agent count: medians over the repeats, every sample of the time to all first
+    tokens, and (from the first repeat) the peak KV, the round's size and the tokens computed by the
+    round and by the agents (older results lack the last two)."""
+
+    all_first_tokens_s: float
+    requests_per_s: float
+    samples_all_first_tokens_s: list[float]
+    peak_kv_bytes: int
+    round_requests: int
+    agent_computed_tokens: int | None = field(default=None, metadata=OPTIONAL)
+    round_recomputed_tokens: int | None = field(default=None, metadata=OPTIONAL)
+
+
+@dataclass(frozen=True)
+class RoundFidelity(Record):
+    """Mean first-token KL and agreement against each agent's own full prefill, per-request cacheblend vs
+    the round (None without cases)."""
+
+    cases: int
+    agents: int = FIDELITY_AGENTS
+    kl_per_request: float | None = None
+    kl_round: float | None = None
+    agree_per_request: float | None = None
+    agree_round: float | None = None
+
+
+@dataclass(frozen=True)
+class RoundResult(Record):
+    """Timing per runner label and agent count (``str(n)``), fidelity, and the claims checked."""
+
+    levels: list[int]
+    chunks: int
+    chunk_tokens: list[int]
+    ratio: float
+    max_new_tokens: int
+    timing: dict[str, dict[str, RoundTiming]]
+    fidelity: RoundFidelity
+    checks: list[Check]
 
 
 def agent_requests(
@@ -100,17 +145,20 @@ def _timed(engine: Engine, requests: list[BatchRequest], rounds: bool) -> dict[s
     }
 
 
-def _median(samples: list[dict[str, float]]) -> dict[str, Any]:
-    keys = ("all_first_tokens_s", "requests_per_s")
-    out: dict[str, Any] = {k: statistics.median(s[k] for s in samples) for k in keys}
-    out["samples_all_first_tokens_s"] = [s["all_first_tokens_s"] for s in samples]
-    out["peak_kv_bytes"] = samples[0]["peak_kv_bytes"]
-    for key in ("round_requests", "agent_computed_tokens", "round_recomputed_tokens"):
-        out[key] = samples[0][key]
-    return out
+def _median(samples: list[dict[str, Any]]) -> RoundTiming:
+    first = samples[0]
+    return RoundTiming(
+        all_first_tokens_s=statistics.median(s["all_first_tokens_s"] for s in samples),
+        requests_per_s=statistics.median(s["requests_per_s"] for s in samples),
+        samples_all_first_tokens_s=[s["all_first_tokens_s"] for s in samples],
+        peak_kv_bytes=first["peak_kv_bytes"],
+        round_requests=first["round_requests"],
+        agent_computed_tokens=first["agent_computed_tokens"],
+        round_recomputed_tokens=first["round_recomputed_tokens"],
+    )
 
 
-def section_round(ctx: BenchContext) -> dict[str, Any]:
+def section_round(ctx: BenchContext) -> RoundResult:
     config = ctx.config
     engine = eval_engine(ctx)
     sampling = SamplingParams(max_new_tokens=config.throughput_max_new_tokens)
@@ -120,7 +168,7 @@ def section_round(ctx: BenchContext) -> dict[str, Any]:
         prompts = rag_prompts(engine, config, max(levels) + 1)
         refs, questions = prompts[0].refs, [p.question for p in prompts[1:]]
         store_in_ram(engine, questions[0], refs)
-        timing: dict[str, dict[str, Any]] = {}
+        timing: dict[str, dict[str, RoundTiming]] = {}
         runners = {
             "full_prefill": ("full_recompute", False, False),
             "per_request": (blend, False, False),
@@ -142,24 +190,24 @@ def section_round(ctx: BenchContext) -> dict[str, Any]:
                     samples[label].append(_timed(engine, batch, rounds))
             for label, runs in samples.items():
                 timing.setdefault(label, {})[str(n)] = _median(runs)
-                logger.info("round: %s at N=%d: %s", label, n, timing[label][str(n)]["all_first_tokens_s"])
+                logger.info("round: %s at N=%d: %s", label, n, timing[label][str(n)].all_first_tokens_s)
         logger.info("round: timing done; fidelity on %d held-out rounds", config.round_fidelity_cases)
         fidelity = _fidelity(engine, config, blend)
     finally:
         engine.store.close()
-    return {
-        "levels": levels,
-        "chunks": len(refs),
-        "chunk_tokens": [len(r.token_ids) for r in refs],
-        "ratio": config.ratio,
-        "max_new_tokens": config.throughput_max_new_tokens,
-        "timing": timing,
-        "fidelity": fidelity,
-        "checks": _checks(timing, fidelity),
-    }
+    return RoundResult(
+        levels=levels,
+        chunks=len(refs),
+        chunk_tokens=[len(r.token_ids) for r in refs],
+        ratio=config.ratio,
+        max_new_tokens=config.throughput_max_new_tokens,
+        timing=timing,
+        fidelity=fidelity,
+        checks=_checks(timing, fidelity),
+    )
 
 
-def _fidelity(engine: Engine, config, blend) -> dict[str, Any]:
+def _fidelity(engine: Engine, config, blend) -> RoundFidelity:
     """Per agent, first-token KL and agreement against its own full prefill: per-request cacheblend vs the
     round, on ``round_fidelity_cases`` held-out MuSiQue cases (8 roles asking each case's question)."""
     dataset = load_dataset("musique-heldout")
@@ -186,76 +234,61 @@ def _fidelity(engine: Engine, config, blend) -> dict[str, Any]:
                 rows["kl_round"].append(kl_divergence(reference, shared.logits))
                 rows["agree_per_request"].append(float(int(alone.logits.argmax()) == top))
                 rows["agree_round"].append(float(int(shared.logits.argmax()) == top))
-    return {
-        "cases": config.round_fidelity_cases,
-        "agents": FIDELITY_AGENTS,
+    return RoundFidelity(
+        cases=config.round_fidelity_cases,
+        agents=FIDELITY_AGENTS,
         **{k: statistics.fmean(v) if v else None for k, v in rows.items()},
-    }
+    )
 
 
-def _checks(timing: dict[str, dict[str, Any]], fidelity: dict[str, Any]) -> list[dict[str, Any]]:
+def _checks(timing: dict[str, dict[str, RoundTiming]], fidelity: RoundFidelity) -> list[Check]:
     checks = []
     at8 = {label: rows.get("8") for label, rows in timing.items()}
     if at8["round"] and at8["per_request"]:
-        value = at8["per_request"]["all_first_tokens_s"] / at8["round"]["all_first_tokens_s"]
+        value = at8["per_request"].all_first_tokens_s / at8["round"].all_first_tokens_s
         checks.append(
-            {
-                "claim": "N = 8: the round >= 3x faster than per-request cacheblend to all first tokens",
-                "passed": value >= 3,
-                "value": value,
-            }
+            Check(
+                "N = 8: the round >= 3x faster than per-request cacheblend to all first tokens",
+                value >= 3,
+                value,
+            )
         )
     if at8["round"] and at8["full_prefill"]:
-        value = at8["full_prefill"]["all_first_tokens_s"] / at8["round"]["all_first_tokens_s"]
+        value = at8["full_prefill"].all_first_tokens_s / at8["round"].all_first_tokens_s
         checks.append(
-            {
-                "claim": "N = 8: the round >= 10x faster than full prefill to all first tokens",
-                "passed": value >= 10,
-                "value": value,
-            }
+            Check("N = 8: the round >= 10x faster than full prefill to all first tokens", value >= 10, value)
         )
     at16 = timing["round"].get("16")
     if at8["round"] and at16:
         # doubling the agents adds only their own text to compute (the shared chunks' recompute is the
         # round's, once): the time may grow by at most the share of computed tokens that adds
-        def computed(row: dict[str, Any]) -> int:
-            return row["round_recomputed_tokens"] + row["agent_computed_tokens"]
+        def computed(row: RoundTiming) -> int:
+            return row.round_recomputed_tokens + row.agent_computed_tokens
 
-        growth = at16["all_first_tokens_s"] / at8["round"]["all_first_tokens_s"] - 1
+        growth = at16.all_first_tokens_s / at8["round"].all_first_tokens_s - 1
         allowed = computed(at16) / computed(at8["round"]) - 1
         checks.append(
-            {
-                "claim": "N = 8 -> 16: the round's time to all first tokens grows by at most the agents' "
+            Check(
+                "N = 8 -> 16: the round's time to all first tokens grows by at most the agents' "
                 f"own tokens' share (+{allowed:.0%} computed tokens)",
-                "passed": growth <= allowed,
-                "value": growth,
-            }
+                growth <= allowed,
+                growth,
+            )
         )
-    if fidelity["cases"]:
+    if fidelity.cases:
         # issue 21 asks for 20 rounds: fewer are named as such
-        rounds = f"{fidelity['cases']} rounds" + ("" if fidelity["cases"] >= 20 else ", of the 20 asked")
-        gap = fidelity["kl_round"] - fidelity["kl_per_request"]
+        rounds = f"{fidelity.cases} rounds" + ("" if fidelity.cases >= 20 else ", of the 20 asked")
+        gap = fidelity.kl_round - fidelity.kl_per_request
         checks.append(
-            {
-                "claim": f"round first-token KL <= per-request cacheblend's + 0.01 ({rounds})",
-                "passed": gap <= 0.01,
-                "value": gap,
-            }
+            Check(f"round first-token KL <= per-request cacheblend's + 0.01 ({rounds})", gap <= 0.01, gap)
         )
-        agree = fidelity["agree_round"]
-        checks.append(
-            {
-                "claim": f"round first-token agreement >= 0.95 ({rounds})",
-                "passed": agree >= 0.95,
-                "value": agree,
-            }
-        )
+        agree = fidelity.agree_round
+        checks.append(Check(f"round first-token agreement >= 0.95 ({rounds})", agree >= 0.95, agree))
     return checks
 
 
-def render_round(page, section: dict[str, Any]) -> list[str]:
+def render_round(page: Page, section: RoundResult) -> list[str]:
     """The section's tables (its renderer, beside its runner)."""
-    timing, levels = section["timing"], section["levels"]
     labels = {
         "full_prefill": "(a) full prefill",
         "per_request": "(b) per-request cacheblend, batched fusion",
@@ -265,29 +298,28 @@ def render_round(page, section: dict[str, Any]) -> list[str]:
     }
     rows = []
     for label, title in labels.items():
-        for n in levels:
-            row = timing.get(label, {}).get(str(n))
+        for n in section.levels:
+            row = section.timing.get(label, {}).get(str(n))
             if row is None:
                 continue
             rows.append(
                 [
                     title,
                     n,
-                    fmt(row["all_first_tokens_s"], 2),
-                    fmt(row["requests_per_s"], 3),
-                    f"{row['peak_kv_bytes'] / 2**20:.0f}",
-                    row["round_requests"],
-                    row.get("round_recomputed_tokens", "-"),
-                    row.get("agent_computed_tokens", "-"),
+                    fmt(row.all_first_tokens_s, 2),
+                    fmt(row.requests_per_s, 3),
+                    f"{row.peak_kv_bytes / 2**20:.0f}",
+                    row.round_requests,
+                    "-" if row.round_recomputed_tokens is None else row.round_recomputed_tokens,
+                    "-" if row.agent_computed_tokens is None else row.agent_computed_tokens,
                 ]
             )
-    fidelity = section["fidelity"]
-    sizes = ", ".join(map(str, section["chunk_tokens"]))
-    per, shared = fidelity.get("kl_per_request"), fidelity.get("kl_round")
-    lines = [
-        f"{section['chunks']} MuSiQue chunks ({sizes} tokens) shared by every agent, each with its own "
-        f"role (system message) and question; cacheblend at r = {section['ratio']:g}; "
-        f"{section['max_new_tokens']} new tokens each; all agents submitted at once to one scheduler; "
+    fidelity = section.fidelity
+    sizes = ", ".join(map(str, section.chunk_tokens))
+    return [
+        f"{section.chunks} MuSiQue chunks ({sizes} tokens) shared by every agent, each with its own "
+        f"role (system message) and question; cacheblend at r = {section.ratio:g}; "
+        f"{section.max_new_tokens} new tokens each; all agents submitted at once to one scheduler; "
         "median of the repeats, the runners interleaved at each N. Peak KV: the decode batch's KV buffer "
         "and, once, each round's cache, which the agents that joined the round's pass decode over in "
         "place (an agent fused apart, such as one with its own chunk order, keeps its own copy of the "
@@ -307,11 +339,10 @@ def render_round(page, section: dict[str, Any]) -> list[str]:
             rows,
         ),
         "",
-        f"Fidelity against each agent's own full prefill, {fidelity['cases']} held-out MuSiQue rounds x "
-        f"{fidelity['agents']} agents: first-token KL per-request {fmt(per, 4)} vs round {fmt(shared, 4)}; "
-        f"first-token agreement {fmt(fidelity.get('agree_per_request'), 3)} vs "
-        f"{fmt(fidelity.get('agree_round'), 3)}.",
+        f"Fidelity against each agent's own full prefill, {fidelity.cases} held-out MuSiQue rounds x "
+        f"{fidelity.agents} agents: first-token KL per-request {fmt(fidelity.kl_per_request, 4)} vs round "
+        f"{fmt(fidelity.kl_round, 4)}; first-token agreement {fmt(fidelity.agree_per_request, 3)} vs "
+        f"{fmt(fidelity.agree_round, 3)}.",
         "",
-        checks_list(section["checks"]),
+        checks_lines(section.checks),
     ]
-    return lines

@@ -17,6 +17,7 @@ from .config import BenchConfig, BenchContext, make_context
 from .deviation import section_deviation
 from .ingest import section_ingest
 from .prefill import section_prefill
+from .record import Record
 from .results import new_results
 from .round import section_round
 from .serve import section_serve
@@ -27,7 +28,8 @@ from .vllm import section_vllm
 
 log = logging.getLogger(__name__)
 
-SECTION_FUNCTIONS: dict[str, Callable[[BenchContext], dict[str, Any]]] = {
+# each returns its section's record (the results file holds its to_dict(), which the renderer reads back)
+SECTION_FUNCTIONS: dict[str, Callable[[BenchContext], Record]] = {
     "ttft": section_ttft,
     "prefill": section_prefill,
     "store": section_store,
@@ -58,7 +60,7 @@ def run_bench(
             if on_section is not None:
                 on_section(name, "start")
             started, load_before = time.perf_counter(), os.getloadavg()
-            section = SECTION_FUNCTIONS[name](ctx)
+            section = SECTION_FUNCTIONS[name](ctx).to_dict()
             section["seconds"] = time.perf_counter() - started
             log.info("bench section %s took %.1f s", name, section["seconds"])
             section["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}

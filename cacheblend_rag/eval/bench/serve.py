@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,12 @@ from ...engine import Engine
 from ...engine.prompt import CHUNK_SEPARATOR, DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
 from ...ingest import ingest
 from ...settings import get_settings
+from ..markdown import fmt, table
 from .config import BenchContext
 from .ingest import copy_sample_corpus
-from .throughput import throughput_row
+from .page import Page
+from .record import OPTIONAL, Record
+from .throughput import ThroughputRow, throughput_row
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +78,44 @@ class RequestSample:
     server_ttft_s: float
 
 
-def load_summary(samples: Sequence[RequestSample], seconds: float) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ServeRow(ThroughputRow):
+    """A throughput row (requests/s, TTFT percentiles as the clients saw them) plus the server's TTFT, the
+    latency and the mean cached (recognised) prompt tokens."""
+
+    server_ttft_p50_s: float
+    latency_p50_s: float
+    cached_tokens_mean: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeResult(Record):
+    """The load test: what it sent, a row per method and level, and the server scheduler's counters.
+    ``ratio`` None: the server chose; ``chunk_tokens`` is the bench's (the section sets it;
+    :func:`run_serve_load` does not know it)."""
+
+    levels: list[int]
+    rounds: int
+    max_tokens: int
+    top_k: int
+    ratio: float | None = None
+    max_batch: int
+    prompts: int
+    methods: dict[str, dict[str, ServeRow]]
+    speedup_cacheblend_vs_full: dict[str, float]
+    scheduler: dict[str, Any]
+    chunk_tokens: int | None = field(default=None, metadata=OPTIONAL)
+
+
+def load_summary(samples: Sequence[RequestSample], seconds: float) -> ServeRow:
     """A throughput row (requests/s, TTFT percentiles) plus the server's TTFT, latency and reuse."""
-    return {
-        **throughput_row(samples, seconds),
-        "server_ttft_p50_s": float(np.percentile([s.server_ttft_s for s in samples], 50)),
-        "latency_p50_s": float(np.percentile([s.latency_s for s in samples], 50)),
-        "cached_tokens_mean": float(np.mean([s.cached_tokens for s in samples])),
-    }
+    row = throughput_row(samples, seconds)
+    return ServeRow(
+        **asdict(row),
+        server_ttft_p50_s=float(np.percentile([s.server_ttft_s for s in samples], 50)),
+        latency_p50_s=float(np.percentile([s.latency_s for s in samples], 50)),
+        cached_tokens_mean=float(np.mean([s.cached_tokens for s in samples])),
+    )
 
 
 def rag_messages(corpus_dir: str | Path, questions: Sequence[str], top_k: int) -> list[list[dict[str, str]]]:
@@ -141,7 +174,9 @@ def send(client, url: str, model: str, messages: list[dict], method: str, config
     )
 
 
-def run_level(url: str, model: str, prompts: list, method: str, level: int, config: ServeLoadConfig):
+def run_level(
+    url: str, model: str, prompts: list, method: str, level: int, config: ServeLoadConfig
+) -> ServeRow:
     """``level`` clients at once, each sending ``rounds`` requests back to back (prompts in turn); returns
     the summary of the run."""
     import httpx
@@ -164,9 +199,8 @@ def run_serve_load(
     questions: Sequence[str],
     config: ServeLoadConfig | None = None,
     log_dir: str | Path | None = None,
-) -> dict[str, Any]:
-    """Start ``serve`` on ``corpus_dir``, warm it, run every (level, method), stop it. Returns ``{"levels",
-    "methods": {method: {level: summary}}, "speedup_cacheblend_vs_full": {level: x}, ...}``."""
+) -> ServeResult:
+    """Start ``serve`` on ``corpus_dir``, warm it, run every (level, method), stop it."""
     import httpx
 
     from ...server.process import ServerProcess  # the server's own launcher (needs the [serve] extra)
@@ -178,7 +212,7 @@ def run_serve_load(
     max_batch = config.max_batch or max(config.levels)
     log_path = Path(log_dir or corpus_dir) / "serve-load.log"
     env = {"CACHEBLEND_BATCH_MAX_REQUESTS": str(max_batch)}
-    table: dict[str, dict[str, dict[str, Any]]] = {method: {} for method in config.methods}
+    rows: dict[str, dict[str, ServeRow]] = {method: {} for method in config.methods}
     with ServerProcess(corpus_dir, log_path, env=env) as server:
         model = server.health()["model"]
         with httpx.Client() as client:
@@ -188,33 +222,31 @@ def run_serve_load(
         for level in config.levels:
             for method in config.methods:
                 row = run_level(server.url, model, prompts, method, level, config)
-                table[method][str(level)] = row
-                log.info("serve load %s x%d: %.3f req/s", method, level, row["requests_per_s"])
+                rows[method][str(level)] = row
+                log.info("serve load %s x%d: %.3f req/s", method, level, row.requests_per_s)
         health = server.health()
     speedup = {}
-    if {"cacheblend", "full_recompute"} <= set(table):
+    if {"cacheblend", "full_recompute"} <= set(rows):
         speedup = {
-            str(level): table["cacheblend"][str(level)]["requests_per_s"]
-            / table["full_recompute"][str(level)]["requests_per_s"]
+            str(level): rows["cacheblend"][str(level)].requests_per_s
+            / rows["full_recompute"][str(level)].requests_per_s
             for level in config.levels
         }
-    return {
-        "levels": list(config.levels),
-        "rounds": config.rounds,
-        "max_tokens": config.max_tokens,
-        "top_k": config.top_k,
-        "ratio": config.ratio,
-        "max_batch": max_batch,
-        "prompts": len(prompts),
-        "methods": table,
-        "speedup_cacheblend_vs_full": speedup,
-        "scheduler": {
-            k: health["scheduler"][k] for k in ("completed", "max_rows", "mean_batch", "cancelled")
-        },
-    }
+    return ServeResult(
+        levels=list(config.levels),
+        rounds=config.rounds,
+        max_tokens=config.max_tokens,
+        top_k=config.top_k,
+        ratio=config.ratio,
+        max_batch=max_batch,
+        prompts=len(prompts),
+        methods=rows,
+        speedup_cacheblend_vs_full=speedup,
+        scheduler={k: health["scheduler"][k] for k in ("completed", "max_rows", "mean_batch", "cancelled")},
+    )
 
 
-def section_serve(ctx: BenchContext) -> dict[str, Any]:
+def section_serve(ctx: BenchContext) -> ServeResult:
     """Issue 17: the load test through ``serve`` (:func:`run_serve_load`) on the sample corpus, ingested
     here with its chunk KV."""
     config = ctx.config
@@ -233,5 +265,49 @@ def section_serve(ctx: BenchContext) -> dict[str, Any]:
         ratio=config.ratio,
     )
     result = run_serve_load(corpus_dir, [q["question"] for q in questions], load, log_dir=ctx.work_dir)
-    result["chunk_tokens"] = config.chunk_tokens
-    return result
+    return replace(result, chunk_tokens=config.chunk_tokens)
+
+
+def render_serve(page: Page, serve: ServeResult) -> list[str]:
+    rows = []
+    for level in serve.levels:
+        for method, levels in serve.methods.items():
+            r = levels[str(level)]
+            rows.append(
+                [
+                    level,
+                    f"`{method}`",
+                    r.requests,
+                    fmt(r.requests_per_s, 3),
+                    fmt(r.ttft_p50_s, 2),
+                    fmt(r.ttft_p95_s, 2),
+                    fmt(r.server_ttft_p50_s, 2),
+                    fmt(r.cached_tokens_mean, 0),
+                ]
+            )
+    speedup = ", ".join(f"{level} clients: {x:.2f}x" for level, x in serve.speedup_cacheblend_vs_full.items())
+    ratio = f"r = {serve.ratio:g}" if serve.ratio is not None else "r chosen by the server"
+    return [
+        f"A real `serve` process on loopback; each client streams {serve.rounds} chat completions back "
+        f"to back (the engine's RAG prompt with the top {serve.top_k} chunks of {serve.chunk_tokens} "
+        f"tokens pasted in as text, recognised by the server; {serve.max_tokens} new tokens, greedy; "
+        f"cacheblend at {ratio}). TTFT as the client sees it: from sending the request to the first "
+        "streamed token (HTTP, recognition, queueing, fusion); the server's own TTFT beside it. Batch "
+        f"scheduler of {serve.max_batch} slots.",
+        "",
+        table(
+            [
+                "clients",
+                "method",
+                "requests",
+                "requests/s",
+                "TTFT p50 (s)",
+                "TTFT p95 (s)",
+                "server TTFT p50 (s)",
+                "cached tokens",
+            ],
+            rows,
+        ),
+        "",
+        f"Requests/s of cacheblend over full prefill: {speedup or '–'}.",
+    ]

@@ -9,8 +9,8 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -21,10 +21,49 @@ from ...store.keys import KV_DTYPES, chunk_payload_bytes, kv_bytes_per_token
 from ...store.pipeline import LayerKV
 from ...store.profile import ComputeLayer, drop_page_cache, load_all_layers, synthetic_chunk
 from ..harness import settings_store
+from ..markdown import fmt, table
 from .config import BenchContext
+from .page import Page
+from .record import Record
 
 
-def section_store(ctx: BenchContext) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LoadingResult(Record):
+    """The loading benchmark (:func:`bench_loading`): full prefill of the chunks, loading all their layers
+    per tier, and the layer loop with prefetch off and on per tier (its wall, load and wait seconds, and
+    the share of the load hidden), fastest of ``repeats`` runs each."""
+
+    num_chunks: int
+    tokens: int
+    ratio: float
+    kv_dtype: str
+    compute_dtype: str
+    device: str
+    threads: int
+    repeats: int
+    full_prefill_s: float
+    load_all_layers_s: dict[str, float]
+    pipelined: dict[str, dict[str, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class StorageCost(Record):
+    """Bytes of one chunk in one storage dtype."""
+
+    bytes_per_token: int
+    payload_bytes: int
+    file_bytes: int
+
+
+@dataclass(frozen=True)
+class StoreResult(Record):
+    """The loading benchmark on real chunks and the storage cost per dtype."""
+
+    loading: LoadingResult
+    storage_bytes: dict[str, StorageCost]
+
+
+def section_store(ctx: BenchContext) -> StoreResult:
     config = ctx.config
     chunks = ctx.chunk_ids(config.num_chunks, config.chunk_tokens)
     loading = bench_loading(
@@ -36,10 +75,10 @@ def section_store(ctx: BenchContext) -> dict[str, Any]:
         work_dir=ctx.work_dir,
         repeats=config.repeats,
     )
-    return {"loading": loading, "storage_bytes": storage_cost(ctx.model.shape, config.chunk_tokens)}
+    return StoreResult(loading, storage_cost(ctx.model.shape, config.chunk_tokens))
 
 
-def storage_cost(shape: ModelShape, num_tokens: int = 512) -> dict[str, dict[str, int]]:
+def storage_cost(shape: ModelShape, num_tokens: int = 512) -> dict[str, StorageCost]:
     """Bytes of one chunk of ``num_tokens`` tokens per storage dtype: per token, tensor payload, and the
     size of the stored file (payload plus its safetensors header with the per-layer checksums)."""
     fingerprint = "0" * 64
@@ -50,11 +89,11 @@ def storage_cost(shape: ModelShape, num_tokens: int = 512) -> dict[str, dict[str
             kv = synthetic_chunk(shape, num_tokens, dtype, fingerprint, seed=0)
             file_bytes = store.put(store.chunk_key(range(num_tokens)), kv)
             store.close()
-        out[name] = {
-            "bytes_per_token": kv_bytes_per_token(shape, name, num_tokens),
-            "payload_bytes": chunk_payload_bytes(shape, name, num_tokens),
-            "file_bytes": file_bytes,
-        }
+        out[name] = StorageCost(
+            bytes_per_token=kv_bytes_per_token(shape, name, num_tokens),
+            payload_bytes=chunk_payload_bytes(shape, name, num_tokens),
+            file_bytes=file_bytes,
+        )
     return out
 
 
@@ -102,15 +141,14 @@ def bench_loading(
     chunk_token_ids: Sequence[Sequence[int]] | None = None,
     work_dir: Path | None = None,
     repeats: int = 3,
-) -> dict[str, Any]:
+) -> LoadingResult:
     """The loading benchmark of issue 4, in one run.
 
     Prefills ``num_chunks`` chunks of ``tokens`` tokens (random ids unless ``chunk_token_ids``), stores
     them, then times: full prefill of all chunks as one prompt; loading every layer of every chunk from
     RAM, from disk (warm page cache) and from disk (cold); and a layer loop that loads from disk (cold)
     while running ``compute_layer`` (default: :class:`RecomputeWorkload` at ``ratio``), with prefetch on
-    and off. Each timing is the fastest of ``repeats`` runs. Returns a JSON-able dict of seconds and
-    fractions.
+    and off. Each timing is the fastest of ``repeats`` runs.
     """
     settings = get_settings()
     ratio = settings.ratio if ratio is None else ratio
@@ -168,16 +206,62 @@ def bench_loading(
         store.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {
-        "num_chunks": len(chunk_token_ids),
-        "tokens": total,
-        "ratio": ratio,
-        "kv_dtype": kv_dtype_used,
-        "compute_dtype": str(model.dtype).removeprefix("torch."),
-        "device": str(model.device),
-        "threads": torch.get_num_threads(),
-        "repeats": repeats,
-        "full_prefill_s": full_prefill_s,
-        "load_all_layers_s": {tier: result["wall_s"] for tier, result in loads.items()},
-        "pipelined": pipelined,
-    }
+    return LoadingResult(
+        num_chunks=len(chunk_token_ids),
+        tokens=total,
+        ratio=ratio,
+        kv_dtype=kv_dtype_used,
+        compute_dtype=str(model.dtype).removeprefix("torch."),
+        device=str(model.device),
+        threads=torch.get_num_threads(),
+        repeats=repeats,
+        full_prefill_s=full_prefill_s,
+        load_all_layers_s={tier: result["wall_s"] for tier, result in loads.items()},
+        pipelined=pipelined,
+    )
+
+
+def render_store(page: Page, section: StoreResult) -> list[str]:
+    loading = section.loading
+    return [
+        f"{loading.num_chunks} chunks, {loading.tokens} tokens in all, stored in {loading.kv_dtype}, "
+        f"loaded into {loading.compute_dtype}; fastest of {loading.repeats} runs.",
+        "",
+        table(
+            ["what", "seconds", "vs full prefill"],
+            [["full prefill of the same tokens", fmt(loading.full_prefill_s), "1.00"]]
+            + [
+                [
+                    f"load all layers, {tier.replace('_', ' ')}",
+                    fmt(s, 4),
+                    fmt(s / loading.full_prefill_s, 4),
+                ]
+                for tier, s in loading.load_all_layers_s.items()
+            ],
+        ),
+        "",
+        f"Layer-wise pipelining (load layer i+1 while recomputing r = {loading.ratio:g} of layer i):",
+        "",
+        table(
+            ["tier", "prefetch", "wall (s)", "load (s)", "waited (s)", "load hidden"],
+            [
+                [
+                    tier.replace("_", " "),
+                    mode.removeprefix("prefetch_"),
+                    fmt(r["wall_s"]),
+                    fmt(r["load_s"]),
+                    fmt(r["wait_s"]),
+                    f"{r['hidden_fraction']:.0%}",
+                ]
+                for tier, modes in loading.pipelined.items()
+                for mode, r in modes.items()
+            ],
+        ),
+        "",
+        f"Storage per chunk of {page.results['config']['chunk_tokens']} tokens:",
+        "",
+        table(
+            ["dtype", "bytes/token", "payload bytes", "file bytes"],
+            [[d, v.bytes_per_token, v.payload_bytes, v.file_bytes] for d, v in section.storage_bytes.items()],
+        ),
+    ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +20,10 @@ from ...models.runtime import LayerwiseModel
 from ...settings import get_settings
 from ...store.profile import drop_page_cache
 from ..harness import settings_store, store_in_ram
+from ..markdown import fmt, table
 from .config import BenchContext
+from .page import Page, checks_lines
+from .record import Check, Record
 
 # The TTFT table's columns, in order: label -> (method, KV tier). "transformers" is the HF peer;
 # "disk" evicts the RAM tier and drops the chunk files from the page cache before the run (cold).
@@ -35,7 +38,46 @@ TTFT_COLUMNS = {
     "cacheblend_hkvd": ("cacheblend@selection=hkvd", "ram"),
     "epic": ("epic", "ram"),
 }
-# -- ttft --------------------------------------------------------------------------------------------
+# The columns' names in BENCHMARKS.md and the TTFT plot.
+TTFT_LABELS = {
+    "transformers": "transformers (full prefill)",
+    "full_prefill": "full prefill (ours)",
+    "prefix_cache": "prefix_cache",
+    "full_reuse": "full_reuse",
+    "cacheblend_ram": "cacheblend, RAM tier",
+    "cacheblend_disk": "cacheblend, disk tier (cold)",
+    "cacheblend_hkvd": "cacheblend with HKVD selection, RAM tier",
+    "epic": "epic",
+}
+
+
+@dataclass(frozen=True)
+class TtftPoint(Record):
+    """Every column at one (chunk count, chunk length): median TTFT and every sample per column label,
+    the engine's compute fraction and load wait (not for transformers), and the speed-ups."""
+
+    num_chunks: int
+    chunk_tokens: int
+    prompt_tokens: int
+    ttft_s: dict[str, float]
+    samples_s: dict[str, list[float]]
+    compute_fraction: dict[str, float]
+    load_wait_s: dict[str, float]
+    speedup: dict[str, float]
+
+
+@dataclass(frozen=True)
+class TtftResult(Record):
+    """The sweep's points, the headline point (the config's chunk count and length, when swept) and the
+    claims checked on it."""
+
+    ratio: float
+    repeats: int
+    kv_dtype: str
+    question: str
+    points: list[TtftPoint]
+    headline: TtftPoint | None
+    checks: list[Check]
 
 
 def _engine_ttft(
@@ -77,7 +119,7 @@ def hf_ttft(model: LayerwiseModel, ids: Sequence[int]) -> float:
 
 def measure_ttft_point(
     engine: Engine, question: str, chunks: list[tuple[int, ...]], repeats: int, ratio: float
-) -> dict[str, Any]:
+) -> TtftPoint:
     """All TTFT columns at one (chunk count, chunk length) point, interleaved, median of ``repeats``."""
     refs = [ChunkRef(ids) for ids in chunks]
     store_in_ram(engine, question, refs)
@@ -93,15 +135,15 @@ def measure_ttft_point(
             samples[label].append(measured.pop("ttft_s"))
             extra[label] = measured
     medians = {label: statistics.median(values) for label, values in samples.items()}
-    return {
-        "num_chunks": len(chunks),
-        "chunk_tokens": len(chunks[0]),
-        "prompt_tokens": len(prompt_ids),
-        "ttft_s": medians,
-        "samples_s": samples,
-        "compute_fraction": {label: e["compute_fraction"] for label, e in extra.items()},
-        "load_wait_s": {label: e["load_wait_s"] for label, e in extra.items()},
-        "speedup": {
+    return TtftPoint(
+        num_chunks=len(chunks),
+        chunk_tokens=len(chunks[0]),
+        prompt_tokens=len(prompt_ids),
+        ttft_s=medians,
+        samples_s=samples,
+        compute_fraction={label: e["compute_fraction"] for label, e in extra.items()},
+        load_wait_s={label: e["load_wait_s"] for label, e in extra.items()},
+        speedup={
             "full_prefill/cacheblend_ram": medians["full_prefill"] / medians["cacheblend_ram"],
             "transformers/cacheblend_ram": medians["transformers"] / medians["cacheblend_ram"],
             "full_prefill/cacheblend_disk": medians["full_prefill"] / medians["cacheblend_disk"],
@@ -110,10 +152,10 @@ def measure_ttft_point(
             "full_prefill/transformers": medians["full_prefill"] / medians["transformers"],
             "compute_ceiling_cacheblend": 1.0 / extra["cacheblend_ram"]["compute_fraction"],
         },
-    }
+    )
 
 
-def section_ttft(ctx: BenchContext) -> dict[str, Any]:
+def section_ttft(ctx: BenchContext) -> TtftResult:
     config = ctx.config
     store = settings_store(ctx.work_dir / "ttft-kv", ctx.model.fingerprint, ctx.model.shape)
     engine = Engine(ctx.model, store, config=get_settings())
@@ -131,57 +173,96 @@ def section_ttft(ctx: BenchContext) -> dict[str, Any]:
     finally:
         store.close()
     headline = next(
-        (
-            r
-            for r in results
-            if (r["num_chunks"], r["chunk_tokens"]) == (config.num_chunks, config.chunk_tokens)
-        ),
+        (r for r in results if (r.num_chunks, r.chunk_tokens) == (config.num_chunks, config.chunk_tokens)),
         None,
     )
-    return {
-        "ratio": config.ratio,
-        "repeats": config.repeats,
-        "kv_dtype": store.kv_dtype_name,
-        "question": ctx.question,
-        "points": results,
-        "headline": headline,
-        "checks": _ttft_checks(headline, results) if headline else [],
-    }
+    return TtftResult(
+        ratio=config.ratio,
+        repeats=config.repeats,
+        kv_dtype=store.kv_dtype_name,
+        question=ctx.question,
+        points=results,
+        headline=headline,
+        checks=_ttft_checks(headline, results) if headline else [],
+    )
 
 
-def _ttft_checks(headline: dict[str, Any], points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def _ttft_checks(headline: TtftPoint, points: Sequence[TtftPoint]) -> list[Check]:
     """Issue 16's TTFT claims (and issue 13's speed claim) on this run's numbers."""
-    speedup = headline["speedup"]
-    worst_prefix = max(p["speedup"]["prefix_cache/full_prefill"] for p in points)
+    speedup = headline.speedup
+    worst_prefix = max(p.speedup["prefix_cache/full_prefill"] for p in points)
+    full_ram, hf_ram = speedup["full_prefill/cacheblend_ram"], speedup["transformers/cacheblend_ram"]
+    full_disk, full_hf = speedup["full_prefill/cacheblend_disk"], speedup["full_prefill/transformers"]
+    ram_hkvd = speedup["cacheblend_ram/cacheblend_hkvd"]
     return [
-        {
-            "claim": "full prefill / cacheblend (RAM tier) TTFT >= 5x",
-            "passed": speedup["full_prefill/cacheblend_ram"] >= 5.0,
-            "value": speedup["full_prefill/cacheblend_ram"],
-        },
-        {
-            "claim": "transformers / cacheblend (RAM tier) TTFT >= 5x",
-            "passed": speedup["transformers/cacheblend_ram"] >= 5.0,
-            "value": speedup["transformers/cacheblend_ram"],
-        },
-        {
-            "claim": "full prefill / cacheblend (disk tier, cold page cache) TTFT >= 4x",
-            "passed": speedup["full_prefill/cacheblend_disk"] >= 4.0,
-            "value": speedup["full_prefill/cacheblend_disk"],
-        },
-        {
-            "claim": "our full prefill <= 1.1x transformers",
-            "passed": speedup["full_prefill/transformers"] <= 1.1,
-            "value": speedup["full_prefill/transformers"],
-        },
-        {
-            "claim": "prefix_cache <= full prefill at every sweep point (worst ratio shown)",
-            "passed": worst_prefix <= 1.0,
-            "value": worst_prefix,
-        },
-        {
-            "claim": "the default cacheblend's TTFT within 10% of HKVD selection's at the same ratio",
-            "passed": speedup["cacheblend_ram/cacheblend_hkvd"] <= 1.1,
-            "value": speedup["cacheblend_ram/cacheblend_hkvd"],
-        },
+        Check("full prefill / cacheblend (RAM tier) TTFT >= 5x", full_ram >= 5.0, full_ram),
+        Check("transformers / cacheblend (RAM tier) TTFT >= 5x", hf_ram >= 5.0, hf_ram),
+        Check(
+            "full prefill / cacheblend (disk tier, cold page cache) TTFT >= 4x", full_disk >= 4.0, full_disk
+        ),
+        Check("our full prefill <= 1.1x transformers", full_hf <= 1.1, full_hf),
+        Check(
+            "prefix_cache <= full prefill at every sweep point (worst ratio shown)",
+            worst_prefix <= 1.0,
+            worst_prefix,
+        ),
+        Check(
+            "the default cacheblend's TTFT within 10% of HKVD selection's at the same ratio",
+            ram_hkvd <= 1.1,
+            ram_hkvd,
+        ),
     ]
+
+
+def render_ttft(page: Page, ttft: TtftResult) -> list[str]:
+    parts: list[str] = []
+    parts.append(
+        f"Fixed question, real text (MuSiQue paragraphs cut into chunks), chunk KV in "
+        f"{ttft.kv_dtype}; cacheblend at r = {ttft.ratio:g}. TTFT runs from building the prompt "
+        "(KV look-ups included) to the first token; median of "
+        f"{ttft.repeats} interleaved runs, every method's KV in the RAM tier except for the disk "
+        "tier column, which evicts the RAM tier before each run (the OS page cache may still hold "
+        "the files)."
+    )
+    head = ttft.headline
+    if head:
+        full = head.ttft_s["full_prefill"]
+        parts += [
+            "",
+            f"At {head.num_chunks} x {head.chunk_tokens} tokens ({head.prompt_tokens} prompt tokens):",
+            "",
+            table(
+                ["method", "TTFT (s)", "full prefill / method", "compute fraction"],
+                [
+                    [
+                        TTFT_LABELS[label],
+                        fmt(seconds, 3),
+                        fmt(full / seconds, 2),
+                        fmt(head.compute_fraction.get(label), 3),
+                    ]
+                    for label, seconds in head.ttft_s.items()
+                ],
+            ),
+            "",
+            checks_lines(ttft.checks),
+            f"- compute ceiling of cacheblend at this size (1 / compute fraction): "
+            f"{head.speedup['compute_ceiling_cacheblend']:.2f}x",
+        ]
+    labels = list(TTFT_LABELS)
+    parts += [
+        "",
+        "Sweeps (TTFT in s):",
+        "",
+        table(
+            ["chunks x tokens", *(TTFT_LABELS[label] for label in labels), "full / cacheblend"],
+            [
+                [
+                    f"{p.num_chunks} x {p.chunk_tokens}",
+                    *(fmt(p.ttft_s[label], 3) for label in labels),
+                    fmt(p.speedup["full_prefill/cacheblend_ram"], 2),
+                ]
+                for p in ttft.points
+            ],
+        ),
+    ]
+    return parts + page.plot("ttft", "TTFT vs chunk count and chunk length")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...blend.spec import parse_method
@@ -26,11 +27,48 @@ from ...engine import ChunkRef, SamplingParams
 from ...errors import EvalDataError
 from ...settings import get_settings
 from ..datasets import load_dataset
+from ..markdown import fmt, table
 from ..results import machine_info
 from .config import BenchConfig, BenchContext
+from .page import Page
+from .record import INLINE, OPTIONAL, Record
 
 FULL, BLEND = "vllm_full_prefill", "vllm_cacheblend"
 METHODS = {FULL: "full_recompute", BLEND: "cacheblend"}
+
+
+@dataclass(frozen=True)
+class VllmPair(Record):
+    """TTFT of vLLM's full prefill and of vLLM + CacheBlend on one prompt (:func:`ttft_pair`), keyed
+    :data:`FULL` and :data:`BLEND`, and what the last CacheBlend request reported."""
+
+    num_chunks: int
+    prompt_tokens: int
+    ttft_s: dict[str, float]
+    samples_s: dict[str, list[float]]
+    speedup_full_over_cacheblend: float
+    cacheblend: dict[str, Any]
+    same_first_token: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmResult(Record):
+    """The section: the main prompt's pair (its keys are the section's), the pair per prompt size,
+    first-token agreement over many prompts, and the worker's memory per weight source; older results
+    lack the processor, the sizes, the agreement and the memory."""
+
+    vllm_version: str
+    processor: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    chunk_tokens: int
+    ratio: float
+    repeats: int
+    main: VllmPair = field(metadata=INLINE)
+    by_chunks: dict[str, VllmPair] | None = field(default=None, metadata=OPTIONAL)
+    first_token_agreement: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    engine_startup_s: float
+    chunk_precompute_s: float
+    # worker RSS: "copy" = fusor on its own copy of the weights (before), "shared" = on vLLM's (after)
+    worker_memory: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
 
 
 def rag_prompt(config: BenchConfig, tokenizer, num_chunks: int | None = None) -> tuple[str, list[ChunkRef]]:
@@ -105,7 +143,7 @@ def worker_memory(
     return memory, precompute_s
 
 
-def ttft_pair(engine, question: str, chunks: list[ChunkRef], config: BenchConfig) -> dict[str, Any]:
+def ttft_pair(engine, question: str, chunks: list[ChunkRef], config: BenchConfig) -> VllmPair:
     """TTFT of vLLM's full prefill and of vLLM + CacheBlend on one prompt: the median of ``repeats``
     interleaved runs after a warm-up round, and what the last CacheBlend request reported."""
     first_token = SamplingParams(max_new_tokens=1)
@@ -125,13 +163,13 @@ def ttft_pair(engine, question: str, chunks: list[ChunkRef], config: BenchConfig
             if label == BLEND:
                 blends.append(result)
     medians = {label: statistics.median(values) for label, values in samples.items()}
-    return {
-        "num_chunks": len(chunks),
-        "prompt_tokens": blends[-1].prompt_tokens,
-        "ttft_s": medians,
-        "samples_s": samples,
-        "speedup_full_over_cacheblend": medians[FULL] / medians[BLEND],
-        "cacheblend": {
+    return VllmPair(
+        num_chunks=len(chunks),
+        prompt_tokens=blends[-1].prompt_tokens,
+        ttft_s=medians,
+        samples_s=samples,
+        speedup_full_over_cacheblend=medians[FULL] / medians[BLEND],
+        cacheblend={
             "claimed_tokens": blends[-1].claimed_tokens,
             "vllm_cached_tokens": blends[-1].vllm_cached_tokens,
             "reused_tokens": blends[-1].reused_tokens,
@@ -141,8 +179,8 @@ def ttft_pair(engine, question: str, chunks: list[ChunkRef], config: BenchConfig
             "kv_write_s": [r.kv_write_s for r in blends],
             "store_load_wait_s": [r.load_wait_s for r in blends],
         },
-        "same_first_token": first_tokens[FULL] == first_tokens[BLEND],
-    }
+        same_first_token=first_tokens[FULL] == first_tokens[BLEND],
+    )
 
 
 def first_token_agreement(engine, config: BenchConfig, prompts: int) -> dict[str, Any]:
@@ -160,7 +198,7 @@ def first_token_agreement(engine, config: BenchConfig, prompts: int) -> dict[str
     return {"prompts": prompts, "same": sum(same), "per_prompt": same}
 
 
-def section_vllm(ctx: BenchContext) -> dict[str, Any]:
+def section_vllm(ctx: BenchContext) -> VllmResult:
     import vllm
 
     machine = machine_info()
@@ -190,17 +228,112 @@ def section_vllm(ctx: BenchContext) -> dict[str, Any]:
         agreement = first_token_agreement(engine, config, config.vllm_agreement_prompts)
     finally:
         engine.close()
-    return {
-        "vllm_version": vllm.__version__,
-        "processor": {k: machine[k] for k in ("cpu", "simd")},  # vLLM's CPU kernels differ by processor
-        "chunk_tokens": config.chunk_tokens,
-        "ratio": config.ratio,
-        "repeats": config.repeats,
-        **main,
-        "by_chunks": by_chunks,
-        "first_token_agreement": agreement,
-        "engine_startup_s": startup_s,
-        "chunk_precompute_s": precompute_s,
-        # worker RSS: "copy" = fusor on its own copy of the weights (before), "shared" = on vLLM's (after)
-        "worker_memory": memory,
-    }
+    return VllmResult(
+        vllm_version=vllm.__version__,
+        processor={k: machine[k] for k in ("cpu", "simd")},  # vLLM's CPU kernels differ by processor
+        chunk_tokens=config.chunk_tokens,
+        ratio=config.ratio,
+        repeats=config.repeats,
+        main=main,
+        by_chunks=by_chunks,
+        first_token_agreement=agreement,
+        engine_startup_s=startup_s,
+        chunk_precompute_s=precompute_s,
+        worker_memory=memory,
+    )
+
+
+def render_vllm(page: Page, vllm: VllmResult) -> list[str]:
+    main = vllm.main
+    ttft, blend = main.ttft_s, main.cacheblend
+    return [
+        f"vllm {vllm.vllm_version}, {main.num_chunks} chunks x {vllm.chunk_tokens} tokens of "
+        f"MuSiQue text ({main.prompt_tokens} prompt tokens), r = {vllm.ratio:g}; TTFT from building "
+        f"the segments to the first token, median of {vllm.repeats} interleaved runs after a warm-up "
+        "round; vLLM's prefix cache off.",
+        "",
+        table(
+            ["", "vLLM full prefill", "vLLM + CacheBlend"],
+            [
+                ["TTFT median (s)", fmt(ttft[FULL]), fmt(ttft[BLEND])],
+                ["samples (s)", *(", ".join(fmt(s, 2) for s in main.samples_s[k]) for k in (FULL, BLEND))],
+                ["speed-up", "1.00", fmt(main.speedup_full_over_cacheblend, 2)],
+            ],
+        ),
+        "",
+        f"Claimed tokens {blend['claimed_tokens']} (vLLM counted {blend['vllm_cached_tokens']} as computed "
+        f"externally), {blend['reused_tokens']} reused, recompute ratio {fmt(blend['recompute_ratio'], 3)}; "
+        f"same first token: {fmt(main.same_first_token)}; "
+        f"engine start {fmt(vllm.engine_startup_s, 1)} s.",
+        *_vllm_sizes(vllm),
+        *_vllm_memory(vllm.worker_memory),
+    ]
+
+
+def _vllm_sizes(vllm: VllmResult) -> list[str]:
+    """TTFT per prompt size, first-token agreement over many prompts and the processor (older results
+    have none of them)."""
+    lines = []
+    sizes = vllm.by_chunks or {}
+    if sizes:
+        rows = [
+            [
+                f"{n} x {vllm.chunk_tokens} ({run.prompt_tokens} tokens)",
+                fmt(run.ttft_s[FULL]),
+                fmt(run.ttft_s[BLEND]),
+                fmt(run.speedup_full_over_cacheblend, 2),
+                fmt(run.same_first_token),
+            ]
+            for n, run in sorted(sizes.items(), key=lambda item: int(item[0]))
+        ]
+        header = ["prompt", "vLLM full prefill (s)", "vLLM + CacheBlend (s)", "speed-up", "same first token"]
+        lines += ["", table(header, rows)]
+    agreement = vllm.first_token_agreement
+    if agreement:
+        lines += [
+            "",
+            f"Same first token as vLLM full prefill on {agreement['same']} of {agreement['prompts']} MuSiQue "
+            f"prompts ({vllm.main.num_chunks} x {vllm.chunk_tokens} tokens, r = {vllm.ratio:g}).",
+        ]
+    processor = vllm.processor
+    if processor:
+        lines += ["", f"Processor: {processor['cpu']}; SIMD: {' '.join(processor['simd']) or 'unknown'}."]
+    return lines
+
+
+def _vllm_memory(memory: dict[str, Any] | None) -> list[str]:
+    """The worker's resident memory, fusor on its own copy of the weights vs on vLLM's (older results
+    have no such numbers)."""
+    if not memory:
+        return []
+
+    def mib(value: int | None) -> str:
+        return fmt(None if value is None else value / 2**20, 0)
+
+    rows = []
+    for label, m in (("own copy of the weights", memory["copy"]), ("vLLM's weights", memory["shared"])):
+        after = m["after_request"]
+        rows.append(
+            [
+                label,
+                mib(m["at_start"]["rss_bytes"]),
+                mib(after["rss_bytes"]),
+                mib(after.get("rss_anon_bytes")),
+                mib(after.get("rss_file_bytes")),
+                mib(m["own_bytes"]),
+            ]
+        )
+    saved = memory["copy"]["after_request"]["rss_bytes"] - memory["shared"]["after_request"]["rss_bytes"]
+    return [
+        "",
+        "vLLM worker resident memory (MiB; read after `malloc_trim`) by where the fusor's weights come "
+        "from, the same work for both: start, precompute the chunks, one CacheBlend request. At start a "
+        "copy's weights are memory-mapped from the checkpoint and mostly not resident yet.",
+        "",
+        table(
+            ["fusor weights", "RSS at start", "RSS after", "anon after", "file after", "fusor's own tensors"],
+            rows,
+        ),
+        "",
+        f"Saved by fusing on vLLM's weights: {mib(saved)} MiB of RSS after the request.",
+    ]
