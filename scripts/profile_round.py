@@ -35,10 +35,10 @@ from cacheblend_rag.blend.fusor import FusionRequest
 from cacheblend_rag.blend.segments import kv_sources
 from cacheblend_rag.blend.spec import parse_method
 from cacheblend_rag.engine import Engine, SamplingParams
+from cacheblend_rag.engine.fidelity import store_in_ram
 from cacheblend_rag.engine.prompt import ChunkRef
 from cacheblend_rag.eval.bench.round import _timed, agent_requests
 from cacheblend_rag.eval.datasets import load_dataset
-from cacheblend_rag.eval.harness import store_in_ram
 from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.models.runtime import LayerwiseModel
 from cacheblend_rag.settings import get_settings

@@ -26,19 +26,25 @@ from pathlib import Path
 from typing import Any
 
 from ..blend.methods import Reuse
-from ..blend.segments import ChunkContext
 from ..blend.spec import reuse_of
 from ..config import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
-from ..engine import ChunkRef, Engine, EngineProtocol, PromptBuilder, SamplingParams
+from ..engine import ChunkRef, EngineProtocol, SamplingParams
 from ..engine.fidelity import MethodRecord, MethodRun, compare_methods, store_in_ram
 from ..errors import EvalDataError
-from ..models.runtime import LayerwiseModel, ModelShape
-from ..models.tokenizer import chunk_context_ids
+from ..models.runtime import LayerwiseModel
 from ..settings import get_settings
 from ..store.keys import dtype_name
-from ..store.kvstore import KVStore
-from ..store.shared import KVStoreOptions
 from .datasets import Dataset, EvalCase, load_dataset, select_cases
+from .engines import (
+    SUMMARY_INSTRUCTION,
+    default_corpus_dir,
+    default_kv_dir,
+    encode_once,
+    engine_name,
+    one_engine,
+    torch_engines,
+    vllm_engines,
+)
 from .metrics import qa_f1, rouge_l
 from .results import machine_info, write_json_atomic
 from .retrieval import CaseChunk, EvalCorpus
@@ -51,12 +57,6 @@ RESULTS_FORMAT = "cacheblend-rag-eval/1"
 DEFAULT_METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
 DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 DEFAULT_MAX_NEW_TOKENS = {"qa": 32, "summary": 64}
-# The paper-style short-answer prompt; the model is told to answer in a few words, not a sentence.
-QA_SYSTEM = "You are a helpful assistant. Answer the question using only the passages provided."
-QA_TEMPLATE = "Passages:\n{passages}\n\nQuestion: {question}\nAnswer with a few words only, no sentence."
-SUMMARY_SYSTEM = "You are a helpful assistant that summarizes news articles."
-SUMMARY_TEMPLATE = "News articles:\n{passages}\n\n{question}"
-SUMMARY_INSTRUCTION = "Write a short summary of the news articles above."
 # Settings that change per-case results: a results file can only be resumed when they match.
 _RESUME_KEYS = (
     "dataset_sha256",
@@ -72,35 +72,6 @@ _RESUME_KEYS = (
 )
 # what a results file made before a key was recorded ran with
 _RESUME_DEFAULTS = {"engine": "torch"}
-
-
-def settings_store(
-    root: Path, fingerprint: str, shape: ModelShape, codec: str | None = None, **options: Any
-) -> KVStore:
-    """A chunk KV store for eval and bench at ``root``: in ``codec`` (default: the ``kv_dtype`` setting),
-    with the settings' tier budgets and remote tier; ``options`` (:class:`KVStore`'s) override them."""
-    settings = get_settings()
-    kwargs = {**KVStoreOptions.of(settings).store_kwargs(), **options}
-    return KVStore(root, fingerprint, shape, codec or settings.kv_dtype, **kwargs)
-
-
-def default_kv_dir(model: LayerwiseModel | str) -> Path:
-    """Where eval and bench keep chunk KV across runs: one store per model (or model fingerprint) under
-    the settings' home."""
-    fingerprint = model if isinstance(model, str) else model.fingerprint
-    return get_settings().home / "eval" / "kv" / fingerprint[:16]
-
-
-def default_corpus_dir(kv_dir: Path, dataset: Dataset, chunk_tokens: int) -> Path:
-    """Where a data set's eval corpus lives: beside the run's KV store, one per data set file and chunk
-    size."""
-    return kv_dir.with_name(f"{kv_dir.name}-corpora") / f"{dataset.sha256[:16]}-{chunk_tokens}"
-
-
-def prompt_builder(tokenizer, task: str) -> PromptBuilder:
-    if task == "summary":
-        return PromptBuilder(tokenizer, SUMMARY_SYSTEM, SUMMARY_TEMPLATE)
-    return PromptBuilder(tokenizer, QA_SYSTEM, QA_TEMPLATE)
 
 
 def task_question(case: EvalCase, task: str) -> str:
@@ -172,15 +143,15 @@ def setup_run(
     kv_dir = Path(config.kv_dir) if config.kv_dir is not None else default_kv_dir(tokenizer.fingerprint)
     compute_dtype = settings.compute_dtype
     if engine is not None:
-        _one_engine(specs, context, codecs[0], config.engine)
+        one_engine(specs, context, codecs[0], config.engine)
         engines: dict[str, EngineProtocol] = {context: engine}
         kv_dir = engine.store.root
     elif config.engine == "vllm":
-        engines = _vllm_engines(config, specs, context, codecs[0], kv_dir, task)
+        engines = vllm_engines(config.model, specs, context, codecs[0], kv_dir, task)
     elif config.engine == "torch":
         model = model or load_model(config.model, config=settings)
         compute_dtype = str(model.dtype).removeprefix("torch.")
-        engines = _torch_engines(model, specs, context, codecs, kv_dir, task)
+        engines = torch_engines(model, specs, context, codecs, kv_dir, task)
     else:
         raise ValueError(f"unknown engine {config.engine!r}: use torch or vllm")
     if tokenizer.fingerprint != next(iter(engines.values())).model.fingerprint:  # the corpus's tokens
@@ -241,70 +212,6 @@ def setup_run(
     )
 
 
-def _torch_engines(
-    model: LayerwiseModel, specs: list[Variant], context: str, codecs: list[str], kv_dir: Path, task: str
-) -> dict[str, EngineProtocol]:
-    """A PyTorch engine per chunk context and codec the variants run on, all over one model."""
-    engines: dict[str, EngineProtocol] = {}
-    stores: dict[str, KVStore] = {}  # one per codec, shared by the chunk contexts
-    for variant in [Variant(REFERENCE, specs[0].spec), *specs]:
-        name = engine_name(variant, context, codecs[0])
-        if name in engines:
-            continue
-        codec = variant.kv_dtype or codecs[0]
-        if codec not in stores:
-            stores[codec] = settings_store(kv_dir, model.fingerprint, model.shape, codec)
-        chunk_context = ChunkContext(chunk_context_ids(model.tokenizer, variant.context or context))
-        engines[name] = Engine(
-            model, stores[codec], prompt_builder(model.tokenizer, task), chunk_context, config=get_settings()
-        )
-    return engines
-
-
-def _vllm_engines(
-    config: EvalConfig, specs: list[Variant], context: str, codec: str, kv_dir: Path, task: str
-) -> dict[str, EngineProtocol]:
-    """The one vLLM engine a run on ``engine="vllm"`` answers with (each starts a vLLM instance: the
-    variants must share its chunk context and codec)."""
-    from ..engine import create_engine
-    from ..models.tokenizer import load_model_tokenizer
-
-    _one_engine(specs, context, codec, "vllm")
-    builder = prompt_builder(load_model_tokenizer(config.model, get_settings().home).tokenizer, task)
-    engine = create_engine(
-        "vllm", config.model, kv_dir, prompt_builder=builder, kv_dtype=codec, config=get_settings()
-    )
-    return {context: engine}
-
-
-def _one_engine(specs: list[Variant], context: str, codec: str, kind: str) -> None:
-    """Refuse variants one engine cannot answer: those of another chunk context or codec."""
-    others = {engine_name(v, context, codec) for v in specs} - {context}
-    if others:
-        raise ValueError(f"eval on one {kind} engine runs one chunk context and codec; drop {sorted(others)}")
-
-
-def engine_name(variant: Variant, context: str, codec: str) -> str:
-    """The engine a variant runs on: its chunk context, and its codec when not the run's own."""
-    chunk_context = variant.context or context
-    return chunk_context if variant.kv_dtype in (None, codec) else f"{chunk_context}/{variant.kv_dtype}"
-
-
-def _encode_once(engines: Sequence[Engine], refs: Sequence[ChunkRef]) -> None:
-    """Engines of one chunk context over other codecs take the chunk KV the first of them computes,
-    each encoding it in its own codec: a chunk is prefilled once per case, not once per codec."""
-    groups: dict[ChunkContext, list[Engine]] = {}
-    for engine in engines:
-        groups.setdefault(engine.chunk_context, []).append(engine)
-    for first, *others in groups.values():
-        for ref in refs:
-            missing = [e for e in others if not e.store.contains(e.chunk_key(ref.token_ids))]
-            if missing:
-                kv = first.precompute(ref.token_ids)
-                for engine in missing:
-                    engine.store.put(engine.chunk_key(ref.token_ids), kv)
-
-
 @dataclass
 class CaseRecord:
     """One case of a results file: the question, what was retrieved and every method's record."""
@@ -348,7 +255,7 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> Cas
     needs: dict[str, set[Reuse]] = {}
     for variant in specs:
         needs.setdefault(engine_name(variant, context, codec), set()).add(reuse_of(variant.spec))
-    _encode_once([run.engines[name] for name in needs], refs)
+    encode_once([run.engines[name] for name in needs], refs)
     for name, reuses in needs.items():
         if reuses - {Reuse.NOTHING}:
             store_in_ram(run.engines[name], question, refs, sorted(reuses - {Reuse.NOTHING}))

@@ -14,11 +14,12 @@ from typing import Any
 
 from ...blend.segments import prefill_chunk_kv
 from ...engine import ChunkRef, Engine
+from ...engine.fidelity import store_in_ram
 from ...settings import get_settings
 from ...store.keys import chunk_key
 from ...store.kvstore import KVStore
 from ...store.remote import RedisKVTier
-from ..harness import settings_store, store_in_ram
+from ..engines import settings_store
 from ..markdown import fmt, table
 from .config import BenchContext
 from .page import Page

@@ -11,7 +11,7 @@ from ...engine import ChunkRef, Engine
 from ...models.tokenizer import load_model_tokenizer
 from ...settings import get_settings
 from ..datasets import Dataset, load_dataset, select_cases
-from ..harness import default_corpus_dir, default_kv_dir, prompt_builder
+from ..engines import default_corpus_dir, default_kv_dir, prompt_builder
 from ..retrieval import EvalCorpus
 from .config import BenchConfig, BenchContext
 

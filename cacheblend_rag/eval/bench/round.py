@@ -21,10 +21,11 @@ from typing import Any
 
 from ...blend.spec import parse_method
 from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
+from ...engine.fidelity import store_in_ram
 from ...engine.prompt import ChunkRef, PromptBuilder
 from ...store.keys import kv_bytes_per_token
 from ..datasets import load_dataset, select_cases
-from ..harness import QA_TEMPLATE, store_in_ram
+from ..engines import QA_TEMPLATE
 from ..markdown import fmt, table
 from ..metrics import kl_divergence
 from .config import BenchContext

@@ -20,7 +20,7 @@ from ...settings import get_settings
 from ...store.keys import KV_DTYPES, chunk_payload_bytes, kv_bytes_per_token
 from ...store.pipeline import LayerKV
 from ...store.profile import ComputeLayer, drop_page_cache, load_all_layers, synthetic_chunk
-from ..harness import settings_store
+from ..engines import settings_store
 from ..markdown import fmt, table
 from .config import BenchContext
 from .page import Page

@@ -12,9 +12,9 @@ import numpy as np
 
 from ...blend.spec import parse_method
 from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
+from ...engine.fidelity import store_in_ram
 from ...settings import get_settings
 from ..datasets import load_dataset, select_cases
-from ..harness import store_in_ram
 from ..markdown import fmt, table
 from .config import BenchConfig, BenchContext
 from .page import Page, checks_lines

@@ -16,10 +16,11 @@ import torch
 from ...blend.methods import Reuse
 from ...blend.spec import parse_method
 from ...engine import ChunkRef, Engine, SamplingParams
+from ...engine.fidelity import store_in_ram
 from ...models.runtime import LayerwiseModel
 from ...settings import get_settings
 from ...store.profile import drop_page_cache
-from ..harness import settings_store, store_in_ram
+from ..engines import settings_store
 from ..markdown import fmt, table
 from .config import BenchContext
 from .page import Page, checks_lines
