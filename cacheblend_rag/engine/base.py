@@ -153,6 +153,16 @@ class FusionDiagnostics:
     answer_nll: float | None = None  # mean NLL per token of the answer itself, from the logits that chose it
 
 
+def fusion_figures(fusion: FusionResult) -> dict[str, Any]:
+    """The :class:`FusionDiagnostics` fields a fusion gives (the engines' one source for them): the
+    positions recomputed at the last layer (ascending), its compute fraction and its seconds."""
+    return {
+        "recomputed_positions": tuple(sorted(int(p) for p in fusion.selected.tolist())),
+        "compute_fraction": float(fusion.compute_fraction),
+        "fusion_s": float(fusion.seconds),
+    }
+
+
 @dataclass
 class GenerationResult(PromptAccounting):
     """One answer and what producing it cost."""

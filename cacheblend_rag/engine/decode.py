@@ -26,7 +26,7 @@ from ..blend.fusor import FusionResult
 from ..blend.segments import Segment
 from ..blend.spec import ResolvedMethod
 from ..models.runtime import KVCache, LayerwiseModel
-from .base import FusionDiagnostics, FusionStats, GenerationResult, TokenEvent
+from .base import FusionDiagnostics, FusionStats, GenerationResult, TokenEvent, fusion_figures
 from .batch_kv import RowContext
 from .constraints import ConstraintState, masked, start_constraint
 from .metrics import continuation_nll
@@ -103,9 +103,7 @@ class DecodeRow:
     def _diagnostics_of(self, fusion: FusionResult) -> None:
         self.diagnostics = FusionDiagnostics(
             first_token_logprobs=torch.log_softmax(fusion.logits.detach().float().cpu(), dim=-1),
-            recomputed_positions=tuple(int(p) for p in fusion.selected.cpu().tolist()),
-            compute_fraction=fusion.compute_fraction,
-            fusion_s=fusion.seconds,
+            **fusion_figures(fusion),
             # scored once decoding is over (decode_alone), over the prompt's own cache
             continuation_nll=tuple(None for _ in self.sampling.score_continuations),
         )

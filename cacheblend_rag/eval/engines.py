@@ -16,7 +16,7 @@ from ..blend.segments import ChunkContext
 from ..engine import ChunkRef, Engine, EngineProtocol, PromptBuilder
 from ..engine.fidelity import REFERENCE
 from ..models.runtime import LayerwiseModel, ModelShape
-from ..models.tokenizer import chunk_context_ids
+from ..models.tokenizer import ModelTokenizer, chunk_context_ids
 from ..settings import get_settings
 from ..store.kvstore import KVStore
 from ..store.shared import KVStoreOptions
@@ -81,17 +81,16 @@ def torch_engines(
 
 
 def vllm_engines(
-    model: str | None, specs: list[Variant], context: str, codec: str, kv_dir: Path, task: str
+    model: ModelTokenizer, specs: list[Variant], context: str, codec: str, kv_dir: Path, task: str
 ) -> dict[str, EngineProtocol]:
-    """The one vLLM engine over ``model`` (None: the default) a run on ``engine="vllm"`` answers with
-    (each starts a vLLM instance: the variants must share its chunk context and codec)."""
+    """The one vLLM engine over ``model`` a run on ``engine="vllm"`` answers with (each starts a vLLM
+    instance: the variants must share its chunk context and codec)."""
     from ..engine import create_engine
-    from ..models.tokenizer import load_model_tokenizer
 
     one_engine(specs, context, codec, "vllm")
-    builder = prompt_builder(load_model_tokenizer(model, get_settings().home).tokenizer, task)
+    builder = prompt_builder(model.tokenizer, task)
     engine = create_engine(
-        "vllm", model, kv_dir, prompt_builder=builder, kv_dtype=codec, config=get_settings()
+        "vllm", model.path, kv_dir, prompt_builder=builder, kv_dtype=codec, config=get_settings()
     )
     return {context: engine}
 

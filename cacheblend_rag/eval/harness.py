@@ -147,7 +147,7 @@ def setup_run(
         engines: dict[str, EngineProtocol] = {context: engine}
         kv_dir = engine.store.root
     elif config.engine == "vllm":
-        engines = vllm_engines(config.model, specs, context, codecs[0], kv_dir, task)
+        engines = vllm_engines(tokenizer, specs, context, codecs[0], kv_dir, task)
     elif config.engine == "torch":
         model = model or load_model(config.model, config=settings)
         compute_dtype = str(model.dtype).removeprefix("torch.")

@@ -13,19 +13,17 @@ chunk a prompt holds carries the title, and the chunk's embedding is of that sam
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..corpus.chunkreads import StoredDocument
 from ..corpus.corpus import Corpus
 from ..corpus.embedder import EmbedderLike
 from ..errors import EvalDataError
 from ..models.tokenizer import ModelTokenizer
 from ..store.kvstore import KVStore
 from .datasets import EvalCase
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,36 +74,33 @@ class EvalCorpus:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def add(self, case: EvalCase) -> None:
-        """Store ``case``'s contexts as documents, unless they are stored already."""
+    def documents(self, case: EvalCase) -> list[StoredDocument]:
+        """``case``'s contexts as stored documents, storing those not stored yet (or stored with another
+        text); a context with no text is left out."""
         keys = [case_key(case.case_id, i) for i in range(len(case.contexts))]
         stored = {doc.key: doc for doc in self.corpus.documents.get(keys)}
         missing = [
             i
             for i, key in enumerate(keys)
-            if key not in stored or stored[key].text != case.contexts[i].document
+            if case.contexts[i].document.strip()
+            and (key not in stored or stored[key].text != case.contexts[i].document)
         ]
         if not missing:
-            return
-        texts = [case.contexts[i].document for i in missing if case.contexts[i].document.strip()]
-        kept = [i for i in missing if case.contexts[i].document.strip()]
-        if texts:
-            self.corpus.documents.put(
-                texts,
-                [keys[i] for i in kept],
-                [{"case": case.case_id, "context": i} for i in kept],
-            )
+            return list(stored.values())
+        self.corpus.documents.put(
+            [case.contexts[i].document for i in missing],
+            [keys[i] for i in missing],
+            [{"case": case.case_id, "context": i} for i in missing],
+        )
+        return self.corpus.documents.get(keys)
 
     def retrieve(self, case: EvalCase, top_k: int, task: str) -> tuple[list[CaseChunk], int]:
         """The chunks ``case``'s prompt holds, in prompt order, and how many chunks the case has in all.
         QA: the ``top_k`` most similar to the question, best first (the corpus's search over the case's
         documents). Summaries: the first ``top_k`` chunks in document order."""
-        self.add(case)
-        keys = [case_key(case.case_id, i) for i in range(len(case.contexts))]
-        documents = self.corpus.documents.get(keys)
         place: dict[tuple[str, str], tuple[int, int]] = {}
         ordered: list[tuple[int, int, str]] = []
-        for doc in documents:
+        for doc in self.documents(case):
             context = int(doc.metadata["context"])
             for j, chunk_id in enumerate(doc.chunk_ids):
                 place.setdefault((doc.key, chunk_id), (context, j))

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ..base import fusion_figures
 from .paged import PagedTarget, is_cpu_attention
 from .protocol import BlendRequest
 from .worker import WorkerBlender, current_blender, record_failure
@@ -54,8 +55,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-    from ...blend.fusor import FusionResult
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +236,7 @@ class CacheBlendConnector(KVConnectorBase_V1):
             "exact_head": exact_head(fusion),
         }
         if load.request.diagnostics:  # only when asked: the positions are a list as long as the prompt
-            stats["diagnostics"] = fusion_diagnostics(fusion)
+            stats["diagnostics"] = fusion_figures(fusion)
         blender.record(load.request.request_key, stats)
 
     def _paged_target(self, load: BlendLoad, layers: list[Any]) -> PagedTarget | None:
@@ -271,13 +270,3 @@ def exact_head(fusion: Any) -> dict[str, Any]:
     if not (head.is_cached and head.exact):
         return {"tokens": 0, "computed": False}
     return {"tokens": len(head), "computed": bool(head.computed)}
-
-
-def fusion_diagnostics(fusion: FusionResult) -> dict[str, Any]:
-    """What a request's :class:`~cacheblend_rag.engine.base.FusionDiagnostics` takes from its fusion: the
-    positions recomputed at the last layer (ascending), its compute fraction and its seconds."""
-    return {
-        "recomputed_positions": sorted(int(p) for p in fusion.selected.tolist()),
-        "compute_fraction": float(fusion.compute_fraction),
-        "fusion_s": float(fusion.seconds),
-    }
