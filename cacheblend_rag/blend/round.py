@@ -9,8 +9,9 @@ places, probes and recomputes the same chunks N times. A round does that once:
    still gets exactly its own full prefill) or rule rounds out;
 2. the round's prompt is its first request's text up to and including its last chunk. A method that
    selects by the question's attention gets one probe of that prompt followed by every request's
-   question, so the selection is scored for the round (the sum of its questions' attention) and the
-   budget is r of the round's cached tokens, not r per request;
+   question (at most :data:`PROBE_QUESTIONS` of them, spread over the round), so the selection is scored
+   for the round (the sum of its questions' attention) and the budget is r of the round's cached tokens,
+   not r per request;
 3. the round's prompt is fused once (that probe as its own: the chunks placed once, by the probe), into a
    cache with room for every member's own tokens after it;
 4. every request is then computed over that one cache (:mod:`.round_members`): its own text (before,
@@ -50,6 +51,13 @@ from .segments import ChunkKV, ChunkKVSource, DirectLayerKV, LayerKVProvider, Se
 
 # Where a pass of the round reads its cached layers from (the engine passes its pipelined loader).
 ProviderFactory = Callable[[Sequence[ChunkKVSource]], LayerKVProvider]
+
+# The most members' questions one round's probe scores its selection by. The selection's budget is the
+# round's (r of the shared tokens), so past a few questions each more one moves it little, while its probe
+# rows cost as much as computing that question again (each member's question is computed exactly over the
+# blend after it): an unbounded probe makes a round's time grow twice as fast as its members' own text.
+# With more members the probed ones are spread evenly over the round. See docs/rounds.md.
+PROBE_QUESTIONS = 8
 
 
 def _is_chunk(segment: Segment) -> bool:
@@ -143,7 +151,7 @@ def _blend_round(
     # the blend's own probe (which leaves the chunks placed in the blend's cache: placed once)
     questions: tuple[int, ...] = ()
     if plan.num_cached and lead.method.uses_query_attention(plan):
-        questions = tuple(t for m in members for t in _question(m.segments))
+        questions = tuple(t for m in probed_members(members) for t in _question(m.segments))
     # the lead's own loader serves exactly these cached segments, in order
     provider = lead.kv_provider if lead.kv_provider is not None else provider_for(sources)
     room = sum(found[2].numel() for found in joining.values())  # the joining members' own tokens
@@ -219,6 +227,14 @@ def _share_of(share: RoundShare, member: FusionRequest) -> RoundShare:
     return RoundShare(
         share.requests, shared, share.round_recomputed_tokens, share.recompute_ratio, share.seconds
     )
+
+
+def probed_members(members: Sequence[FusionRequest]) -> list[FusionRequest]:
+    """The members whose questions the round's probe scores: all of them up to :data:`PROBE_QUESTIONS`,
+    else that many spread evenly over the round (the first always among them)."""
+    if len(members) <= PROBE_QUESTIONS:
+        return list(members)
+    return [members[i * len(members) // PROBE_QUESTIONS] for i in range(PROBE_QUESTIONS)]
 
 
 def _question(segments: Sequence[Segment]) -> list[int]:

@@ -11,8 +11,10 @@ round's cache itself:
   attention depends on position differences only, so its queries meet the blended keys exactly as its own
   prompt would place them, and nothing of the blend is moved. Its own cached segments (the template's
   opening, exact) and its fresh text's K/V are written, in that shifted frame, after the round's prompt in
-  the same cache, so one attention call for all members reads the blend and their own keys, under a mask
-  that shows each member only the round's chunks (not the round's own text) and its own tokens, causally;
+  the same cache. Every member's rows attend to the round's prompt in one call, under a mask that shows
+  each member only the round's chunks (not the round's own text), causally, and each member's rows to its
+  own slots, causally; the two softmaxes are merged through their log-sum-exps (on CPU; elsewhere, or
+  when a member has text before its first chunk, one masked call over every slot);
 - projections and MLPs run over every member's tokens at once (and beside any other request fused in the
   same batch);
 - each member's result holds its own K/V at its true positions and, as its ``context``, its view of the
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.rope import Rope
-from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
+from ..models.runtime import AttentionMask, KVCache, LayerwiseModel, merge_attention
 from .context import RoundKV, SharedContext
 from .fusor import FusionResult, RoundShare
 from .methods import RecomputeMethod
@@ -162,6 +164,7 @@ class MembersPass:
             model.rope.rerotation(shifted, true, torch.float32) if any(m.delta for m in members) else None
         )
         self.mask = self._mask(device)
+        self.split = self._split(model.dtype) if device.type == "cpu" else None
         self.load_wait = 0.0
 
     def _own_tables(self, member: MemberLayout) -> list[tuple[tuple, tuple | None]]:
@@ -192,6 +195,26 @@ class MembersPass:
             visible[first:end, member.slot : own_end] = member.own_positions[None] <= member.rows[:, None]
             first = end
         return AttentionMask(visible[None, None].to(device), False, ((0, rows, self.keys_end),))
+
+    def _split(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """The masks of :meth:`attend`'s two parts (additive, ``dtype``): every row over the round's prompt,
+        each member's rows over its own slots. None when a row sees none of the round's prompt (its text
+        before the first chunk): its part would be empty, and the one call over every slot serves."""
+        visible = self.mask.tensor[0, 0].cpu()
+        prompt = visible[:, : self.length]
+        if not bool(prompt.any(dim=1).all()):
+            return None
+
+        def additive(seen: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(seen.shape, dtype=dtype)
+            return out.masked_fill_(~seen, float("-inf"))[None, None].to(self.model.device)
+
+        own, first = [], 0
+        for member in self.members:
+            end = first + member.rows.numel()
+            own.append(additive(visible[first:end, member.slot : member.slot + member.own_positions.numel()]))
+            first = end
+        return additive(prompt), own
 
     def attention_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         keys, values = self.cache.keys[layer], self.cache.values[layer]
@@ -226,7 +249,31 @@ class MembersPass:
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
     ) -> torch.Tensor:
-        return self.model.attend(q, keys, values, mask)
+        if self.split is None:
+            return self.model.attend(q, keys, values, mask)
+        # every row over the round's prompt (its chunks, masked), then each member's rows over its own
+        # slots only, merged through the log-sum-exps: in one call over every slot each row would also
+        # score every other member's slots, masked (a third of the keys at 16 agents)
+        self.model.attention_token_layers += q.shape[2]
+        groups = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        prompt_mask, own_masks = self.split
+
+        def part(rows: slice, slots: slice, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q_rows, k_slots, v_slots = q[:, :, rows], keys[:, :, slots], values[:, :, slots]
+            return flash(q_rows, k_slots, v_slots, attn_mask=visible, scale=self.model.scaling)[:2]
+
+        shared, shared_lse = part(slice(None), slice(0, self.length), prompt_mask)
+        own, own_lse = torch.empty_like(shared), torch.empty_like(shared_lse)
+        first = 0
+        for member, own_mask in zip(self.members, own_masks, strict=True):
+            rows = slice(first, first + member.rows.numel())
+            first = rows.stop
+            slots = slice(member.slot, member.slot + member.own_positions.numel())
+            own[:, :, rows], own_lse[:, :, rows] = part(rows, slots, own_mask)
+        out = merge_attention(shared, shared_lse, own, own_lse).to(q.dtype)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
 
     def results(self) -> list[FusionResult]:
         """Each member's result: its logits, its own K/V and its chunks' K/V pending in the round's cache."""

@@ -181,9 +181,17 @@ def _suffix_attention(
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     seen, seen_lse = flash(q, keys[:, :, :start], values[:, :, :start], scale=scaling)[:2]
     own, own_lse = flash(q, keys[:, :, start:], values[:, :, start:], is_causal=True, scale=scaling)[:2]
-    top = torch.maximum(seen_lse, own_lse)
-    seen_w, own_w = torch.exp(seen_lse - top).unsqueeze(-1), torch.exp(own_lse - top).unsqueeze(-1)
-    return ((seen * seen_w + own * own_w) / (seen_w + own_w)).to(q.dtype)
+    return merge_attention(seen, seen_lse, own, own_lse).to(q.dtype)
+
+
+def merge_attention(
+    first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor, second_lse: torch.Tensor
+) -> torch.Tensor:
+    """The attention output over two disjoint sets of keys from each set's own output [B, H, S, d] and
+    log-sum-exp [B, H, S]: the softmaxes re-weighted to one (a row must see a key in at least one set)."""
+    top = torch.maximum(first_lse, second_lse)
+    first_w, second_w = torch.exp(first_lse - top).unsqueeze(-1), torch.exp(second_lse - top).unsqueeze(-1)
+    return (first * first_w + second * second_w) / (first_w + second_w)
 
 
 class LayerwiseModel:

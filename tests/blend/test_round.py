@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from cacheblend_rag.blend import Fusor, Segment, get_method
+from cacheblend_rag.blend import round as round_module
 from cacheblend_rag.blend.fusor import FusionRequest
 from cacheblend_rag.blend.round import fuse_round, plan_rounds
+from cacheblend_rag.blend.round_members import MembersPass
 from cacheblend_rag.blend.segments import ChunkContext, prefill_chunk_kv
 from cacheblend_rag.models.tokenizer import chunk_context_ids
 
@@ -160,3 +162,53 @@ def test_members_over_the_rounds_cache_equal_members_fused_on_their_own(model, p
         for layer in (0, model.num_layers - 1):
             for mine, theirs in ((one.cache.keys, other.cache.keys), (one.cache.values, other.cache.values)):
                 assert (mine[layer][0, :, :n] - theirs[layer][0, :, :n]).abs().max() <= 1e-3
+
+
+def test_the_rounds_probe_scores_a_bounded_spread_of_its_questions(model, parts, monkeypatch):
+    # past PROBE_QUESTIONS members the probe scores that many questions, spread over the round: four agents
+    # under a bound of two get the blend of the round of their first and third agents
+    fusor, method = Fusor(model), get_method("cacheblend")
+    questions = [*QUESTIONS, "Which river flows through it?"]
+    agents = [prompt(parts, q) for q in questions]
+    assert round_module.probed_members(list(range(16))) == list(range(0, 16, 2))
+    assert round_module.probed_members([1, 2, 3]) == [1, 2, 3]
+    every = fuse_round(fusor, [FusionRequest(a, method) for a in agents])  # bound 8: every question
+    spread = fuse_round(fusor, [FusionRequest(agents[i], method) for i in (0, 2)])
+    monkeypatch.setattr(round_module, "PROBE_QUESTIONS", 2)
+    bounded = fuse_round(fusor, [FusionRequest(a, method) for a in agents])
+    n = every[0].num_tokens
+    start = len(agents[0][0])  # the chunks start after the system head
+
+    def blend(result) -> torch.Tensor:
+        return torch.stack(
+            [result.cache.keys[layer][0, :, start : n - len(agents[0][-1])] for layer in (1, 20)]
+        )
+
+    assert torch.equal(blend(bounded[0]), blend(spread[0]))
+    assert not torch.equal(blend(every[0]), blend(spread[0]))  # the other two questions moved the blend
+    assert all(r.round.requests == 4 for r in bounded)
+
+
+def test_members_attention_in_two_parts_equals_one_masked_call(model, parts, monkeypatch):
+    # with their heads exact (as the engine lays prompts out) every member row sees the round's chunks, so
+    # the members' attention runs as the round's prompt and each member's own slots, merged: it must equal
+    # the one masked call over every slot
+    fusor, method = Fusor(model), get_method("cacheblend")
+    agents = []
+    for question, role in zip(QUESTIONS, [*ROLES, "Be brief."], strict=True):
+        head, *rest = prompt(parts, question, role)
+        agents.append(
+            [Segment.cached(head.token_ids, prefill_chunk_kv(model, head.token_ids), exact=True), *rest]
+        )
+    split = fuse_round(fusor, [FusionRequest(a, method) for a in agents])
+    calls = []
+    monkeypatch.setattr(MembersPass, "_split", lambda self, dtype: calls.append(dtype))
+    whole = fuse_round(fusor, [FusionRequest(a, method) for a in agents])
+    assert calls  # the second round ran the one call
+    for one, other in zip(split, whole, strict=True):
+        assert one.round is not None and one.round.requests == 3
+        assert torch.equal(one.selected, other.selected)
+        assert (one.logits - other.logits).abs().max() <= 1e-3
+        n = one.num_tokens
+        for layer in (1, model.num_layers - 1):
+            assert (one.cache.keys[layer][0, :, :n] - other.cache.keys[layer][0, :, :n]).abs().max() <= 1e-2

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...blend.round import PROBE_QUESTIONS
 from ...blend.spec import parse_method
 from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
 from ...engine.fidelity import store_in_ram
@@ -95,7 +96,8 @@ class RoundFidelity(Record):
 
 @dataclass(frozen=True)
 class RoundResult(Record):
-    """Timing per runner label and agent count (``str(n)``), fidelity, and the claims checked."""
+    """Timing per runner label and agent count (``str(n)``), fidelity, the claims checked and the bound on
+    the questions a round's probe scores."""
 
     levels: list[int]
     chunks: int
@@ -105,6 +107,7 @@ class RoundResult(Record):
     timing: dict[str, dict[str, RoundTiming]]
     fidelity: RoundFidelity
     checks: list[Check]
+    probe_questions: int | None = field(default=None, metadata=OPTIONAL)  # older results lack it
 
 
 def agent_requests(
@@ -205,6 +208,7 @@ def section_round(ctx: BenchContext) -> RoundResult:
         timing=timing,
         fidelity=fidelity,
         checks=_checks(timing, fidelity),
+        probe_questions=PROBE_QUESTIONS,
     )
 
 
@@ -317,9 +321,12 @@ def render_round(page: Page, section: RoundResult) -> list[str]:
             )
     fidelity = section.fidelity
     sizes = ", ".join(map(str, section.chunk_tokens))
+    bound = ""
+    if section.probe_questions is not None:
+        bound = f" (a round's probe scores at most {section.probe_questions} of its questions, spread)"
     return [
         f"{section.chunks} MuSiQue chunks ({sizes} tokens) shared by every agent, each with its own "
-        f"role (system message) and question; cacheblend at r = {section.ratio:g}; "
+        f"role (system message) and question; cacheblend at r = {section.ratio:g}{bound}; "
         f"{section.max_new_tokens} new tokens each; all agents submitted at once to one scheduler; "
         "median of the repeats, the runners interleaved at each N. Peak KV: the decode batch's KV buffer "
         "and, once, each round's cache, which the agents that joined the round's pass decode over in "
