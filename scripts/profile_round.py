@@ -154,6 +154,27 @@ def chunk_refs(model, chunks: int, chunk_tokens: int) -> list[ChunkRef]:
     return [ChunkRef(p) for p in musique_chunks(model, chunks, chunk_tokens)]
 
 
+@contextmanager
+def round_workload(chunks: int, chunk_tokens: int, agents: int):
+    """The bench's round workload in a scratch store: (settings, engine, the chunks, ``agents`` MuSiQue
+    questions), the chunks' KV computed and held in RAM."""
+    settings = get_settings()
+    model = load_model(config=settings)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = KVStore(tmp, model.fingerprint, model.shape)
+        engine = Engine(model, store=store)
+        try:
+            refs = chunk_refs(model, chunks, chunk_tokens)
+            questions = [c.question for c in load_dataset("musique").cases[:agents]]
+            for ref in refs:
+                engine.ensure_chunk_kv(ref.token_ids)
+            store_in_ram(engine, questions[0], refs)
+            yield settings, engine, refs, questions
+        finally:
+            engine.close()
+            store.close()
+
+
 def report(title: str, wall: float) -> None:
     print(f"\n== {title}: {wall:.3f} s wall")
     for key in sorted(TOTALS, key=lambda k: (k.split("/")[0], -TOTALS[k])):
@@ -169,16 +190,7 @@ def main() -> None:
     parser.add_argument("--old", action="store_true", help="first the round as before (same process)")
     args = parser.parse_args()
 
-    settings = get_settings()
-    model = load_model(config=settings)
-    with tempfile.TemporaryDirectory() as tmp:
-        store = KVStore(tmp, model.fingerprint, model.shape)
-        engine = Engine(model, store=store)
-        refs = chunk_refs(model, args.chunks, args.chunk_tokens)
-        questions = [c.question for c in load_dataset("musique").cases[: args.agents]]
-        for ref in refs:
-            engine.ensure_chunk_kv(ref.token_ids)
-        store_in_ram(engine, questions[0], refs)
+    with round_workload(args.chunks, args.chunk_tokens, args.agents) as (settings, engine, refs, questions):
         blend = parse_method("cacheblend").with_ratio(settings.ratio)
         sampling = SamplingParams(max_new_tokens=16)
 
@@ -219,8 +231,6 @@ def main() -> None:
             timing = _timed(engine, built, rounds=True)
             report(f"scheduler, all first tokens {timing['all_first_tokens_s']:.3f} s", 0.0)
             print(f"  {timing}")
-        engine.close()
-        store.close()
 
 
 if __name__ == "__main__":
