@@ -1,0 +1,139 @@
+"""The per-request budget against fixed ratios (issue 23): fidelity against compute on the same cases.
+
+    .venv/bin/python scripts/budget_pareto.py RESULTS.json [RESULTS.json ...] [--markdown BENCHMARKS.md]
+
+Reads ``eval`` results files of one data set and chunk size (e.g. the plain held-out run and a run of the
+budget variants on its first cases), keeps the cases every file holds, and prints one row per method:
+mean share of cached tokens recomputed (with its spread over cases), compute fraction, first-token KL,
+first-token agreement and agreement F1, all against full prefill. Each ``budget=auto`` row is set beside
+the fixed ratios at the same mean compute fraction (linear between the two fixed rows around it): the
+budget dominates there when its KL is lower and its agreement F1 higher. ``--markdown`` writes the table
+into that file's section ``pareto-<data>-<chunk tokens>``. Reads JSON only; no model runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+
+from cacheblend_rag.eval.markdown import fmt, table, update_markdown
+
+METRICS = (
+    "chunk_recompute_ratio",
+    "compute_fraction",
+    "kl_first_token",
+    "first_token_agreement",
+    "agreement_f1",
+)
+
+
+def _common(results: list[dict]) -> tuple[list[int], dict[str, dict[int, dict]]]:
+    """The case ids every file holds, and every method's records by case id."""
+    ids = set.intersection(*({c["id"] for c in r["cases"]} for r in results))
+    methods: dict[str, dict[int, dict]] = {}
+    for result in results:
+        for case in result["cases"]:
+            if case["id"] in ids:
+                for label, record in case["methods"].items():
+                    methods.setdefault(label, {})[case["id"]] = record
+    return sorted(ids), methods
+
+
+def _row(records: list[dict]) -> dict[str, float]:
+    row = {m: statistics.fmean(float(r[m]) for r in records) for m in METRICS}
+    row["ratio_spread"] = statistics.pstdev(float(r["chunk_recompute_ratio"]) for r in records)
+    return row
+
+
+def _fixed_at(fixed: list[dict[str, float]], compute: float, metric: str) -> float | None:
+    """The fixed ratios' ``metric`` at ``compute`` (linear between the neighbouring rows), if inside."""
+    for low, high in itertools.pairwise(fixed):
+        if low["compute_fraction"] <= compute <= high["compute_fraction"]:
+            span = high["compute_fraction"] - low["compute_fraction"]
+            t = (compute - low["compute_fraction"]) / span if span else 0.0
+            return low[metric] + t * (high[metric] - low[metric])
+    return None
+
+
+def render(paths: list[Path]) -> str:
+    results = [json.loads(p.read_text()) for p in paths]
+    config = results[0]["config"]
+    ids, methods = _common(results)
+    rows = {
+        label: _row([by_case[i] for i in ids])
+        for label, by_case in methods.items()
+        if all(i in by_case for i in ids) and label.startswith(("cacheblend", "full_reuse", "epic"))
+    }
+    fixed = sorted(
+        (r for label, r in rows.items() if label.startswith("cacheblend") and "budget=auto" not in label),
+        key=lambda r: r["compute_fraction"],
+    )
+    body = []
+    for label, r in sorted(rows.items(), key=lambda item: item[1]["compute_fraction"]):
+        kl_fixed = f1_fixed = verdict = None
+        if "budget=auto" in label:
+            kl_fixed = _fixed_at(fixed, r["compute_fraction"], "kl_first_token")
+            f1_fixed = _fixed_at(fixed, r["compute_fraction"], "agreement_f1")
+            if kl_fixed is not None and f1_fixed is not None:
+                better = r["kl_first_token"] < kl_fixed and r["agreement_f1"] > f1_fixed
+                verdict = "dominates" if better else "does not dominate"
+        body.append(
+            [
+                f"`{label}`",
+                f"{fmt(r['chunk_recompute_ratio'], 3)} ± {fmt(r['ratio_spread'], 3)}",
+                fmt(r["compute_fraction"], 3),
+                fmt(r["kl_first_token"]),
+                fmt(r["first_token_agreement"], 3),
+                fmt(r["agreement_f1"]),
+                fmt(kl_fixed) if kl_fixed is not None else "-",
+                fmt(f1_fixed) if f1_fixed is not None else "-",
+                verdict or "-",
+            ]
+        )
+    header = [
+        "method",
+        "cached tokens recomputed (mean ± sd)",
+        "compute fraction",
+        "first-token KL",
+        "first-token agreement",
+        "agreement F1",
+        "fixed r at equal compute: KL",
+        "fixed r: agreement F1",
+        "budget",
+    ]
+    command = "python scripts/budget_pareto.py " + " ".join(str(p) for p in paths)
+    lines = [
+        f"#### Per-request budget vs fixed ratios: {config['dataset']}, {len(ids)} cases, chunks of <= "
+        f"{config['chunk_tokens']} tokens, top-k {config['top_k']}",
+        "",
+        "```bash",
+        *(c for r in results for c in dict.fromkeys(r.get("commands") or [])),
+        command,
+        "```",
+        "",
+        "Fidelity against full prefill on the cases every results file holds (means over cases; these do",
+        "not depend on the machine's load). `budget=auto` recomputes the fewest cached tokens whose",
+        "question-attention contribution covers `target` of it, between 2 % and `ratio` of them.",
+        "",
+        table(header, body),
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args()
+    text = render(args.results)
+    print(text)
+    if args.markdown is not None:
+        config = json.loads(args.results[0].read_text())["config"]
+        update_markdown(args.markdown, f"pareto-{config['dataset']}-{config['chunk_tokens']}", text)
+
+
+if __name__ == "__main__":
+    main()
