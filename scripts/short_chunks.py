@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -162,8 +163,7 @@ def main() -> None:
         extra = model.tokenizer(args.context_text.replace("\\n", "\n"), add_special_tokens=False)["input_ids"]
         context = ChunkContext((*engine.chunk_context.token_ids, *extra))
         scratch = Path(tempfile.mkdtemp(prefix="short-chunks-kv-"))
-        builder = prompt_builder(model.tokenizer, "qa")
-        blender = Engine(model, scratch, builder, chunk_context=context, config=settings)
+        blender = Engine(model, scratch, engine.prompts, chunk_context=context, config=settings)
         print(f"chunk context + {len(extra)} tokens: {args.context_text!r}")
     full = parse_method("full_recompute").build()
     reuse = parse_method("full_reuse").build()
@@ -200,6 +200,7 @@ def main() -> None:
     finally:
         if blender is not engine:
             blender.close()
+            shutil.rmtree(blender.store.root, ignore_errors=True)
         engine.store.close()
     if args.json is not None:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}))
