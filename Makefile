@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: install test lint demo bench eval tune clean
+.PHONY: install test lint demo bench eval pareto check-sample tune clean
 
 install: $(STAMP)
 	$(VENV)/bin/cacheblend-rag models pull
@@ -97,9 +97,9 @@ demo: install
 bench: install
 	$(VENV)/bin/cacheblend-rag bench
 
-# The quality runs behind BENCHMARKS.md (about 2 hours on 2 quiet cores); each resumes from its --json
-# file when interrupted. The held-out MuSiQue cases were never used to choose a default (`make tune` chose
-# them on the 60-case development split, docs/fusor.md).
+# The quality runs behind BENCHMARKS.md (about 3.5 hours on 2 quiet cores, `pareto` 1 of them); each
+# resumes from its --json file when interrupted. The held-out MuSiQue cases were never used to choose a
+# default (`make tune` chose them on the 60-case development split, docs/fusor.md).
 EVAL := $(VENV)/bin/cacheblend-rag eval --methods full_recompute,full_reuse,epic,cacheblend
 eval: install
 	$(EVAL) --data musique-heldout --ratios 0,0.05,0.15,0.3,0.5,1 --json docs/results/eval-musique-heldout.json \
@@ -108,6 +108,36 @@ eval: install
 		--json docs/results/eval-musique-heldout-128.json --markdown BENCHMARKS.md
 	$(EVAL) --data multinews --ratios 0.15 --limit 30 --json docs/results/eval-multinews.json --markdown BENCHMARKS.md \
 		--plot docs/quality_vs_ttft_multinews.png
+	$(EVAL) --data musique-heldout --chunk-tokens 256 --ratios 0,0.15,0.3 --limit 30 \
+		--json docs/results/eval-musique-heldout-256.json --markdown BENCHMARKS.md
+	$(MAKE) pareto
+
+# The per-request budget (cacheblend budget=auto, issue 23) against fixed ratios on the same 30 held-out
+# cases, every row with the default chunk KV codec (int8); BENCHMARKS.md's pareto-* sections.
+AUTO_SPEC := cacheblend@ratio=0.5,budget=auto,target=
+AUTO := $(AUTO_SPEC)0.5,$(AUTO_SPEC)0.7,$(AUTO_SPEC)0.85
+FIXED := full_recompute,cacheblend@0.05,cacheblend@0.1,cacheblend@0.15,cacheblend@0.3
+pareto: install
+	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --limit 30 --methods $(FIXED),$(AUTO) \
+		--json docs/results/eval-musique-heldout-512-budget.json
+	$(PY) scripts/budget_pareto.py docs/results/eval-musique-heldout-512-budget.json --markdown BENCHMARKS.md
+	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --chunk-tokens 128 --limit 30 \
+		--methods full_recompute,cacheblend@0.1,$(AUTO) \
+		--json docs/results/eval-musique-heldout-128-budget.json
+	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --chunk-tokens 128 --limit 30 \
+		--methods full_recompute,full_reuse,epic,cacheblend@0.05,cacheblend@0.15,cacheblend@0.3,cacheblend@0.5 \
+		--json docs/results/eval-musique-heldout-128-fixed.json
+	$(PY) scripts/budget_pareto.py docs/results/eval-musique-heldout-128-budget.json \
+		docs/results/eval-musique-heldout-128-fixed.json --markdown BENCHMARKS.md
+
+# `check` as a new user runs it (issue 23: under 5 minutes on two cores): the sample corpus ingested into a
+# scratch folder, then 20 questions derived from its chunks at three ratios; prints the table and the time.
+CHECK_CORPUS := bench-tmp/check-sample-corpus
+check-sample: install
+	rm -rf $(CHECK_CORPUS)
+	$(VENV)/bin/cacheblend-rag ingest examples/data/corpus --corpus $(CHECK_CORPUS)
+	@start=$$(date +%s); $(VENV)/bin/cacheblend-rag check --corpus $(CHECK_CORPUS) --ratios 0.05,0.15,0.3 \
+		--target-agreement 0.95 && echo "check took $$(( $$(date +%s) - start )) s (ingest not counted)"
 
 # The development sweep that chose cacheblend's defaults (about 1.5 hours; docs/fusor.md).
 tune: install

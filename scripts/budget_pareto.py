@@ -58,8 +58,13 @@ def _fixed_at(fixed: list[dict[str, float]], compute: float, metric: str) -> flo
     return None
 
 
-def render(paths: list[Path]) -> str:
+def _codec(config: dict) -> str:
+    return ",".join(config.get("kv_dtypes") or [config.get("kv_dtype") or "?"])
+
+
+def render(paths: list[Path], markdown: Path | None = None) -> str:
     results = [json.loads(p.read_text()) for p in paths]
+    codecs = {_codec(r["config"]) for r in results}
     config = results[0]["config"]
     ids, methods = _common(results)
     rows = {
@@ -105,6 +110,8 @@ def render(paths: list[Path]) -> str:
         "budget",
     ]
     command = "python scripts/budget_pareto.py " + " ".join(str(p) for p in paths)
+    if markdown is not None:
+        command += f" --markdown {markdown}"
     lines = [
         f"#### Per-request budget vs fixed ratios: {config['dataset']}, {len(ids)} cases, chunks of <= "
         f"{config['chunk_tokens']} tokens, top-k {config['top_k']}",
@@ -117,6 +124,8 @@ def render(paths: list[Path]) -> str:
         "Fidelity against full prefill on the cases every results file holds (means over cases; these do",
         "not depend on the machine's load). `budget=auto` recomputes the fewest cached tokens whose",
         "question-attention contribution covers `target` of it, between 2 % and `ratio` of them.",
+        f"Chunk KV codec: {', '.join(sorted(codecs))}"
+        + (" (the files differ: rows from different files are not comparable)" if len(codecs) > 1 else "."),
         "",
         table(header, body),
     ]
@@ -128,7 +137,7 @@ def main() -> None:
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
-    text = render(args.results)
+    text = render(args.results, args.markdown)
     print(text)
     if args.markdown is not None:
         config = json.loads(args.results[0].read_text())["config"]

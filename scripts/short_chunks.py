@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from pydantic import Field
 
-from cacheblend_rag.blend.methods import CacheBlend, register_method
+from cacheblend_rag.blend.methods import CacheBlend, register_method, share_budget, tokens_covering
 from cacheblend_rag.blend.plan import FusionPlan, LayerState
 from cacheblend_rag.blend.segments import ChunkContext
 from cacheblend_rag.blend.spec import parse_method, split_specs
@@ -62,7 +62,7 @@ class LeadQuery(CacheBlend):
     def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
         keep = plan.must_compute.clone()
         cached = plan.candidate_mask.nonzero().squeeze(1)
-        budget = min(round(self.ratio * plan.num_cached), cached.numel())
+        budget = min(share_budget(self.ratio, plan), cached.numel())
         leads = torch.zeros_like(plan.must_compute)
         for start, end in plan.chunk_spans():
             leads[start : min(end, start + self.lead)] = True
@@ -93,7 +93,7 @@ class QueryDeviation(CacheBlend):
         plan = state.plan
         must = plan.must_compute[state.candidates]
         cached = (~must).nonzero().squeeze(1)
-        budget = min(round(self.ratio * plan.num_cached), cached.numel())
+        budget = min(share_budget(self.ratio, plan), cached.numel())
         deviation = state.deviation(self.signal)[cached]
         contribution = plan.query_contribution[state.candidates][cached]
         score = (deviation / deviation.mean().clamp_min(1e-9)) * (
@@ -114,12 +114,12 @@ def _deviation_rows(plan: FusionPlan, reference, reused, contribution, rows: dic
         rel = (got - ref).norm(dim=(0, 2)) / ref.norm(dim=(0, 2)).clamp_min(1e-6)
         total = float(contribution[plan.candidate_mask].sum()) or 1.0
         for index, (start, end) in enumerate(plan.chunk_spans()):
+            rows.setdefault(f"L{layer} chunk {index}: V deviation", []).append(float(rel[start:end].mean()))
             for lo, hi, label in ((0, 8, "0-7"), (8, 32, "8-31"), (32, 64, "32-63"), (64, 10**6, "64+")):
                 s, e = start + lo, min(end, start + hi)
                 if s >= e:
                     continue
                 rows.setdefault(f"L{layer} place {label}: V deviation", []).append(float(rel[s:e].mean()))
-                rows.setdefault(f"L{layer} chunk {index}: V deviation", []).append(float(rel[s:e].mean()))
                 if layer == layers - 1:
                     share = float(contribution[s:e].sum()) / total
                     rows.setdefault(f"place {label}: question contribution share", []).append(share)
@@ -129,11 +129,11 @@ def _concentration_rows(plan: FusionPlan, contribution: torch.Tensor, rows: dict
     """How concentrated the question's attention contribution over the cached tokens is: the share of
     it the top 15 % cover, and the share (and number) of cached tokens that cover 50 / 70 / 85 % of it."""
     ranked = torch.sort(contribution[plan.candidate_mask].double(), descending=True).values
-    covered = torch.cumsum(ranked, 0) / ranked.sum().clamp_min(1e-12)
-    top = max(1, round(0.15 * ranked.numel()))
-    rows.setdefault("contribution covered by the top 15 %", []).append(float(covered[top - 1]))
+    top = share_budget(0.15, plan)
+    share = float(ranked[:top].sum() / ranked.sum())
+    rows.setdefault("contribution covered by the top 15 %", []).append(share)
     for target in (0.5, 0.7, 0.85):
-        needed = int(torch.searchsorted(covered, torch.tensor(target, dtype=covered.dtype))) + 1
+        needed = tokens_covering(ranked, target)
         rows.setdefault(f"cached tokens covering {target:.0%}: share", []).append(needed / ranked.numel())
         rows.setdefault(f"cached tokens covering {target:.0%}: number", []).append(float(needed))
 

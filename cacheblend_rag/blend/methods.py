@@ -239,7 +239,7 @@ class CacheBlend(RecomputeMethod):
             return (~plan.exact_mask).nonzero().squeeze(1)
         keep = plan.must_compute.clone()
         cached = plan.candidate_mask.nonzero().squeeze(1)
-        budget = min(_budget(self.ratio, plan), cached.numel())
+        budget = min(share_budget(self.ratio, plan), cached.numel())
         score = plan.query_attention if self.score == "attention" else plan.query_contribution
         if budget and score is not None:
             ranked = torch.sort(score[cached], descending=True)
@@ -254,12 +254,9 @@ class CacheBlend(RecomputeMethod):
         """budget=auto: how many of the best-ranked cached tokens cover ``target`` of the question's
         attention to all of them, within min_ratio and ``most`` (ratio's budget)."""
         least = min(most, math.floor(self.min_ratio * plan.num_cached + 1e-9))
-        total = float(ranked.sum())
-        if total <= 0:
+        if float(ranked.sum()) <= 0:
             return least
-        covered = torch.cumsum(ranked, 0) / total
-        needed = int(torch.searchsorted(covered, torch.tensor(self.target, dtype=covered.dtype))) + 1
-        return max(least, min(most, needed))
+        return max(least, min(most, tokens_covering(ranked, self.target)))
 
     def check_layers(self, plan: FusionPlan) -> tuple[int, ...]:
         if self.selection == "query":
@@ -271,7 +268,7 @@ class CacheBlend(RecomputeMethod):
         is_last = state.layer == self.schedule[-1][0]
         share = self.ratio if is_last else min(1.0, self.ratio * multiple)
         must = state.plan.must_compute[state.candidates]
-        budget = _budget(share, state.plan)
+        budget = share_budget(share, state.plan)
         cached_candidates = (~must).nonzero().squeeze(1)
         if budget >= cached_candidates.numel():
             return state.candidates
@@ -283,12 +280,20 @@ class CacheBlend(RecomputeMethod):
         return state.candidates[keep.sort().values]
 
 
-def _budget(share: float, plan: FusionPlan) -> int:
+def share_budget(share: float, plan: FusionPlan) -> int:
     """Cached tokens a share of them amounts to: rounded down, so a ratio r never recomputes more than r of
     the cached tokens, yet at least one for any share > 0."""
     if share <= 0:
         return 0
     return max(1, math.floor(share * plan.num_cached + 1e-9))
+
+
+def tokens_covering(ranked: torch.Tensor, target: float) -> int:
+    """How many of the first scores of ``ranked`` (non-negative, best first, not all zero) sum to at least
+    ``target`` of their total."""
+    covered = torch.cumsum(ranked, 0) / float(ranked.sum())
+    first_covering = int(torch.searchsorted(covered, torch.tensor(target, dtype=covered.dtype)))
+    return min(ranked.numel(), first_covering + 1)
 
 
 # -- the registry ------------------------------------------------------------------------------------
