@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import DEFAULT_CHUNK_TOKENS
+from ..config import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
 from .markdown import checks_list, fmt, machine_line, relative_link, table
 from .plots import log_x, pyplot, save_figure
 
@@ -17,10 +17,17 @@ def selection(config: dict[str, Any]) -> str:
 
 
 def eval_section_name(results: dict[str, Any]) -> str:
+    """BENCHMARKS.md's section of a run: one per data set, chunk size, top-k and codec comparison."""
     config = results["config"]
     tokens = config.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)
+    top_k = config.get("top_k", DEFAULT_TOP_K)
     codecs = "-codecs" if len(config.get("kv_dtypes") or []) > 1 else ""  # beside the plain run's section
-    return f"eval-{config['dataset']}" + (f"-{tokens}" if tokens != DEFAULT_CHUNK_TOKENS else "") + codecs
+    return (
+        f"eval-{config['dataset']}"
+        + (f"-{tokens}" if tokens != DEFAULT_CHUNK_TOKENS else "")
+        + (f"-top{top_k}" if top_k != DEFAULT_TOP_K else "")
+        + codecs
+    )
 
 
 def _engine(config: dict[str, Any]) -> str:

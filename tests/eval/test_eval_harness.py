@@ -173,3 +173,15 @@ def test_eval_compares_codecs_against_float16_with_one_full_prefill_per_case(tmp
     text = markdown.read_text()
     assert "Chunk KV codecs against float16" in text and "| int4 | `cacheblend@0.15` |" in text
     assert "<!-- BEGIN eval-musique-48-codecs -->" in text  # beside, not over, the plain run's section
+
+
+def test_eval_sections_differ_by_chunk_size_top_k_and_codecs():
+    from cacheblend_rag.eval.report import eval_section_name
+
+    def name(**config) -> str:
+        return eval_section_name({"config": {"dataset": "musique-heldout", **config}})
+
+    assert name() == name(chunk_tokens=512, top_k=6) == "eval-musique-heldout"
+    assert name(chunk_tokens=128) == "eval-musique-heldout-128"
+    assert name(chunk_tokens=128, top_k=12) == "eval-musique-heldout-128-top12"  # not over top-k 6's
+    assert name(kv_dtypes=["float16", "int8"]) == "eval-musique-heldout-codecs"
