@@ -137,8 +137,8 @@ def test_eval_cli_summary_task_writes_json_markdown_and_plot(tmp_path):
     assert {"agreement_rouge_l", "gold", "nll_gold"} <= set(case["methods"]["cacheblend@0.15"])
     text = markdown.read_text()
     assert (
-        "<!-- BEGIN other -->\nkept" in text and "<!-- BEGIN eval-multinews-64 -->" in text
-    )  # a non-default chunk size names its section
+        "<!-- BEGIN other -->\nkept" in text and "<!-- BEGIN eval-multinews-64-top2 -->" in text
+    )  # a non-default chunk size and top-k name its section
     assert "gold Rouge-L" in text and "cacheblend-rag eval --data" in text and "](q.png)" in text
     assert plot.stat().st_size > 10_000
 
@@ -172,7 +172,7 @@ def test_eval_compares_codecs_against_float16_with_one_full_prefill_per_case(tmp
     assert len(stored) % 3 == 0  # every chunk once per codec, under its own key
     text = markdown.read_text()
     assert "Chunk KV codecs against float16" in text and "| int4 | `cacheblend@0.15` |" in text
-    assert "<!-- BEGIN eval-musique-48-codecs -->" in text  # beside, not over, the plain run's section
+    assert "<!-- BEGIN eval-musique-48-top2-codecs -->" in text  # beside, not over, the plain run's section
 
 
 def test_eval_sections_differ_by_chunk_size_top_k_and_codecs():
