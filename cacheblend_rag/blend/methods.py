@@ -254,8 +254,6 @@ class CacheBlend(RecomputeMethod):
         """budget=auto: how many of the best-ranked cached tokens cover ``target`` of the question's
         attention to all of them, within min_ratio and ``most`` (ratio's budget)."""
         least = min(most, math.floor(self.min_ratio * plan.num_cached + 1e-9))
-        if float(ranked.sum()) <= 0:
-            return least
         return max(least, min(most, tokens_covering(ranked, self.target)))
 
     def check_layers(self, plan: FusionPlan) -> tuple[int, ...]:
@@ -289,9 +287,12 @@ def share_budget(share: float, plan: FusionPlan) -> int:
 
 
 def tokens_covering(ranked: torch.Tensor, target: float) -> int:
-    """How many of the first scores of ``ranked`` (non-negative, best first, not all zero) sum to at least
-    ``target`` of their total."""
-    covered = torch.cumsum(ranked, 0) / float(ranked.sum())
+    """How many of the first scores of ``ranked`` (non-negative, best first) sum to at least ``target`` of
+    their total; 0 when they are all zero."""
+    total = float(ranked.sum())
+    if total <= 0:
+        return 0
+    covered = torch.cumsum(ranked, 0) / total
     first_covering = int(torch.searchsorted(covered, torch.tensor(target, dtype=covered.dtype)))
     return min(ranked.numel(), first_covering + 1)
 
