@@ -20,13 +20,12 @@ import torch
 
 from cacheblend_rag.blend import round as round_module
 from cacheblend_rag.blend.spec import parse_method
-from cacheblend_rag.engine import Engine
 from cacheblend_rag.engine.prompt import ChunkRef
 from cacheblend_rag.eval.bench.config import BenchConfig
 from cacheblend_rag.eval.bench.prompts import eval_corpus
 from cacheblend_rag.eval.bench.round import agent_requests
 from cacheblend_rag.eval.datasets import load_dataset, select_cases
-from cacheblend_rag.eval.engines import default_kv_dir, prompt_builder
+from cacheblend_rag.eval.engines import qa_engine
 from cacheblend_rag.eval.metrics import kl_divergence
 from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.settings import get_settings
@@ -43,7 +42,7 @@ def main() -> None:
     config = BenchConfig()
     model = load_model(config=settings)
     # the bench's engine (bench.prompts.eval_engine): eval's KV store and QA prompt
-    engine = Engine(model, default_kv_dir(model), prompt_builder(model.tokenizer, "qa"), config=settings)
+    engine = qa_engine(model, settings)
     blend = parse_method("cacheblend").with_ratio(settings.ratio).build()
     full = parse_method("full_recompute").build()
     dataset = load_dataset("musique-heldout")

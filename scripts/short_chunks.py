@@ -46,7 +46,7 @@ from cacheblend_rag.engine.prompt import ChunkRef
 from cacheblend_rag.eval.bench.config import BenchConfig
 from cacheblend_rag.eval.bench.prompts import eval_corpus
 from cacheblend_rag.eval.datasets import load_dataset, select_cases
-from cacheblend_rag.eval.engines import default_kv_dir, prompt_builder
+from cacheblend_rag.eval.engines import qa_engine
 from cacheblend_rag.eval.metrics import kl_divergence
 from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.settings import get_settings
@@ -157,7 +157,7 @@ def main() -> None:
     settings = get_settings()
     config = BenchConfig(chunk_tokens=args.chunk_tokens, top_k=args.top_k, data=args.data)
     model = load_model(config=settings)
-    engine = Engine(model, default_kv_dir(model), prompt_builder(model.tokenizer, "qa"), config=settings)
+    engine = qa_engine(model, settings)
     blender = engine
     if args.context_text is not None:
         extra = model.tokenizer(args.context_text.replace("\\n", "\n"), add_special_tokens=False)["input_ids"]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.rope import Rope
-from ..models.runtime import AttentionMask, KVCache, LayerwiseModel, merge_attention
+from ..models.runtime import AttentionMask, KVCache, LayerwiseModel, flash_with_lse, merge_attention
 from .context import RoundKV, SharedContext
 from .fusor import FusionResult, RoundShare
 from .methods import RecomputeMethod
@@ -257,12 +257,11 @@ class MembersPass:
         self.model.attention_token_layers += q.shape[2]
         groups = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         prompt_mask, own_masks = self.split
 
         def part(rows: slice, slots: slice, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             q_rows, k_slots, v_slots = q[:, :, rows], keys[:, :, slots], values[:, :, slots]
-            return flash(q_rows, k_slots, v_slots, attn_mask=visible, scale=self.model.scaling)[:2]
+            return flash_with_lse(q_rows, k_slots, v_slots, self.model.scaling, mask=visible)
 
         shared, shared_lse = part(slice(None), slice(0, self.length), prompt_mask)
         own, own_lse = torch.empty_like(shared), torch.empty_like(shared_lse)

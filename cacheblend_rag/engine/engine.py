@@ -32,7 +32,7 @@ from ..models.shared import acquire_model, release_model
 from ..models.tokenizer import chunk_context_ids
 from ..store.index import folder_codec
 from ..store.kvstore import KVStore
-from ..store.pipeline import PipelinedLayerLoader
+from ..store.pipeline import PipelinedLayerLoader, worth_prefetching
 from ..store.shared import KVStoreOptions, acquire_store, release_store
 from .base import (
     BatchRequest,
@@ -249,7 +249,9 @@ class Engine(PromptSegments):
         raise AssertionError("unreachable")
 
     def _loader(self, sources: Sequence[ChunkKVSource]) -> PipelinedLayerLoader:
-        return PipelinedLayerLoader(list(sources), dtype=self.model.dtype, device=self.model.device)
+        device = self.model.device
+        prefetch = worth_prefetching(sources, device)
+        return PipelinedLayerLoader(list(sources), dtype=self.model.dtype, device=device, prefetch=prefetch)
 
     def fuse_round(
         self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]

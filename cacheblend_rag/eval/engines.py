@@ -17,7 +17,7 @@ from ..engine import ChunkRef, Engine, EngineProtocol, PromptBuilder
 from ..engine.fidelity import REFERENCE
 from ..models.runtime import LayerwiseModel, ModelShape
 from ..models.tokenizer import ModelTokenizer, chunk_context_ids
-from ..settings import get_settings
+from ..settings import Settings, get_settings
 from ..store.kvstore import KVStore
 from ..store.shared import KVStoreOptions
 from .datasets import Dataset
@@ -58,6 +58,13 @@ def prompt_builder(tokenizer, task: str) -> PromptBuilder:
     if task == "summary":
         return PromptBuilder(tokenizer, SUMMARY_SYSTEM, SUMMARY_TEMPLATE)
     return PromptBuilder(tokenizer, QA_SYSTEM, QA_TEMPLATE)
+
+
+def qa_engine(model: LayerwiseModel, settings: Settings, kv_dir: Path | None = None) -> Engine:
+    """A PyTorch engine over eval's chunk KV store of ``model`` (or ``kv_dir``) with eval's QA prompt:
+    what bench sections and scripts that measure on eval's cases answer with."""
+    kv_dir = kv_dir or default_kv_dir(model)
+    return Engine(model, kv_dir, prompt_builder(model.tokenizer, "qa"), config=settings)
 
 
 def torch_engines(

@@ -178,10 +178,25 @@ def _suffix_attention(
     masked kernel, about 1.5x slower here."""
     groups = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    seen, seen_lse = flash(q, keys[:, :, :start], values[:, :, :start], scale=scaling)[:2]
-    own, own_lse = flash(q, keys[:, :, start:], values[:, :, start:], is_causal=True, scale=scaling)[:2]
+    seen, seen_lse = flash_with_lse(q, keys[:, :, :start], values[:, :, :start], scaling)
+    own, own_lse = flash_with_lse(q, keys[:, :, start:], values[:, :, start:], scaling, causal=True)
     return merge_attention(seen, seen_lse, own, own_lse).to(q.dtype)
+
+
+def flash_with_lse(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention of ``q`` [B, H, S, d] over ``keys``/``values`` with as many heads (the kernel
+    has no grouped-query heads): its output [B, H, S, d] and log-sum-exp [B, H, S], which
+    :func:`merge_attention` needs and no public SDPA call returns. ``mask``: additive or boolean."""
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = kernel(q, keys, values, is_causal=causal, attn_mask=mask, scale=scale)[:2]
+    return out, lse
 
 
 def merge_attention(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..blend.segments import ChunkKVSource
+from .tier import tier_of
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -42,6 +43,15 @@ class LoadTimings:
             "layers": self.layers,
             "hidden_fraction": self.hidden_fraction,
         }
+
+
+def worth_prefetching(sources: Sequence[ChunkKVSource], device: torch.device | str) -> bool:
+    """Whether a loader of ``sources`` for ``device`` should prefetch in a thread of its own: when a layer
+    must come from a slower tier (disk, remote) or cross to an accelerator. KV already in RAM feeding a CPU
+    device is decoded faster than a thread hands it over: there the thread only competes with the compute
+    for the same cores (6 x 512 tokens, 2 cores, RAM tier: full_reuse 0.26 s with the thread, 0.17 s
+    without; the default cacheblend the same either way)."""
+    return torch.device(device).type != "cpu" or any(tier_of(source) != "ram" for source in sources)
 
 
 class PipelinedLayerLoader:

@@ -12,7 +12,7 @@ from store_support import FINGERPRINT, flip_byte, tensor_span
 from cacheblend_rag.blend.segments import ChunkKV, DirectLayerKV, LayerKVProvider
 from cacheblend_rag.errors import CorruptKVError
 from cacheblend_rag.store.kvstore import KVStore
-from cacheblend_rag.store.pipeline import PipelinedLayerLoader
+from cacheblend_rag.store.pipeline import PipelinedLayerLoader, worth_prefetching
 
 
 class SlowSource:
@@ -137,3 +137,30 @@ def test_bad_arguments(make_kv):
         PipelinedLayerLoader([kv, short], torch.float32)
     with PipelinedLayerLoader([kv], torch.float32) as loader, pytest.raises(IndexError):
         loader.layer(kv.num_layers)
+
+
+def test_only_slow_tiers_or_an_accelerator_are_worth_a_prefetch_thread(tmp_path, shape, make_kv):
+    disk, ram = mixed_sources(tmp_path, shape, make_kv)
+    assert (disk.tier, ram.tier) == ("disk", "ram")
+    assert worth_prefetching([ram, disk], "cpu") and worth_prefetching([disk], "cpu")
+    # KV in RAM decodes faster on the compute's own cores than a thread hands it over
+    assert not worth_prefetching([ram], "cpu") and not worth_prefetching([make_kv()], torch.device("cpu"))
+    assert worth_prefetching([ram], "cuda")  # the copy to the device overlaps the compute
+    assert not worth_prefetching([], "cpu")
+
+
+def test_engine_reads_ram_kv_in_its_own_thread_and_disk_kv_ahead(tmp_path, model, real_chunks):
+    from cacheblend_rag.engine import Engine
+
+    store = KVStore(tmp_path, model.fingerprint, model.shape, "int8")
+    engine = Engine(model, store)
+    keys = [store.chunk_key(ids) for ids, _ in real_chunks]
+    for key, (_, kv) in zip(keys, real_chunks, strict=True):
+        store.put(key, kv)
+    with engine._loader([store.get(key) for key in keys]) as loader:
+        assert loader._thread is None  # every source in RAM: read when asked for
+        assert len(loader.layer(0)) == len(keys)
+    store.evict_ram()
+    with engine._loader([store.get(key) for key in keys]) as loader:
+        assert loader._thread is not None  # from disk: prefetched while the fusor computes
+        assert len(loader.layer(0)) == len(keys)

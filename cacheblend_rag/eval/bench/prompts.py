@@ -11,7 +11,7 @@ from ...engine import ChunkRef, Engine
 from ...models.tokenizer import load_model_tokenizer
 from ...settings import get_settings
 from ..datasets import Dataset, load_dataset, select_cases
-from ..engines import default_corpus_dir, default_kv_dir, prompt_builder
+from ..engines import default_corpus_dir, qa_engine
 from ..retrieval import EvalCorpus
 from .config import BenchConfig, BenchContext
 
@@ -55,8 +55,7 @@ def eval_corpus(engine: Engine, dataset: Dataset, config: BenchConfig) -> EvalCo
 
 def eval_engine(ctx: BenchContext) -> Engine:
     """An engine over the persistent KV store ``eval`` uses, with eval's QA prompt."""
-    kv_dir = ctx.config.kv_dir or default_kv_dir(ctx.model)
-    return Engine(ctx.model, kv_dir, prompt_builder(ctx.model.tokenizer, "qa"), config=get_settings())
+    return qa_engine(ctx.model, get_settings(), ctx.config.kv_dir)
 
 
 def overlapping_musique_requests(
