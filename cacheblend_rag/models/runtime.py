@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .gemm import Gemm
 from .rope import Rope, apply_rotary
 
 
@@ -239,6 +240,7 @@ class LayerwiseModel:
         self.norm = backbone.norm
         self.lm_head = hf_model.lm_head
         self.scaling = shape.head_dim**-0.5
+        self.gemm = Gemm(device, dtype)  # the linear layers' products, by the fastest CPU kernel
         # Token-layers of q/k/v projection and of attention+MLP actually run, so tests and benchmarks can
         # check the work a method really did.
         self.qkv_token_layers = 0
@@ -271,7 +273,10 @@ class LayerwiseModel:
         b, s, _ = x.shape
         # a fused projection (vLLM's qkv_proj, see engine/vllm/weights.py) gives q, k, v in one GEMM
         fused = getattr(attn, "fused_qkv", None)
-        q, k, v = fused(x) if fused is not None else (attn.q_proj(x), attn.k_proj(x), attn.v_proj(x))
+        if fused is not None:
+            q, k, v = fused(x)
+        else:
+            q, k, v = self.gemm(attn.q_proj, x), self.gemm(attn.k_proj, x), self.gemm(attn.v_proj, x)
         q = q.view(b, s, -1, self.shape.head_dim)
         k = k.view(b, s, -1, self.shape.head_dim)
         v = v.view(b, s, -1, self.shape.head_dim)
@@ -339,13 +344,13 @@ class LayerwiseModel:
         residual, post-attention norm, MLP and residual. Per token, so tokens of several sequences may
         be stacked along S."""
         block = self.layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attended)
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        hidden = hidden + self.gemm(block.self_attn.o_proj, attended)
+        return hidden + self.gemm.mlp(block.mlp, block.post_attention_layernorm(hidden))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, in float32."""
-        return self.lm_head(self.norm(hidden)).float()
+        return self.gemm(self.lm_head, self.norm(hidden)).float()
 
     # -- whole forwards over an explicit cache -------------------------------------------------------
 

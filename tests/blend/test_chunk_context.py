@@ -46,7 +46,9 @@ def test_kv_behind_a_context_is_the_joint_prefill_rotated_back(model, neutral):
     for layer in (0, 7, model.num_layers - 1):
         keys, values = kv.layer(layer)
         assert keys.shape == (model.shape.num_kv_heads, n, model.shape.head_dim)
-        assert torch.allclose(values, joint.values[layer][0, :, p:], atol=1e-5)
+        # (float32 rounding: the chunk's rows go through the GEMMs as n rows, the joint prefill's as p + n,
+        # and oneDNN's kernel may sum in another order for another row count, models/gemm.py)
+        assert torch.allclose(values, joint.values[layer][0, :, p:], atol=1e-4)
         # rotating the stored keys back to where they were computed gives the joint prefill's keys
         back = model.rope.rerotate(keys, here - p, here)
         assert torch.allclose(back, joint.keys[layer][0, :, p:], atol=1e-4)

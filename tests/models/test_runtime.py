@@ -26,7 +26,11 @@ def test_full_prefill_matches_transformers_logits(real_text_run):
     _, hf, ours, cache = real_text_run
     assert ours.shape == hf.logits.shape == (1, NUM_TOKENS, 49152)
     assert cache.length == NUM_TOKENS
-    assert (ours - hf.logits.float()).abs().max().item() <= 1e-4
+    # float32 rounding only: our linear layers run oneDNN's GEMM where it is faster (models/gemm.py),
+    # transformers' run MKL's, so sums differ in order; over 30 layers that came to 1.4e-5 of the logits'
+    # scale (3.4e-4 of ~25). A wrong mask, position or weight moves logits by whole units.
+    reference = hf.logits.float()
+    assert (ours - reference).abs().max().item() <= 1e-4 * reference.abs().max().item()
 
 
 def test_layer_for_a_subset_of_positions_matches_full_prefill(model, real_text_run):

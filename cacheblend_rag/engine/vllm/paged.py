@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ...models.runtime import QKV, AttentionMask, LayerwiseModel
+from ...models.runtime import QKV, AttentionMask, LayerwiseModel, ModelShape
 
 
 def is_cpu_attention(layer: Any) -> bool:
@@ -87,6 +87,98 @@ def causal_runs(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return starts.to(torch.int32), (positions[ends - 1] + 1).to(torch.int32)
 
 
+@dataclass(frozen=True)
+class KernelOptions:
+    """What vLLM's CPU attention kernel takes from an attention layer besides the tensors."""
+
+    isa: str
+    sliding_window: int = -1
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    kv_cache_dtype: str = "auto"
+
+    @classmethod
+    def of(cls, layer: Any) -> KernelOptions:
+        """The options of ``layer``, a vLLM ``Attention`` module on the CPU backend."""
+        impl = layer.impl
+        return cls(
+            isa=layer.isa,
+            sliding_window=impl.sliding_window,
+            softcap=impl.logits_soft_cap,
+            sinks=impl.sinks,
+            k_scale=layer._k_scale_float,
+            v_scale=layer._v_scale_float,
+            kv_cache_dtype=impl.kv_cache_dtype,
+        )
+
+
+def scheduler_metadata(
+    shape: ModelShape,
+    dtype: torch.dtype,
+    query_start: torch.Tensor,
+    seq_lens: torch.Tensor,
+    options: KernelOptions,
+) -> torch.Tensor:
+    """The kernel's work split for causal runs (:func:`causal_runs`) of a model of ``shape``."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=seq_lens.numel(),
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        seq_lens=seq_lens,
+        dtype=dtype,
+        query_start_loc=query_start,
+        causal=True,
+        sliding_window_size=options.sliding_window,
+        isa=options.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=options.kv_cache_dtype,
+    )
+
+
+def attend_runs(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    runs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    options: KernelOptions,
+) -> torch.Tensor:
+    """vLLM's CPU kernel: ``query`` [S, H, d] (token-major) as causal runs over one layer's paged
+    ``kv_cache`` [blocks, Hkv, block_size, 2 * d]; ``runs`` = (query starts, sequence lengths, block
+    table, scheduler metadata). Returns the output [S, H, d]."""
+    from vllm import _custom_ops as ops
+
+    query_start, seq_lens, blocks, scheduler = runs
+    num_blocks, kv_heads, block_size, _ = kv_cache.shape
+    key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, block_size * 2, -1).chunk(2, dim=2)
+    output = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        output=output,
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        scale=scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=options.sliding_window,
+        block_table=blocks,
+        softcap=options.softcap,
+        scheduler_metadata=scheduler,
+        s_aux=options.sinks,
+        k_scale=options.k_scale,
+        v_scale=options.v_scale,
+        kv_cache_dtype=options.kv_cache_dtype,
+    )
+    return output
+
+
 class PagedLayerwiseModel(LayerwiseModel):
     """A :class:`LayerwiseModel` that, while a :class:`PagedTarget` is set (one connector load), writes
     each layer's fused K/V into vLLM's paged cache and attends the fused rows with vLLM's kernel."""
@@ -110,34 +202,8 @@ class PagedLayerwiseModel(LayerwiseModel):
         if runs is None:
             return super().attend(q, keys, values, mask)
         self._write(target, layer, keys, values)
-        query_start, seq_lens, blocks, scheduler = runs
-        from vllm import _custom_ops as ops
-
-        impl = layer.impl
-        kv_cache = layer.kv_cache
-        num_blocks, kv_heads, block_size, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(num_blocks, kv_heads, block_size * 2, -1).chunk(2, dim=2)
         query = q[0].transpose(0, 1).contiguous()  # [S, H, d], token-major as vLLM's forward has it
-        output = torch.empty_like(query)
-        ops.cpu_attention_with_kv_cache(
-            query=query,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=output,
-            query_start_loc=query_start,
-            seq_lens=seq_lens,
-            scale=self.scaling,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=impl.sliding_window,
-            block_table=blocks,
-            softcap=impl.logits_soft_cap,
-            scheduler_metadata=scheduler,
-            s_aux=impl.sinks,
-            k_scale=layer._k_scale_float,
-            v_scale=layer._v_scale_float,
-            kv_cache_dtype=impl.kv_cache_dtype,
-        )
+        output = attend_runs(query, layer.kv_cache, runs, self.scaling, KernelOptions.of(layer))
         self.attention_token_layers += q.shape[2]
         return output.view(1, q.shape[2], -1)
 
@@ -148,25 +214,9 @@ class PagedLayerwiseModel(LayerwiseModel):
         positions = mask_positions(mask, rows, key_length)
         if positions is None or positions.numel() != rows:
             return None
-        from vllm import _custom_ops as ops
-        from vllm import envs
-
         query_start, seq_lens = causal_runs(positions.cpu())
-        impl = layer.impl
-        scheduler = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=seq_lens.numel(),
-            num_heads=self.shape.num_heads,
-            num_kv_heads=self.shape.num_kv_heads,
-            head_dim=self.shape.head_dim,
-            seq_lens=seq_lens,
-            dtype=self.dtype,
-            query_start_loc=query_start,
-            causal=True,
-            sliding_window_size=impl.sliding_window,
-            isa=layer.isa,
-            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-            kv_cache_dtype=impl.kv_cache_dtype,
-        )
+        options = KernelOptions.of(layer)
+        scheduler = scheduler_metadata(self.shape, self.dtype, query_start, seq_lens, options)
         runs = (query_start, seq_lens, target.block_table(seq_lens.numel()), scheduler)
         target._runs = (mask, runs)
         return runs
