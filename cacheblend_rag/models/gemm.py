@@ -72,10 +72,12 @@ class Gemm:
         return module(x)
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A gated MLP (``down(act(gate(x)) * up(x))``: Llama, Mistral, Qwen2, Qwen3) with its products
-        through :meth:`__call__`; any other MLP module as it is."""
+        """A transformers gated MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Llama, Mistral,
+        Qwen2, Qwen3) with its products through :meth:`__call__`; any other MLP module as it is."""
         parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
-        if not self.onednn or not all(type(p) is nn.Linear for p in parts):  # pylint: disable=unidiomatic-typecheck
+        act = getattr(mlp, "act_fn", None)
+        plain = all(type(p) is nn.Linear for p in parts)  # pylint: disable=unidiomatic-typecheck
+        if not self.onednn or not plain or act is None:
             return mlp(x)
         gate, up, down = parts
-        return self(down, mlp.act_fn(self(gate, x)) * self(up, x))
+        return self(down, act(self(gate, x)) * self(up, x))

@@ -67,3 +67,20 @@ def test_gated_mlp_equals_the_modules_forward(model, counted):
         got, want = model.gemm.mlp(block.mlp, x), block.mlp(x)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     assert len(counted) == 3  # gate, up, down
+
+
+def test_an_mlp_of_another_shape_runs_its_own_forward(counted):
+    class SwiGLU(nn.Module):  # gate/up/down but no act_fn (scripts/gpu_check.py builds such a model)
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(32, 256), nn.Linear(32, 256)
+            self.down_proj = nn.Linear(256, 32)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    gemm = Gemm(torch.device("cpu"), torch.float32)
+    counted.clear()
+    mlp, x = SwiGLU(), torch.randn(1, 64, 32)
+    assert torch.equal(gemm.mlp(mlp, x), mlp(x))
+    assert counted == []
