@@ -25,14 +25,6 @@ import time
 import torch
 
 
-def merged(positions: torch.Tensor, gap: int) -> torch.Tensor:
-    """``positions`` with every gap of at most ``gap`` unselected positions filled in."""
-    out = [int(positions[0])]
-    for p in positions[1:].tolist():
-        out.extend(range(out[-1] + 1, p + 1) if p - out[-1] - 1 <= gap else (p,))
-    return torch.tensor(out)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--chunks", type=int, default=12)
@@ -46,7 +38,13 @@ def main() -> None:
 
     from cacheblend_rag.blend import DirectLayerKV, Fusor, parse_method
     from cacheblend_rag.blend.segments import kv_sources
-    from cacheblend_rag.engine.vllm.paged import KernelOptions, attend_runs, causal_runs, scheduler_metadata
+    from cacheblend_rag.engine.vllm.paged import (
+        KernelOptions,
+        attend_runs,
+        causal_runs,
+        merge_gaps,
+        scheduler_metadata,
+    )
     from cacheblend_rag.models.loader import load_model
     from cacheblend_rag.settings import get_settings
 
@@ -79,7 +77,7 @@ def main() -> None:
         return 1000 * statistics.median(walls), seq_lens.numel()
 
     variants = [("as selected", selected)]
-    variants += [(f"gaps <= {gap} merged", merged(selected, gap)) for gap in (1, 2, 4, 8, 16)]
+    variants += [(f"gaps <= {gap} merged", merge_gaps(selected, gap)) for gap in (1, 2, 4, 8, 16)]
     variants.append(("every position (full prefill)", torch.arange(n)))
     print(f"{'rows attended':32s} {'rows':>6s} {'runs':>6s} {'ms/layer':>9s} {'GFLOP/s':>8s}")
     for label, positions in variants:

@@ -147,10 +147,11 @@ class FusionResult:
     @property
     def compute_fraction(self) -> float:
         """Attention+MLP token-layers done (the query probe's included), relative to a full prefill of
-        the same prompt."""
-        return (sum(self.attended_tokens_per_layer) + self.probe_token_layers) / (
-            self.plan.num_tokens * len(self.attended_tokens_per_layer)
-        )
+        the same prompt (which, like a fusion, attends only the last token at the last layer)."""
+        attended = self.attended_tokens_per_layer
+        n = self.plan.num_tokens
+        full = n * (len(attended) - 1) + (1 if attended and attended[-1] == 1 else n)
+        return (sum(attended) + self.probe_token_layers) / full
 
 
 @dataclass
@@ -395,6 +396,12 @@ class _Run:
         keys, values = cache.keys[layer][:, :, :n], cache.values[layer][:, :, :n]
         if self.observer is not None:
             self.observer(layer, self.positions, q, keys, self.mask)
+        elif layer == self.model.num_layers - 1 and self.positions.numel() > 1:
+            # the last layer's K/V are written: only the last token's output (the answer's first token's
+            # logits) is still needed, the rest of the selection attends and runs its MLP for nothing
+            self.hidden, q = self.hidden[:, -1:], q[:, :, -1:]
+            self.attended_counts.append(1)
+            return q, keys, values, AttentionMask.for_positions(self.positions[-1:], n)
         self.attended_counts.append(self.positions.numel())
         return q, keys, values, self.mask
 

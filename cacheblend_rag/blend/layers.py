@@ -64,10 +64,20 @@ def run_layer(model: LayerwiseModel, layer: int, passes: list[LayerPass], finish
             attended.append(one.attend(q, keys, values, mask))
     if not finish:
         return
-    if len(passes) == 1:
-        passes[0].hidden = model.finish_layer(layer, passes[0].hidden, attended[0])
+    # a pass down to one row (a fusion's last layer: only its last token's output is read) finishes on
+    # its own: one row's products then run the same kernel whether or not other passes share the layer
+    # (a GEMM over more rows may take another kernel, summing in another order)
+    stacked = [(one, out) for one, out in zip(passes, attended, strict=True) if one.hidden.shape[1] > 1]
+    for one, out in zip(passes, attended, strict=True):
+        if one.hidden.shape[1] <= 1 or len(stacked) == 1:
+            one.hidden = model.finish_layer(layer, one.hidden, out)
+    if len(stacked) < 2:
         return
-    sizes = [p.hidden.shape[1] for p in passes]
-    out = model.finish_layer(layer, torch.cat([p.hidden for p in passes], dim=1), torch.cat(attended, dim=1))
-    for one, part in zip(passes, out.split(sizes, dim=1), strict=True):
+    sizes = [one.hidden.shape[1] for one, _ in stacked]
+    out = model.finish_layer(
+        layer,
+        torch.cat([one.hidden for one, _ in stacked], dim=1),
+        torch.cat([part for _, part in stacked], dim=1),
+    )
+    for (one, _), part in zip(stacked, out.split(sizes, dim=1), strict=True):
         one.hidden = part

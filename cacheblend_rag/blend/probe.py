@@ -35,7 +35,8 @@ PlaceCached = Callable[[KVCache, int, list[tuple[torch.Tensor, torch.Tensor]]], 
 class ProbeResult:
     """Attention mass the query rows paid each prompt position ([T], summed over heads, query rows and
     layers), the same weighted by each position's value norm (its contribution), and what the probe
-    cost."""
+    cost (``token_layers``: the fresh rows' attention+MLP token-layers; the probe's last layer only
+    scores, with no attention output or MLP)."""
 
     attention: torch.Tensor
     contribution: torch.Tensor
@@ -129,7 +130,8 @@ class ProbePass:
             attention=self.attention.cpu(),
             contribution=self.contribution.cpu(),
             query_positions=self.queries.cpu(),
-            token_layers=self.positions.numel() * self.layers,
+            # attention and MLP ran at every probe layer but the last, which only scores
+            token_layers=self.positions.numel() * (self.layers - 1),
             seconds=time.perf_counter() - self.started,
             load_wait_s=self.load_wait,
         )

@@ -364,18 +364,27 @@ class LayerwiseModel:
     ) -> torch.Tensor:
         """Run every layer for ``ids`` [B, S] at ``positions`` ([S] or [B, S]), writing their K/V into
         ``cache`` and attending over slots ``0..max(positions)``. Returns logits of the last token per row
-        ([B, vocab]) or of every token ([B, S, vocab]) when ``all_logits``."""
+        ([B, vocab]) or of every token ([B, S, vocab]) when ``all_logits``.
+
+        Without ``all_logits``, the last layer attends and runs the MLP for the last token only (its K/V
+        are every token's, and nothing else reads the other tokens' outputs there)."""
         end = int(positions.max()) + 1
         if end > cache.capacity:
             cache.grow(end)
         hidden = self.embed(ids).to(self.dtype)
         mask = AttentionMask.for_positions(positions, end)
         cos_sin = self.rope.cos_sin(positions, self.dtype)
+        one_sequence = positions.dim() == 1 and positions.numel() > 1
+        last_only = not all_logits and one_sequence and int(positions[-1]) + 1 == end
         for layer in range(self.num_layers):
             qkv = self.project_qkv(layer, hidden, positions, cos_sin)
             cache.write(layer, positions, qkv.k, qkv.v)
+            q = qkv.q
+            if last_only and layer == self.num_layers - 1:
+                hidden, q = hidden[:, -1:], q[:, :, -1:]
+                mask = AttentionMask.for_positions(positions[-1:], end)
             hidden = self.attend_and_mlp(
-                layer, hidden, qkv.q, cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end], mask
+                layer, hidden, q, cache.keys[layer][:, :, :end], cache.values[layer][:, :, :end], mask
             )
         cache.length = max(cache.length, end)
         return self.logits(hidden if all_logits else hidden[:, -1])

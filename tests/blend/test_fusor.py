@@ -119,10 +119,13 @@ def test_recompute_work_matches_the_selection(model, prompt):
         max(1, math.floor(0.15 * 2.0 * cached + 1e-9)),
         max(1, math.floor(0.15 * cached + 1e-9)),
     )
-    # layer 0 full; layer 1 projects all, keeps 2r; layer 2 projects those, keeps r; then r everywhere
+    # layer 0 full; layer 1 projects all, keeps 2r; layer 2 projects those, keeps r; then r everywhere,
+    # but the last layer attends only the last token (the others' outputs are never read)
     assert fused.qkv_tokens_per_layer[:3] == [n, n, fresh + budget_l1]
     assert fused.attended_tokens_per_layer[:3] == [n, fresh + budget_l1, fresh + budget_final]
-    assert set(fused.attended_tokens_per_layer[2:]) == {fresh + budget_final}
+    assert set(fused.attended_tokens_per_layer[2:-1]) == {fresh + budget_final}
+    assert fused.qkv_tokens_per_layer[-1] == fresh + budget_final
+    assert fused.attended_tokens_per_layer[-1] == 1
     assert model.qkv_token_layers - qkv_before == sum(fused.qkv_tokens_per_layer)
     assert model.attention_token_layers - attn_before == sum(fused.attended_tokens_per_layer)
     assert fused.compute_fraction < 0.3

@@ -64,9 +64,11 @@ def test_query_selection_recomputes_the_most_attended_tokens_at_every_layer(mode
     fresh = n - cached
     budget = max(1, math.floor(0.15 * cached + 1e-9))
     layers = model.num_layers
-    # the probe computes the fresh text at every layer; then fresh text + budget at every layer
-    assert fused.probe_token_layers == fresh * layers
-    assert fused.attended_tokens_per_layer == [fresh + budget] * layers
+    # the probe computes the fresh text at every layer (its last one only scores: no attention output,
+    # no MLP); then fresh text + budget at every layer (the last one attending only the last token:
+    # nothing reads the others' outputs there)
+    assert fused.probe_token_layers == fresh * (layers - 1)
+    assert fused.attended_tokens_per_layer == [fresh + budget] * (layers - 1) + [1]
     assert model.qkv_token_layers - qkv_before == fresh * layers + (fresh + budget) * layers
     assert fused.reused_tokens == cached - budget
     # the selected cached tokens are exactly the top-budget of the probe's attention
@@ -166,7 +168,7 @@ def test_a_shallower_probe_scores_its_layers_and_fuses_what_it_selected(model, p
     assert torch.equal(default.selected, every.selected) and torch.equal(default.logits, every.logits)
     shallow = fusor.fuse(segments, CacheBlend(probe_depth=4))
     fresh = int(shallow.plan.must_compute.sum())
-    assert shallow.probe_token_layers == 4 * fresh and default.probe_token_layers == layers * fresh
+    assert shallow.probe_token_layers == 3 * fresh and default.probe_token_layers == (layers - 1) * fresh
     rows = query_positions(shallow.plan).numel() * shape.num_heads
     assert math.isclose(float(shallow.plan.query_attention.sum()), 4 * rows, rel_tol=1e-4)
     assert math.isclose(float(default.plan.query_attention.sum()), layers * rows, rel_tol=1e-4)
