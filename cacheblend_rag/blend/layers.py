@@ -67,17 +67,25 @@ def run_layer(model: LayerwiseModel, layer: int, passes: list[LayerPass], finish
     # a pass down to one row (a fusion's last layer: only its last token's output is read) finishes on
     # its own: one row's products then run the same kernel whether or not other passes share the layer
     # (a GEMM over more rows may take another kernel, summing in another order)
-    stacked = [(one, out) for one, out in zip(passes, attended, strict=True) if one.hidden.shape[1] > 1]
-    for one, out in zip(passes, attended, strict=True):
-        if one.hidden.shape[1] <= 1 or len(stacked) == 1:
-            one.hidden = model.finish_layer(layer, one.hidden, out)
-    if len(stacked) < 2:
+    finished = list(zip(passes, attended, strict=True))
+    stacked = [pair for pair in finished if pair[0].hidden.shape[1] > 1]
+    for group in [*([pair] for pair in finished if pair[0].hidden.shape[1] <= 1), stacked]:
+        if group:
+            _finish_together(model, layer, group)
+
+
+def _finish_together(model: LayerwiseModel, layer: int, group: list[tuple[LayerPass, torch.Tensor]]) -> None:
+    """o-proj, residual, norm and MLP of ``group``'s passes (each with its attention output), their rows
+    stacked into one batch."""
+    if len(group) == 1:
+        one, out = group[0]
+        one.hidden = model.finish_layer(layer, one.hidden, out)
         return
-    sizes = [one.hidden.shape[1] for one, _ in stacked]
+    sizes = [one.hidden.shape[1] for one, _ in group]
     out = model.finish_layer(
         layer,
-        torch.cat([one.hidden for one, _ in stacked], dim=1),
-        torch.cat([part for _, part in stacked], dim=1),
+        torch.cat([one.hidden for one, _ in group], dim=1),
+        torch.cat([part for _, part in group], dim=1),
     )
-    for (one, _), part in zip(stacked, out.split(sizes, dim=1), strict=True):
+    for (one, _), part in zip(group, out.split(sizes, dim=1), strict=True):
         one.hidden = part
