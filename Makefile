@@ -146,7 +146,7 @@ check-sample: install
 		$(if $(CHECK_RATIOS),--ratios $(CHECK_RATIOS)) \
 		&& echo "check took $$(( $$(date +%s) - start )) s (ingest not counted)"
 
-# The development sweep that chose cacheblend's defaults (about 1.5 hours; docs/fusor.md).
+# The development sweep that chose cacheblend's defaults (about an hour on two quiet cores; docs/fusor.md).
 tune: install
 	$(VENV)/bin/cacheblend-rag tune --json docs/results/tune-musique-512.json --markdown docs/fusor.md
 

@@ -72,6 +72,12 @@ class Config(BaseModel):
         DEFAULT_ENGINE,
         description="Engine: 'torch' (our PyTorch runtime) or 'vllm' (vLLM with the CacheBlend connector).",
     )
+    vllm_fusion_attention: Literal["auto", "vllm", "runtime"] = Field(
+        "auto",
+        description="vLLM engine on CPU: which kernel attends the rows a fusion recomputes at scattered "
+        "positions: 'vllm' (vLLM's paged kernel), 'runtime' (our masked SDPA blocks) or 'auto' (the faster "
+        "of the two, timed on the first fusions of each size; docs/vllm.md).",
+    )
     method: str = Field(
         DEFAULT_METHOD, min_length=1, description="Default PIC method (checked where parsed)."
     )

@@ -10,7 +10,10 @@ the kernel per layer (random K/V in a paged cache of the model's shape; median o
 * the runs as selected;
 * runs merged across gaps of at most G unselected positions (the gap rows attended too and thrown away:
   fewer, longer runs, more rows);
-* every position (full prefill's causal attention), the kernel's best rate.
+* every position (full prefill's causal attention), the kernel's best rate;
+
+and, for comparison, our runtime's masked SDPA blocks over the same selection (the kernel the vLLM path's
+``AttentionChoice`` picks instead where it is faster, cacheblend_rag/engine/vllm/paged.py).
 
 It prints each variant's milliseconds per layer and its rate counted on the rows it attends (every row's
 keys, 4 * heads * head_dim FLOPs per key). Run it on a quiet machine.
@@ -46,6 +49,7 @@ def main() -> None:
         scheduler_metadata,
     )
     from cacheblend_rag.models.loader import load_model
+    from cacheblend_rag.models.runtime import AttentionMask
     from cacheblend_rag.settings import get_settings
 
     model = load_model(config=get_settings())
@@ -84,6 +88,19 @@ def main() -> None:
         ms, runs = per_layer_ms(positions)
         flops = float((positions + 1).sum()) * 4 * shape.num_heads * shape.head_dim
         print(f"{label:32s} {positions.numel():6d} {runs:6d} {ms:9.2f} {flops / ms / 1e6:8.0f}")
+    mask = AttentionMask.for_positions(selected, n)
+    keys, values = (torch.randn(1, shape.num_kv_heads, n, shape.head_dim) for _ in "kv")
+    query = torch.randn(1, shape.num_heads, selected.numel(), shape.head_dim)
+    model.attend(query, keys, values, mask)
+    walls = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        model.attend(query, keys, values, mask)
+        walls.append(time.perf_counter() - started)
+    ms = 1000 * statistics.median(walls)
+    flops = float((selected + 1).sum()) * 4 * shape.num_heads * shape.head_dim
+    label = f"runtime's masked SDPA ({len(mask.blocks)} blocks)"
+    print(f"{label:32s} {selected.numel():6d} {'-':>6s} {ms:9.2f} {flops / ms / 1e6:8.0f}")
 
 
 if __name__ == "__main__":

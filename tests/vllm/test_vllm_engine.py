@@ -72,7 +72,9 @@ def test_cacheblend_at_full_ratio_through_the_connector_is_exact(vllm_engine, pr
     got = vllm_engine.generate(segments, "cacheblend", GREEDY_32, ratio=1.0)
     span = blended_span(segments)
     assert span % VLLM_CPU_BLOCK != 0  # the span ends inside a block, which vLLM completes
-    assert got.paged_layers == vllm_engine.shape.num_layers  # vLLM's kernel attended every fused layer
+    assert got.paged_layers == vllm_engine.shape.num_layers  # every fused layer's K/V written in place
+    # r = 1 is a causal prefill: vLLM's kernel attends every layer (no scattered rows to choose for)
+    assert got.attention_kernels == {"vllm": vllm_engine.shape.num_layers}
     assert got.token_ids == reference(segments, "full_recompute").token_ids
     assert got.claimed_tokens == span
     assert got.vllm_cached_tokens == span  # vLLM counts the claimed tokens as computed externally
@@ -84,7 +86,8 @@ def test_cacheblend_at_full_ratio_through_the_connector_is_exact(vllm_engine, pr
 def test_vllm_computes_only_the_last_token_of_a_blended_prompt(vllm_engine, prompts, reference):
     """The question is computed once, by the fusor over the fused KV (it is fresh text after the last
     chunk): vLLM is told every token but the last is computed, so its forward computes one token, and the
-    fusor attended its rows with vLLM's kernel in vLLM's paged cache, writing each layer's K/V there."""
+    fusor wrote each layer's K/V into vLLM's paged cache in place (its rows attended by the kernel
+    paged.AttentionChoice picks)."""
     segments = prompts[0]
     prompt_tokens = sum(len(s) for s in segments)
     question = len(segments[-1])
@@ -95,6 +98,9 @@ def test_vllm_computes_only_the_last_token_of_a_blended_prompt(vllm_engine, prom
     assert got.token_ids == expected.token_ids
     assert got.claimed_tokens == got.vllm_cached_tokens == prompt_tokens - 1  # vLLM computed 1 token
     assert got.paged_layers == vllm_engine.shape.num_layers
+    # each layer's scattered rows attended once, by a kernel paged.AttentionChoice may pick
+    assert sum(got.attention_kernels.values()) == vllm_engine.shape.num_layers
+    assert set(got.attention_kernels) <= {"vllm", "vllm_unmerged", "runtime"}
     # the fusor computed the PyTorch engine's rows (fresh text and the same selection), once
     assert got.computed_tokens == expected.computed_tokens > question
 

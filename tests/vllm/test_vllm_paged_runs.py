@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag.engine.vllm.paged import MERGE_GAP, causal_runs, merge_gaps
+from cacheblend_rag.engine.vllm.paged import (
+    KERNELS,
+    MERGE_GAP,
+    AttentionChoice,
+    causal_runs,
+    merge_gaps,
+)
 
 
 def test_gaps_of_at_most_the_limit_are_filled_and_wider_ones_kept():
@@ -33,33 +39,105 @@ def test_merged_runs_hold_every_selected_row_in_order():
     assert int(gaps.max()) > MERGE_GAP and not bool(((gaps > 0) & (gaps <= MERGE_GAP)).any())
 
 
+class PagedKernel:
+    """vLLM's CPU attention kernel on a paged cache of the default model's attention shape: 300 rows
+    selected at random among ``n`` positions, blocks of 128 in order."""
+
+    def __init__(self, seed: int, n: int = 2000, block: int = 128) -> None:
+        pytest.importorskip("vllm", reason="vLLM's CPU attention kernel needs vLLM (make install-vllm)")
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        from cacheblend_rag.engine.vllm.paged import KernelOptions
+        from cacheblend_rag.models.runtime import ModelShape
+
+        self.shape = ModelShape("llama", 1, 576, 9, 3, 64, 100, 8192)
+        self.n, self.block, self.blocks = n, block, (n + block - 1) // block
+        self.generator = torch.Generator().manual_seed(seed)
+        self.positions = torch.randperm(n, generator=self.generator)[:300].sort().values
+        self.options = KernelOptions(isa=_get_attn_isa(torch.float32, block, self.shape.head_dim, "auto"))
+
+    def randn(self, *size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=self.generator)
+
+    def query(self) -> torch.Tensor:
+        return self.randn(self.positions.numel(), self.shape.num_heads, self.shape.head_dim)
+
+    def attend(self, rows: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``q`` [rows, H, d] at positions ``rows`` as causal runs over ``kv_cache`` (scale 1/8)."""
+        from cacheblend_rag.engine.vllm.paged import attend_runs, scheduler_metadata
+
+        starts, seq_lens = causal_runs(rows)
+        table = torch.arange(self.blocks, dtype=torch.int32)[None].expand(seq_lens.numel(), -1).contiguous()
+        scheduler = scheduler_metadata(self.shape, torch.float32, starts, seq_lens, self.options)
+        return attend_runs(q, kv_cache, (starts, seq_lens, table, scheduler), 0.125, self.options)
+
+
 def test_the_kernel_gives_the_selected_rows_the_same_output_merged_or_not():
     """Each selected row sees the same keys under the same causal mask in a merged run: its output is the
     one its own run gives (zero queries in the gaps change nothing but the rows thrown away)."""
-    pytest.importorskip("vllm", reason="vLLM's CPU attention kernel needs vLLM (make install-vllm)")
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    from cacheblend_rag.engine.vllm.paged import KernelOptions, attend_runs, scheduler_metadata
-    from cacheblend_rag.models.runtime import ModelShape
-
-    shape = ModelShape("llama", 1, 576, 9, 3, 64, 100, 8192)
-    block, n = 128, 2000
-    generator = torch.Generator().manual_seed(1)
-    positions = torch.randperm(n, generator=generator)[:300].sort().values
-    options = KernelOptions(isa=_get_attn_isa(torch.float32, block, shape.head_dim, "auto"))
-    blocks = (n + block - 1) // block
-    kv_cache = torch.randn(blocks, shape.num_kv_heads, block, 2 * shape.head_dim, generator=generator)
-    query = torch.randn(positions.numel(), shape.num_heads, shape.head_dim, generator=generator)
-
-    def attend(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        starts, seq_lens = causal_runs(rows)
-        table = torch.arange(blocks, dtype=torch.int32)[None].expand(seq_lens.numel(), -1).contiguous()
-        scheduler = scheduler_metadata(shape, torch.float32, starts, seq_lens, options)
-        return attend_runs(q, kv_cache, (starts, seq_lens, table, scheduler), 0.125, options)
-
+    kernel = PagedKernel(seed=1)
+    shape, positions = kernel.shape, kernel.positions
+    kv_cache = kernel.randn(kernel.blocks, shape.num_kv_heads, kernel.block, 2 * shape.head_dim)
+    query = kernel.query()
     merged = merge_gaps(positions)
     assert merged.numel() > positions.numel()
     where = torch.searchsorted(merged, positions)
     padded = query.new_zeros((merged.numel(), *query.shape[1:])).index_copy_(0, where, query)
-    alone, together = attend(positions, query), attend(merged, padded).index_select(0, where)
+    alone = kernel.attend(positions, query, kv_cache)
+    together = kernel.attend(merged, padded, kv_cache).index_select(0, where)
     assert (alone - together).abs().max().item() <= 1e-5
+
+
+def test_auto_keeps_the_kernel_that_attended_fastest_for_each_size():
+    choice = AttentionChoice("auto", trials=2)
+    keys = 6210  # size class 8192
+    # layer 0 warms vLLM's kernel up untimed; then the kernels in turn until each has attended two layers
+    turns = [choice.kernel(keys, layer) for layer in range(8)]
+    assert turns == ["vllm", *KERNELS, *KERNELS, "vllm"]
+    times = {"vllm": 0.071, "vllm_unmerged": 0.088, "runtime": 0.060}
+    for layer, kernel in enumerate(turns[:7]):
+        assert not choice.chosen
+        choice.record(keys, layer, kernel, 9.0 if layer == 0 else times[kernel])
+    assert choice.chosen == {8192: "runtime"}
+    assert choice.report() == {
+        "8192": {"chosen": "runtime", "ms_per_layer": {k: v * 1e3 for k, v in times.items()}}
+    }
+    assert {choice.kernel(keys, layer) for layer in range(30)} == {"runtime"}
+    assert choice.kernel(5000, 7) == "runtime"  # the same size class
+    assert choice.kernel(3133, 1) == "vllm" and choice.kernel(3133, 3) == "runtime"  # 4096: undecided
+    times = {"vllm": 0.016, "vllm_unmerged": 0.014, "runtime": 0.016}
+    for layer in range(1, 7):
+        kernel = choice.kernel(3133, layer)
+        choice.record(3133, layer, kernel, times[kernel])
+    assert choice.chosen == {8192: "runtime", 4096: "vllm_unmerged"}
+    for mode in ("vllm", "runtime"):
+        fixed = AttentionChoice(mode)
+        fixed.record(keys, 1, mode, 1.0)
+        assert {fixed.kernel(keys, layer) for layer in range(4)} == {mode} and not fixed.chosen
+
+
+def test_the_runtime_kernel_gives_the_selected_rows_vllms_output():
+    """The two kernels AttentionChoice picks between attend a selection alike: our runtime's masked SDPA
+    blocks over the K/V laid out contiguously give vLLM's kernel's output over the same K/V written into a
+    paged cache by vLLM's own cache update."""
+    kernel = PagedKernel(seed=2)
+    from types import SimpleNamespace
+
+    from vllm import _custom_ops as ops
+
+    from cacheblend_rag.models.runtime import AttentionMask, LayerwiseModel
+
+    shape, n, block = kernel.shape, kernel.n, kernel.block
+    keys, values = (kernel.randn(1, shape.num_kv_heads, n, shape.head_dim) for _ in "kv")
+    kv_cache = torch.zeros(kernel.blocks, shape.num_kv_heads, block, 2 * shape.head_dim)
+    key_cache, value_cache = kv_cache.view(kernel.blocks, shape.num_kv_heads, 2 * block, -1).chunk(2, dim=2)
+    token_major = [t[0].transpose(0, 1).contiguous() for t in (keys, values)]  # [n, Hkv, d]
+    ops.cpu_attn_reshape_and_cache(*token_major, key_cache, value_cache, torch.arange(n), kernel.options.isa)
+    query = kernel.query()
+    paged = kernel.attend(kernel.positions, query, kv_cache)
+
+    mask = AttentionMask.for_positions(kernel.positions, n)
+    assert mask.blocks  # the scattered rows' shape, attended in row blocks
+    runtime = SimpleNamespace(attention_token_layers=0, scaling=0.125)
+    ours = LayerwiseModel.attend(runtime, query.transpose(0, 1)[None], keys, values, mask)
+    assert (ours.view_as(paged) - paged).abs().max().item() <= 1e-5

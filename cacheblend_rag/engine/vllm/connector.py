@@ -229,8 +229,11 @@ class CacheBlendConnector(KVConnectorBase_V1):
             "fusion_s": fused_s,
             "write_s": time.perf_counter() - started - fused_s,
             "load_wait_s": fusion.load_wait_s,
-            # layers whose fused rows vLLM's attention kernel attended in its paged cache
+            # layers whose fused K/V the fusion wrote into vLLM's paged cache in place, and by which
+            # kernel their rows were attended (vLLM's over the paged cache, or our runtime's: paged.py)
             "paged_layers": len(written),
+            "attention_kernels": dict(target.kernels) if target is not None else {},
+            "attention_choice": blender.attention_report(),
             "fused_token_layers": sum(fusion.attended_tokens_per_layer),
             # the template's opening, reused exactly (its KV kept in the worker, computed on a miss)
             "exact_head": exact_head(fusion),

@@ -196,6 +196,7 @@ class VLLMEngine(PromptSegments):
                     "kv_remote": store_options.remote or "",
                     "chunk_context": list(self.chunk_context.token_ids),
                     "share_weights": share_weights,
+                    "fusion_attention": config.vllm_fusion_attention,
                 },
             ),
             "worker_extension_cls": WORKER_EXTENSION,

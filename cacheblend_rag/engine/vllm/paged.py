@@ -17,18 +17,33 @@ final (the cached chunks placed, the selected rows' fresh K/V written over them,
    runs, their lengths and the kernel's scheduler metadata are the same at every layer of one
    selection, so they are built once per selection.
 
+Which kernel attends a scattered selection fastest depends on the processor and the prompt's size: on an
+Intel Xeon with AMX our runtime's masked SDPA blocks attend a 12 x 512 selection faster than vLLM's kernel
+even after merging (``scripts/vllm_attention_runs.py``: 63.8 against 73.1 ms per layer) while vLLM's
+kernel over the runs as selected is the fastest at 6 x 512; on an AMD EPYC vLLM's kernel was almost twice
+as fast as ours. :class:`AttentionChoice` therefore times the candidates on the first selections of each
+size in this process (its layers take them in turn; each layer is attended once, by one kernel) and
+keeps the fastest; the other shapes (a full causal prefill, a suffix, the last layer's one row) always
+take vLLM's kernel. Either way the layer's K/V are written into the paged cache first.
+
 Only vLLM's CPU backend is driven so; on another backend (CUDA), or outside a connector load (chunk
 precompute), attention is our runtime's and the connector writes the fused K/V after the fusion.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from ...models.runtime import QKV, AttentionMask, LayerwiseModel, ModelShape
+
+log = logging.getLogger(__name__)
+
+FusionAttention = Literal["auto", "vllm", "runtime"]
 
 
 def is_cpu_attention(layer: Any) -> bool:
@@ -48,9 +63,10 @@ class PagedTarget:
     start: int
     num_tokens: int
     written: set[int] = field(default_factory=set)  # layers whose K/V went into the paged cache
+    kernels: dict[str, int] = field(default_factory=dict)  # layers attended, by kernel (KERNELS)
     _slots: torch.Tensor | None = None
     _blocks: torch.Tensor | None = None
-    _runs: tuple[AttentionMask, tuple[Any, ...]] | None = None
+    _runs: tuple[AttentionMask, dict[int, Any]] | None = None  # a selection's kernel inputs by gap
 
     def slots(self) -> torch.Tensor:
         if self._slots is None:
@@ -205,12 +221,84 @@ def attend_runs(
     return output
 
 
+# The kernels a scattered selection may be attended with: vLLM's over runs merged across gaps of at most
+# MERGE_GAP, vLLM's over the runs as selected, our runtime's masked SDPA blocks
+KERNELS = ("vllm", "vllm_unmerged", "runtime")
+RUN_GAPS = {"vllm": MERGE_GAP, "vllm_unmerged": 0}
+
+
+@dataclass
+class AttentionChoice:
+    """Which kernel attends a fusion's scattered rows: ``"vllm"`` (vLLM's paged kernel, runs merged
+    across small gaps), ``"runtime"`` (our runtime's masked SDPA blocks over the fusion's own copy of the
+    K/V), or ``"auto"``: the fastest of :data:`KERNELS` on this processor, timed on real fusions. For each
+    size (key length, to a power of two) the first selections' layers take the kernels in turn after an
+    untimed first layer, until each has attended ``trials`` layers (a selection's layers all do the same
+    work); the kernel with the smallest total is kept for that size in this process, so answers stay
+    reproducible within it once chosen."""
+
+    mode: FusionAttention = "auto"
+    trials: int = 3
+    chosen: dict[int, str] = field(default_factory=dict)
+    seconds: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+
+    @staticmethod
+    def size(key_length: int) -> int:
+        """The size class of a fusion over ``key_length`` keys (the power of two at or above it)."""
+        return 1 << max(key_length - 1, 0).bit_length()
+
+    def kernel(self, key_length: int, layer: int) -> str:
+        """The kernel to attend layer ``layer`` of a selection over ``key_length`` keys."""
+        if self.mode != "auto":
+            return self.mode
+        found = self.chosen.get(self.size(key_length))
+        if found is not None:
+            return found
+        # layer 0 (untimed) warms vLLM's kernel up; then the kernels in turn
+        return KERNELS[(layer - 1) % len(KERNELS)] if layer else KERNELS[0]
+
+    def report(self) -> dict[str, Any]:
+        """For each size class timed: the kernel chosen (None while undecided) and each kernel's mean
+        milliseconds per layer over its trials."""
+        return {
+            str(size): {
+                "chosen": self.chosen.get(size),
+                "ms_per_layer": {
+                    name: round(1e3 * sum(times) / len(times), 2) for name, times in timed.items() if times
+                },
+            }
+            for size, timed in self.seconds.items()
+        }
+
+    def record(self, key_length: int, layer: int, kernel: str, seconds: float) -> None:
+        """Count one layer's attention time while the kernel for this size is undecided."""
+        size = self.size(key_length)
+        if self.mode != "auto" or layer == 0 or size in self.chosen:
+            return
+        timed = self.seconds.setdefault(size, {name: [] for name in KERNELS})
+        timed[kernel].append(seconds)
+        if all(len(times) >= self.trials for times in timed.values()):
+            per_layer = {name: 1e3 * sum(times[: self.trials]) / self.trials for name, times in timed.items()}
+            self.chosen[size] = min(per_layer, key=per_layer.__getitem__)
+            log.info(
+                "fusion attention over up to %d keys: %s (ms per layer: %s)",
+                size,
+                self.chosen[size],
+                ", ".join(f"{name} {ms:.1f}" for name, ms in per_layer.items()),
+            )
+
+
 class PagedLayerwiseModel(LayerwiseModel):
     """A :class:`LayerwiseModel` that, while a :class:`PagedTarget` is set (one connector load), writes
-    each layer's fused K/V into vLLM's paged cache and attends the fused rows with vLLM's kernel."""
+    each layer's fused K/V into vLLM's paged cache and attends the fused rows with vLLM's kernel (or, for a
+    scattered selection, with our runtime's where :class:`AttentionChoice` finds that faster)."""
 
     target: PagedTarget | None = None
     _layer = 0
+
+    def __init__(self, *args: Any, attention: FusionAttention = "auto", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.attention_choice = AttentionChoice(attention)
 
     def project_qkv(self, layer: int, hidden, positions, cos_sin=None) -> QKV:
         self._layer = layer  # attend() of this layer comes next (blend/layers.run_layer)
@@ -224,10 +312,31 @@ class PagedLayerwiseModel(LayerwiseModel):
         if target is None or q.shape[0] != 1 or keys.shape[2] != target.num_tokens:
             return super().attend(q, keys, values, mask)  # not the request's fusion (a chunk precompute)
         layer = target.layers[self._layer]
-        runs = self._runs(target, mask, q.shape[2], keys.shape[2], layer)
-        if runs is None:
-            return super().attend(q, keys, values, mask)
+        if not mask.blocks:  # a causal prefill, a suffix or one row: vLLM's kernel
+            runs = self._runs(target, mask, q.shape[2], keys.shape[2], layer, MERGE_GAP)
+            if runs is None:
+                return super().attend(q, keys, values, mask)
+            self._write(target, layer, keys, values)
+            target.kernels["vllm"] = target.kernels.get("vllm", 0) + 1
+            return self._attend_paged(q, layer, runs)
+        choice = self.attention_choice
+        kernel = choice.kernel(target.num_tokens, self._layer)
+        # what each kernel builds once per selection is built before the clock starts
+        runs = None
+        if kernel != "runtime":
+            runs = self._runs(target, mask, q.shape[2], keys.shape[2], layer, RUN_GAPS[kernel])
+        else:
+            mask.additive(q.dtype)
         self._write(target, layer, keys, values)
+        started = time.perf_counter()
+        out = super().attend(q, keys, values, mask) if runs is None else self._attend_paged(q, layer, runs)
+        used = kernel if runs is not None else "runtime"
+        choice.record(target.num_tokens, self._layer, used, time.perf_counter() - started)
+        target.kernels[used] = target.kernels.get(used, 0) + 1
+        return out
+
+    def _attend_paged(self, q: torch.Tensor, layer: Any, runs) -> torch.Tensor:
+        """``q``'s rows attended by vLLM's kernel over the request's paged cache."""
         kernel_runs, rows, attended = runs
         query = q[0].transpose(0, 1)  # [S, H, d], token-major as vLLM's forward has it
         if rows is None:
@@ -240,17 +349,23 @@ class PagedLayerwiseModel(LayerwiseModel):
         self.attention_token_layers += q.shape[2]
         return output.view(1, q.shape[2], -1)
 
-    def _runs(self, target: PagedTarget, mask: AttentionMask, rows: int, key_length: int, layer: Any):
-        """The kernel's inputs for ``mask``'s rows, built once per selection (one mask serves its layers):
-        (kernel runs, where the selected rows sit among the merged runs' rows or None when every row is
-        selected, how many rows the merged runs hold)."""
-        if target._runs is not None and target._runs[0] is mask:
-            return target._runs[1]
+    def _runs(
+        self, target: PagedTarget, mask: AttentionMask, rows: int, key_length: int, layer: Any, gap: int
+    ):
+        """The kernel's inputs for ``mask``'s rows with runs merged across gaps of at most ``gap``, built
+        once per selection (one mask serves its layers): (kernel runs, where the selected rows sit among
+        the merged runs' rows or None when every row is selected, how many rows the merged runs hold)."""
+        if target._runs is None or target._runs[0] is not mask:
+            target._runs = (mask, {})
+        built = target._runs[1]
+        if gap in built:
+            return built[gap]
         positions = mask_positions(mask, rows, key_length)
         if positions is None or positions.numel() != rows:
+            built[gap] = None
             return None
         positions = positions.cpu()
-        attended = merge_gaps(positions)
+        attended = merge_gaps(positions, gap)
         query_start, seq_lens = causal_runs(attended)
         options = KernelOptions.of(layer)
         scheduler = scheduler_metadata(self.shape, self.dtype, query_start, seq_lens, options)
@@ -259,7 +374,7 @@ class PagedLayerwiseModel(LayerwiseModel):
         if attended.numel() != positions.numel():
             where = torch.searchsorted(attended, positions).to(target.layers[0].kv_cache.device)
         runs = (kernel_runs, where, attended.numel())
-        target._runs = (mask, runs)
+        built[gap] = runs
         return runs
 
     def _write(self, target: PagedTarget, layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:

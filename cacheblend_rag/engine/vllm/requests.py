@@ -7,7 +7,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,9 +32,13 @@ class VLLMGenerationResult(GenerationResult):
     vllm_cached_tokens: int = 0  # vLLM's own count: prefix-cache hits plus external tokens
     fusion_s: float = 0.0  # the worker's fusion (store reads included), part of ttft_s
     kv_write_s: float = 0.0  # writing the fused K/V into vLLM's paged cache, part of ttft_s
-    # layers whose fused rows vLLM's attention kernel attended in its paged cache, where the fusion also
-    # wrote their K/V (engine/vllm/paged.py; 0: the fusor's own attention, K/V written after the fusion)
+    # layers whose fused K/V the fusion wrote into vLLM's paged cache in place (engine/vllm/paged.py; 0: the
+    # fusor's own attention, K/V written after the fusion), and how many layers each kernel attended
+    # ("vllm", "vllm_unmerged": vLLM's over the paged cache; "runtime": ours, paged.AttentionChoice)
     paged_layers: int = 0
+    attention_kernels: dict[str, int] = field(default_factory=dict)
+    # the worker's choice of that kernel so far: by size class, the kernel chosen and each one's timing
+    attention_choice: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -170,6 +174,8 @@ def build_result(
         fusion_s=float(stats.get("fusion_s", 0.0)),
         kv_write_s=float(stats.get("write_s", 0.0)),
         paged_layers=int(stats.get("paged_layers", 0)),
+        attention_kernels=dict(stats.get("attention_kernels") or {}),
+        attention_choice=dict(stats.get("attention_choice") or {}),
         diagnostics=(
             diagnostics(request, stats, cached, vocab_size) if request.sampling.diagnostics else None
         ),

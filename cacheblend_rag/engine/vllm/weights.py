@@ -34,7 +34,7 @@ from ...errors import CacheBlendError
 from ...models.loader import check_supported, config_rope, model_shape
 from ...models.runtime import LayerwiseModel, ModelShape
 from ...models.tokenizer import generation_config, load_model_tokenizer
-from .paged import PagedLayerwiseModel
+from .paged import FusionAttention, PagedLayerwiseModel
 
 
 class UnknownLayoutError(CacheBlendError):
@@ -224,11 +224,16 @@ def layout_problem(vllm_model: nn.Module, config: Any) -> str | None:
 
 
 def layerwise_over_vllm(
-    vllm_model: nn.Module, path: Path, dtype: torch.dtype, home: Path | None = None
+    vllm_model: nn.Module,
+    path: Path,
+    dtype: torch.dtype,
+    home: Path | None = None,
+    attention: FusionAttention = "auto",
 ) -> LayerwiseModel:
     """A :class:`LayerwiseModel` over ``vllm_model``'s own modules (the model at ``path``, loaded by vLLM
-    in ``dtype``; ``home``: the cache directory of its checksums); raises :class:`UnknownLayoutError`
-    when they are not laid out as expected."""
+    in ``dtype``; ``home``: the cache directory of its checksums; ``attention``: which kernel attends a
+    scattered selection, :class:`~.paged.AttentionChoice`); raises :class:`UnknownLayoutError` when they
+    are not laid out as expected."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -250,6 +255,7 @@ def layerwise_over_vllm(
         tokenizer=identity.tokenizer,
         fingerprint=identity.fingerprint,
         name=identity.name,
+        attention=attention,
     )
 
 

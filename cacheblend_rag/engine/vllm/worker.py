@@ -56,12 +56,14 @@ def fusion_model(
 ) -> tuple[LayerwiseModel, str]:
     """The model the fusor runs on and where its weights come from (:data:`SHARED` or :data:`COPY`):
     vLLM's own modules when their layout is known, else our own copy of the model. ``config``: the
-    connector's extra config (``model``, and ``home``, the cache directory, when the engine sent one)."""
+    connector's extra config (``model``; ``home``, the cache directory, and ``fusion_attention``, which
+    kernel attends a scattered selection, when the engine sent them)."""
     path = Path(config["model"])
     values = Config(home=Path(config["home"])) if config.get("home") else DEFAULTS
     if config.get("share_weights", True):
         try:
-            return layerwise_over_vllm(vllm_model, path, dtype, values.home), SHARED
+            attention = config.get("fusion_attention", "auto")
+            return layerwise_over_vllm(vllm_model, path, dtype, values.home, attention), SHARED
         except UnknownLayoutError as exc:
             log.warning(
                 "CacheBlend fusion loads its own copy of %s (a second copy of the weights): vLLM's %s is "
@@ -160,6 +162,12 @@ class WorkerBlender:
     def pages(self) -> bool:
         """Whether fusion can write into vLLM's paged cache and attend there (:mod:`.paged`)."""
         return isinstance(self.engine.model, PagedLayerwiseModel)
+
+    def attention_report(self) -> dict[str, Any]:
+        """Which kernel attends scattered selections, by size, and what each cost when timed
+        (:meth:`.paged.AttentionChoice.report`; empty when fusion does not attend in the paged cache)."""
+        model = self.engine.model
+        return model.attention_choice.report() if isinstance(model, PagedLayerwiseModel) else {}
 
     def ensure_chunks(self, chunks: Sequence[Sequence[int]]) -> int:
         """Precompute and store every chunk not yet in the store; returns the bytes written."""

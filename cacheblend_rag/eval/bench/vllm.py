@@ -175,6 +175,8 @@ def ttft_pair(engine, question: str, chunks: list[ChunkRef], config: BenchConfig
             "reused_tokens": blends[-1].reused_tokens,
             "recompute_ratio": blends[-1].recompute_ratio,
             "paged_layers": blends[-1].paged_layers,
+            "attention_kernels": [r.attention_kernels for r in blends],
+            "attention_choice": blends[-1].attention_choice,
             "fusion_s": [r.fusion_s for r in blends],
             "kv_write_s": [r.kv_write_s for r in blends],
             "store_load_wait_s": [r.load_wait_s for r in blends],
@@ -283,10 +285,18 @@ def _vllm_sizes(vllm: VllmResult) -> list[str]:
                 fmt(run.ttft_s[BLEND]),
                 fmt(run.speedup_full_over_cacheblend, 2),
                 fmt(run.same_first_token),
+                _kernels(run.cacheblend.get("attention_kernels")),
             ]
             for n, run in sorted(sizes.items(), key=lambda item: int(item[0]))
         ]
-        header = ["prompt", "vLLM full prefill (s)", "vLLM + CacheBlend (s)", "speed-up", "same first token"]
+        header = [
+            "prompt",
+            "vLLM full prefill (s)",
+            "vLLM + CacheBlend (s)",
+            "speed-up",
+            "same first token",
+            "fused layers by attention kernel (last run)",
+        ]
         lines += ["", table(header, rows)]
     agreement = vllm.first_token_agreement
     if agreement:
@@ -299,6 +309,13 @@ def _vllm_sizes(vllm: VllmResult) -> list[str]:
     if processor:
         lines += ["", f"Processor: {processor['cpu']}; SIMD: {' '.join(processor['simd']) or 'unknown'}."]
     return lines
+
+
+def _kernels(per_run: list[dict[str, int]] | None) -> str:
+    """The last CacheBlend run's layers by the kernel that attended them (older results: unknown)."""
+    if not per_run or not per_run[-1]:
+        return "-"
+    return ", ".join(f"{name} {layers}" for name, layers in sorted(per_run[-1].items()))
 
 
 def _vllm_memory(memory: dict[str, Any] | None) -> list[str]:
