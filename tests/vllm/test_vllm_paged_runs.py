@@ -114,6 +114,8 @@ def test_auto_keeps_the_kernel_that_attended_fastest_for_each_size():
         fixed = AttentionChoice(mode)
         fixed.record(keys, 1, mode, 1.0)
         assert {fixed.kernel(keys, layer) for layer in range(4)} == {mode} and not fixed.chosen
+    with pytest.raises(ValueError, match="'auto', 'vllm' or 'runtime', got 'fast'"):
+        AttentionChoice("fast")  # type: ignore[arg-type]
 
 
 def test_the_runtime_kernel_gives_the_selected_rows_vllms_output():

@@ -242,6 +242,12 @@ class AttentionChoice:
     chosen: dict[int, str] = field(default_factory=dict)
     seconds: dict[int, dict[str, list[float]]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "vllm", "runtime"):
+            raise ValueError(f"fusion attention must be 'auto', 'vllm' or 'runtime', got {self.mode!r}")
+        if self.trials < 1:
+            raise ValueError(f"AttentionChoice needs at least one trial per kernel, got {self.trials}")
+
     @staticmethod
     def size(key_length: int) -> int:
         """The size class of a fusion over ``key_length`` keys (the power of two at or above it)."""
