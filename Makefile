@@ -112,7 +112,7 @@ eval: install
 		--json docs/results/eval-musique-heldout-256.json --markdown BENCHMARKS.md
 	$(EVAL) --data musique-heldout --chunk-tokens 128 --top-k 12 --ratios 0.15 --limit 30 \
 		--json docs/results/eval-musique-heldout-128-top12.json --markdown BENCHMARKS.md
-	$(EVAL) --data musique-heldout --chunk-tokens 256 --top-k 12 --ratios 0.15 --limit 30 \
+	$(EVAL) --data musique-heldout --chunk-tokens 256 --top-k 12 --ratios 0.15 --limit 90 \
 		--json docs/results/eval-musique-heldout-256-top12.json --markdown BENCHMARKS.md
 	$(MAKE) pareto
 
