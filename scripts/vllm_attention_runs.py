@@ -66,19 +66,23 @@ def main() -> None:
         f"kernel isa {options.isa}, split kv {envs.VLLM_CPU_ATTN_SPLIT_KV}"
     )
 
+    def median_ms(attend) -> float:
+        """Median milliseconds of ``attend()`` over ``--repeats`` calls after one warm-up call."""
+        attend()
+        walls = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            attend()
+            walls.append(time.perf_counter() - started)
+        return 1000 * statistics.median(walls)
+
     def per_layer_ms(positions: torch.Tensor) -> tuple[float, int]:
         query_start, seq_lens = causal_runs(positions)
         table = torch.arange(blocks, dtype=torch.int32)[None].expand(seq_lens.numel(), -1).contiguous()
         scheduler = scheduler_metadata(shape, torch.float32, query_start, seq_lens, options)
         runs = (query_start, seq_lens, table, scheduler)
         query = torch.randn(positions.numel(), shape.num_heads, shape.head_dim)
-        attend_runs(query, kv_cache, runs, model.scaling, options)
-        walls = []
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            attend_runs(query, kv_cache, runs, model.scaling, options)
-            walls.append(time.perf_counter() - started)
-        return 1000 * statistics.median(walls), seq_lens.numel()
+        return median_ms(lambda: attend_runs(query, kv_cache, runs, model.scaling, options)), seq_lens.numel()
 
     variants = [("as selected", selected)]
     variants += [(f"gaps <= {gap} merged", merge_gaps(selected, gap)) for gap in (1, 2, 4, 8, 16)]
@@ -91,13 +95,7 @@ def main() -> None:
     mask = AttentionMask.for_positions(selected, n)
     keys, values = (torch.randn(1, shape.num_kv_heads, n, shape.head_dim) for _ in "kv")
     query = torch.randn(1, shape.num_heads, selected.numel(), shape.head_dim)
-    model.attend(query, keys, values, mask)
-    walls = []
-    for _ in range(args.repeats):
-        started = time.perf_counter()
-        model.attend(query, keys, values, mask)
-        walls.append(time.perf_counter() - started)
-    ms = 1000 * statistics.median(walls)
+    ms = median_ms(lambda: model.attend(query, keys, values, mask))
     flops = float((selected + 1).sum()) * 4 * shape.num_heads * shape.head_dim
     label = f"runtime's masked SDPA ({len(mask.blocks)} blocks)"
     print(f"{label:32s} {selected.numel():6d} {'-':>6s} {ms:9.2f} {flops / ms / 1e6:8.0f}")

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -63,7 +64,7 @@ class PagedTarget:
     start: int
     num_tokens: int
     written: set[int] = field(default_factory=set)  # layers whose K/V went into the paged cache
-    kernels: dict[str, int] = field(default_factory=dict)  # layers attended, by kernel (KERNELS)
+    kernels: Counter[str] = field(default_factory=Counter)  # layers attended, by kernel (KERNELS)
     _slots: torch.Tensor | None = None
     _blocks: torch.Tensor | None = None
     _runs: tuple[AttentionMask, dict[int, Any]] | None = None  # a selection's kernel inputs by gap
@@ -243,7 +244,7 @@ class AttentionChoice:
     seconds: dict[int, dict[str, list[float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("auto", "vllm", "runtime"):
+        if self.mode not in get_args(FusionAttention):
             raise ValueError(f"fusion attention must be 'auto', 'vllm' or 'runtime', got {self.mode!r}")
         if self.trials < 1:
             raise ValueError(f"AttentionChoice needs at least one trial per kernel, got {self.trials}")
@@ -323,7 +324,7 @@ class PagedLayerwiseModel(LayerwiseModel):
             if runs is None:
                 return super().attend(q, keys, values, mask)
             self._write(target, layer, keys, values)
-            target.kernels["vllm"] = target.kernels.get("vllm", 0) + 1
+            target.kernels["vllm"] += 1
             return self._attend_paged(q, layer, runs)
         choice = self.attention_choice
         kernel = choice.kernel(target.num_tokens, self._layer)
@@ -338,7 +339,7 @@ class PagedLayerwiseModel(LayerwiseModel):
         out = super().attend(q, keys, values, mask) if runs is None else self._attend_paged(q, layer, runs)
         used = kernel if runs is not None else "runtime"
         choice.record(target.num_tokens, self._layer, used, time.perf_counter() - started)
-        target.kernels[used] = target.kernels.get(used, 0) + 1
+        target.kernels[used] += 1
         return out
 
     def _attend_paged(self, q: torch.Tensor, layer: Any, runs) -> torch.Tensor:
