@@ -120,13 +120,17 @@ eval: install
 # cases, every row with the default chunk KV codec (int8); BENCHMARKS.md's pareto-* sections.
 AUTO_SPEC := cacheblend@ratio=0.5,budget=auto,target=
 AUTO := $(AUTO_SPEC)0.5,$(AUTO_SPEC)0.7,$(AUTO_SPEC)0.85
+# budget=margin (the whole ratio where full reuse's first token leads by less than `confident`), three rules
+# chosen on the development split at 128 tokens (docs/fusor.md, scripts/margin_budget.py)
+MARGIN_SPEC := cacheblend@ratio=0.3,budget=margin,min_ratio=0.05,confident=
+MARGIN := $(MARGIN_SPEC)0.05,$(MARGIN_SPEC)0.1,cacheblend@ratio=0.5,budget=margin,min_ratio=0.15,confident=0.1
 FIXED := full_recompute,cacheblend@0.05,cacheblend@0.1,cacheblend@0.15,cacheblend@0.3
 pareto: install
-	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --limit 30 --methods $(FIXED),$(AUTO) \
+	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --limit 30 --methods $(FIXED),$(AUTO),$(MARGIN) \
 		--json docs/results/eval-musique-heldout-512-budget.json
 	$(PY) scripts/budget_pareto.py docs/results/eval-musique-heldout-512-budget.json --markdown BENCHMARKS.md
 	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --chunk-tokens 128 --limit 30 \
-		--methods full_recompute,cacheblend@0.1,$(AUTO) \
+		--methods full_recompute,cacheblend@0.1,$(AUTO),$(MARGIN) \
 		--json docs/results/eval-musique-heldout-128-budget.json
 	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --chunk-tokens 128 --limit 30 \
 		--methods full_recompute,full_reuse,epic,cacheblend@0.05,cacheblend@0.15,cacheblend@0.3,cacheblend@0.5 \
@@ -146,9 +150,14 @@ check-sample: install
 		$(if $(CHECK_RATIOS),--ratios $(CHECK_RATIOS)) \
 		&& echo "check took $$(( $$(date +%s) - start )) s (ingest not counted)"
 
-# The development sweep that chose cacheblend's defaults (about an hour on two quiet cores; docs/fusor.md).
+# The development sweep that chose cacheblend's defaults (about an hour on two quiet cores; docs/fusor.md),
+# then fixed ratios at 128 tokens (~12 minutes) from which budget=margin's rules were chosen.
 tune: install
 	$(VENV)/bin/cacheblend-rag tune --json docs/results/tune-musique-512.json --markdown docs/fusor.md
+	$(VENV)/bin/cacheblend-rag tune full_reuse cacheblend@0.05 cacheblend@0.15 cacheblend@0.3 cacheblend@0.5 \
+		--chunk-tokens 128 --json docs/results/tune-musique-128-grid.json
+	$(PY) scripts/margin_budget.py docs/results/tune-musique-128-grid.json --confident 0.05,0.1,0.2 \
+		--lows 0,0.05,0.15 --highs 0.3,0.5 --markdown docs/fusor.md
 
 # scripts/gpu_check.py on a GPU machine without network (Python 3.12, torch and numpy there): the wheels
 # of the pure-Python packages our blend/models layers import, and pydantic-core's manylinux build, into

@@ -5,9 +5,10 @@
 Reads ``eval`` results files of one data set and chunk size (e.g. the plain held-out run and a run of the
 budget variants on its first cases), keeps the cases every file holds, and prints one row per method:
 mean share of cached tokens recomputed (with its spread over cases), compute fraction, first-token KL,
-first-token agreement and agreement F1, all against full prefill. Each ``budget=auto`` row is set beside
-the fixed ratios at the same mean compute fraction (linear between the two fixed rows around it): the
-budget dominates there when its KL is lower and its agreement F1 higher. ``--markdown`` writes the table
+first-token agreement and agreement F1, all against full prefill. Each per-request budget row
+(``budget=auto`` or ``budget=margin``) is set beside the fixed ratios at the same mean compute fraction
+(linear between the two fixed rows around it): the budget dominates there when its KL is lower and its
+agreement F1 higher; its first-token agreement is set beside theirs too. ``--markdown`` writes the table
 into that file's section ``pareto-<data>-<chunk tokens>``. Reads JSON only; no model runs.
 """
 
@@ -48,7 +49,7 @@ def _row(records: list[dict]) -> dict[str, float]:
     return row
 
 
-def _fixed_at(fixed: list[dict[str, float]], compute: float, metric: str) -> float | None:
+def fixed_at(fixed: list[dict[str, float]], compute: float, metric: str) -> float | None:
     """The fixed ratios' ``metric`` at ``compute`` (linear between the neighbouring rows), if inside."""
     for low, high in itertools.pairwise(fixed):
         if low["compute_fraction"] <= compute <= high["compute_fraction"]:
@@ -56,6 +57,11 @@ def _fixed_at(fixed: list[dict[str, float]], compute: float, metric: str) -> flo
             t = (compute - low["compute_fraction"]) / span if span else 0.0
             return low[metric] + t * (high[metric] - low[metric])
     return None
+
+
+def _is_budget(label: str) -> bool:
+    """Whether a method label names a per-request budget (budget=auto or budget=margin)."""
+    return "budget=auto" in label or "budget=margin" in label
 
 
 def _codec(config: dict) -> str:
@@ -73,15 +79,16 @@ def render(paths: list[Path], markdown: Path | None = None) -> str:
         if all(i in by_case for i in ids) and label.startswith(("cacheblend", "full_reuse", "epic"))
     }
     fixed = sorted(
-        (r for label, r in rows.items() if label.startswith("cacheblend") and "budget=auto" not in label),
+        (r for label, r in rows.items() if label.startswith("cacheblend") and not _is_budget(label)),
         key=lambda r: r["compute_fraction"],
     )
     body = []
     for label, r in sorted(rows.items(), key=lambda item: item[1]["compute_fraction"]):
-        kl_fixed = f1_fixed = verdict = None
-        if "budget=auto" in label:
-            kl_fixed = _fixed_at(fixed, r["compute_fraction"], "kl_first_token")
-            f1_fixed = _fixed_at(fixed, r["compute_fraction"], "agreement_f1")
+        kl_fixed = f1_fixed = agreement_fixed = verdict = None
+        if _is_budget(label):
+            kl_fixed = fixed_at(fixed, r["compute_fraction"], "kl_first_token")
+            f1_fixed = fixed_at(fixed, r["compute_fraction"], "agreement_f1")
+            agreement_fixed = fixed_at(fixed, r["compute_fraction"], "first_token_agreement")
             if kl_fixed is not None and f1_fixed is not None:
                 better = r["kl_first_token"] < kl_fixed and r["agreement_f1"] > f1_fixed
                 verdict = "dominates" if better else "does not dominate"
@@ -95,6 +102,7 @@ def render(paths: list[Path], markdown: Path | None = None) -> str:
                 fmt(r["agreement_f1"]),
                 fmt(kl_fixed) if kl_fixed is not None else "-",
                 fmt(f1_fixed) if f1_fixed is not None else "-",
+                fmt(agreement_fixed, 3) if agreement_fixed is not None else "-",
                 verdict or "-",
             ]
         )
@@ -107,6 +115,7 @@ def render(paths: list[Path], markdown: Path | None = None) -> str:
         "agreement F1",
         "fixed r at equal compute: KL",
         "fixed r: agreement F1",
+        "fixed r: first-token agreement",
         "budget",
     ]
     command = "python scripts/budget_pareto.py " + " ".join(str(p) for p in paths)
@@ -123,7 +132,9 @@ def render(paths: list[Path], markdown: Path | None = None) -> str:
         "",
         "Fidelity against full prefill on the cases every results file holds (means over cases; these do",
         "not depend on the machine's load). `budget=auto` recomputes the fewest cached tokens whose",
-        "question-attention contribution covers `target` of it, between 2 % and `ratio` of them.",
+        "question-attention contribution covers `target` of it, between `min_ratio` (2 % unless named) and",
+        "`ratio` of them; `budget=margin` recomputes `min_ratio` of them when full reuse's next token leads",
+        "its second by `confident` or more, rising linearly to `ratio` as that lead falls to 0.",
         f"Chunk KV codec: {', '.join(sorted(codecs))}"
         + (" (the files differ: rows from different files are not comparable)" if len(codecs) > 1 else "."),
         "",

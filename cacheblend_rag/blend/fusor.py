@@ -297,10 +297,11 @@ class Fusor:
 
 def _run_probes(model: LayerwiseModel, probes: list[ProbePass]) -> None:
     """Each probe's layers (the first ``probe.layers``), those that share a layer in one batch; a probe's
-    last layer stops before attention (only its K/V and what it records from q/k/v are needed)."""
+    last layer stops before attention (only its K/V and what it records from q/k/v are needed) unless it
+    was asked for the next token's logits."""
     for layer in range(max(probe.layers for probe in probes)):
         active = [probe for probe in probes if layer < probe.layers]
-        run_layer(model, layer, active, finish=any(layer < probe.layers - 1 for probe in active))
+        run_layer(model, layer, active, finish=any(probe.finishes(layer) for probe in active))
 
 
 class _Run:
@@ -337,7 +338,9 @@ class _Run:
         if self.probe_suffix:  # the same layout with the suffix's rows after it
             plan = FusionPlan.from_segments([*plan.segments, Segment.fresh(self.probe_suffix)])
         layers = self.method.probe_layers(self.model.num_layers)
-        return ProbePass(self.model, plan, self.cache, self.provider, place, layers)
+        # a suffix's last row is another question's: the prompt's own next token is not there
+        logits = self.method.probe_logits() and not self.probe_suffix
+        return ProbePass(self.model, plan, self.cache, self.provider, place, layers, logits)
 
     def begin(self, probe: ProbePass | None) -> None:
         """Take the probe's findings (when one ran) and the method's layer-0 positions."""
@@ -346,6 +349,7 @@ class _Run:
             result = probe.result()
             n = plan.num_tokens  # (a probe suffix's positions come after the prompt's)
             plan.query_attention, plan.query_contribution = result.attention[:n], result.contribution[:n]
+            plan.probe_logits = result.logits
             self.load_wait, self.probe_token_layers, self.placed_layers = (
                 result.load_wait_s,
                 result.token_layers,

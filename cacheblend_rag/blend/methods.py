@@ -92,6 +92,12 @@ class RecomputeMethod(BaseModel, ABC):
         default."""
         return num_layers
 
+    def probe_logits(self) -> bool:
+        """Whether the query probe should also finish its last layer and set ``plan.probe_logits`` (the
+        next token's logits over the cached chunks as they are) before :meth:`layer0_positions`; no by
+        default."""
+        return False
+
     def describe(self) -> dict[str, Any]:
         """The method and its options, JSON-able (what results report as ``method_options``)."""
         return {"method": self.name, **self.options()}
@@ -187,17 +193,25 @@ class CacheBlend(RecomputeMethod):
         description="query only: rank by the attention the question pays a token, or by that attention "
         "times the token's value norm (its contribution to the attention output)",
     )
-    budget: Literal["fixed", "auto"] = Field(
+    budget: Literal["fixed", "auto", "margin"] = Field(
         "fixed",
         description="query only: 'fixed' recomputes the ratio share of cached tokens; 'auto' the fewest "
         "tokens whose contribution covers 'target' of the question's attention to the cached tokens, "
-        "between min_ratio and ratio of them",
+        "between min_ratio and ratio of them; 'margin' ratio where the next token over the cached "
+        "chunks as they are could flip (see 'confident'), min_ratio where it is sure",
     )
     target: float = Field(
         0.5, gt=0.0, le=1.0, description="budget=auto: share of the question's attention to cover"
     )
     min_ratio: float = Field(
-        0.02, ge=0.0, le=1.0, description="budget=auto: fewest cached tokens recomputed, as a share"
+        0.02, ge=0.0, le=1.0, description="budget=auto/margin: fewest cached tokens recomputed, as a share"
+    )
+    confident: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="budget=margin: the lead of full reuse's next token (its probability minus the "
+        "second's, from the probe) under which ratio is recomputed; at or above it, min_ratio",
     )
     probe_depth: int = Field(
         0,
@@ -221,6 +235,10 @@ class CacheBlend(RecomputeMethod):
             raise ValueError("schedule needs at least one check layer, in increasing layer order")
         if layers[0] < 1:
             raise ValueError("the first check layer must be >= 1 (layer 0 is always computed in full)")
+        if self.budget == "margin" and (self.selection != "query" or self.probe_depth):
+            raise ValueError(
+                "budget='margin' needs selection='query' and a probe of every layer (probe_depth 0)"
+            )
         return self
 
     def uses_query_attention(self, plan: FusionPlan) -> bool:
@@ -228,6 +246,9 @@ class CacheBlend(RecomputeMethod):
 
     def probe_layers(self, num_layers: int) -> int:
         return min(self.probe_depth, num_layers) if self.probe_depth else num_layers
+
+    def probe_logits(self) -> bool:
+        return self.budget == "margin"
 
     def round_sharing(self) -> RoundSharing:
         # r = 1 promises each request its own full prefill: a shared blend keeps it only for requests
@@ -245,10 +266,21 @@ class CacheBlend(RecomputeMethod):
             ranked = torch.sort(score[cached], descending=True)
             if self.budget == "auto":
                 budget = self._covering(ranked.values, budget, plan)
+            elif self.budget == "margin" and plan.probe_logits is not None:
+                budget = min(budget, share_budget(self.margin_share(plan.probe_logits), plan))
             keep[cached[ranked.indices[:budget]]] = True
         elif budget:  # no probe ran (nothing cached to look at): every candidate is recomputed
             keep[cached] = True
         return keep.nonzero().squeeze(1)
+
+    def margin_share(self, logits: torch.Tensor) -> float:
+        """budget=margin: the share of cached tokens to recompute when the cached chunks as they are give
+        the next token ``logits``: ``ratio`` when its top probability leads the second by less than
+        ``confident`` (an answer that could flip gets the budget), else ``min_ratio`` (one that will not,
+        little). A step, so each request gets exactly what a fixed ratio of either value would give."""
+        top = torch.softmax(logits.float(), dim=-1).topk(2).values
+        sure = float(top[0] - top[1]) >= self.confident
+        return min(self.min_ratio, self.ratio) if sure else self.ratio
 
     def _covering(self, ranked: torch.Tensor, most: int, plan: FusionPlan) -> int:
         """budget=auto: how many of the best-ranked cached tokens cover ``target`` of the question's

@@ -25,6 +25,9 @@ class FusionPlan:
     query_attention: torch.Tensor | None = None
     # the same weighted by each position's value norm at each layer (ProbeResult.contribution)
     query_contribution: torch.Tensor | None = None
+    # the next token's logits ([V]) at the probe's last prompt row, over the cached chunks as they are
+    # (full reuse's first-token distribution); set only for methods that ask (RecomputeMethod.probe_logits)
+    probe_logits: torch.Tensor | None = None
 
     @classmethod
     def from_segments(cls, segments: list[Segment]) -> FusionPlan:

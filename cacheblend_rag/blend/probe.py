@@ -14,6 +14,8 @@ The probe leaves every cached chunk's K/V placed in the cache (re-rotated to its
 the layers it ran, so the pass that follows only overwrites the positions it recomputes there; nothing is
 loaded or rotated twice. A probe may run only the first ``layers`` layers (a method's
 ``probe_layers``): cheaper, and scored by those layers only; the pass that follows places the rest.
+A probe asked for ``logits`` finishes its last layer too and gives the next token's logits at its last
+row: the first-token distribution full reuse would answer with (a per-request budget reads how sure it is).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class ProbeResult:
     token_layers: int
     seconds: float
     load_wait_s: float
+    logits: torch.Tensor | None = None  # [V] at the last row, when the probe was asked for them
 
 
 def query_positions(plan: FusionPlan) -> torch.Tensor:
@@ -67,6 +70,7 @@ class ProbePass:
         provider: LayerKVProvider,
         place_cached: PlaceCached,
         layers: int | None = None,
+        logits: bool = False,
     ) -> None:
         self.started = time.perf_counter()
         device = model.device
@@ -79,6 +83,8 @@ class ProbePass:
         )
         n = plan.num_tokens
         self.layers = model.num_layers if layers is None else layers  # the first ones, 1..num_layers
+        # the next token's logits need every layer finished; a shallower probe only scores
+        self.wants_logits = logits and self.layers == model.num_layers
         self.positions = plan.must_compute.nonzero().squeeze(1).to(device)
         self.queries = query_positions(plan).to(device)
         self.hidden = model.embed(plan.token_ids[self.positions.cpu()][None].to(device)).to(model.dtype)
@@ -125,15 +131,24 @@ class ProbePass:
         self.model.attention_token_layers += q.shape[2]
         return _attention_output(probabilities, values[0]).to(q.dtype)
 
+    def finishes(self, layer: int) -> bool:
+        """Whether ``layer`` runs attention and MLP too (every layer but a scoring-only last one)."""
+        return layer < self.layers - 1 or self.wants_logits
+
     def result(self) -> ProbeResult:
+        logits = None
+        if self.wants_logits:
+            logits = self.model.logits(self.hidden[:, -1])[0].float().cpu()
+        finished = self.layers if self.wants_logits else self.layers - 1
         return ProbeResult(
             attention=self.attention.cpu(),
             contribution=self.contribution.cpu(),
             query_positions=self.queries.cpu(),
-            # attention and MLP ran at every probe layer but the last, which only scores
-            token_layers=self.positions.numel() * (self.layers - 1),
+            # attention and MLP ran at every probe layer it finished
+            token_layers=self.positions.numel() * finished,
             seconds=time.perf_counter() - self.started,
             load_wait_s=self.load_wait,
+            logits=logits,
         )
 
 

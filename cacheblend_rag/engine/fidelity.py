@@ -115,6 +115,9 @@ class MethodRecord:
     first_token_agreement: bool
     kl_first_token: float
     nll_reference: float | None = None
+    # how sure the method's first token was: its probability minus the runner-up's (full reuse's is what
+    # cacheblend's budget=margin reads from its probe)
+    first_token_margin: float | None = None
     # eval's scores against the gold answers
     gold: float | None = None
     nll_gold: float | None = None
@@ -194,10 +197,17 @@ def compare_methods(
             ),
             kl_first_token=kl_divergence(reference.logprobs, diagnostics.first_token_logprobs),
             nll_reference=ref_nll if nll_reference else None,
+            first_token_margin=first_token_margin(diagnostics.first_token_logprobs),
             nll_gold=scores[0] if continuation is not None else None,
             options=dict(run.spec.options) if run.spec.options else None,
         )
     return records, prompt_tokens
+
+
+def first_token_margin(logprobs: torch.Tensor) -> float:
+    """The first token's probability minus the runner-up's, from its log-probabilities."""
+    top = logprobs.float().exp().topk(2).values
+    return float(top[0] - top[1])
 
 
 def method_table(cases: Sequence[dict[str, Any]], labels: Sequence[str]) -> dict[str, dict[str, Any]]:

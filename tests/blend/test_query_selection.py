@@ -212,3 +212,71 @@ def test_auto_budget_covers_the_target_share_within_its_bounds():
     plan.query_attention = plan.query_contribution = torch.ones(plan.num_tokens)
     assert chosen(target=0.5, min_ratio=0.0, ratio=1.0) == 50
     assert get_method("cacheblend").budget == "fixed"  # the default is unchanged
+
+
+def test_margin_budget_spends_on_answers_that_could_flip():
+    """budget=margin: ratio when full reuse's next token leads its second by less than ``confident``,
+    min_ratio when it leads by that much or more; without the probe's logits (a round's shared blend)
+    ratio's budget."""
+    from cacheblend_rag.blend import get_method
+    from cacheblend_rag.blend.plan import FusionPlan
+
+    plan = FusionPlan.from_segments([Segment.cached(range(1, 101), object()), Segment.fresh([7, 8, 9])])
+    plan.query_attention = plan.query_contribution = torch.rand(plan.num_tokens)
+    method = get_method("cacheblend", ratio=0.4, budget="margin", min_ratio=0.1, confident=0.25)
+    assert method.probe_logits() and not get_method("cacheblend").probe_logits()
+
+    def logits_with(top: float, second: float) -> torch.Tensor:
+        rest = (1.0 - top - second) / 8
+        return torch.tensor([top, second] + [rest] * 8).log()
+
+    def chosen(logits: torch.Tensor | None) -> int:
+        plan.probe_logits = logits
+        return int(plan.cached_mask[method.layer0_positions(plan)].sum())
+
+    assert chosen(logits_with(0.9, 0.05)) == 10  # a lead of 0.85: min_ratio
+    assert chosen(logits_with(0.5, 0.2)) == 10  # a lead of 0.3 >= 0.25
+    assert chosen(logits_with(0.4, 0.2)) == 40  # a lead of 0.2 < 0.25: ratio
+    assert chosen(logits_with(0.4, 0.4)) == 40  # a tie
+    assert chosen(None) == 40
+    # the same tokens as the fixed ratio of that share
+    plan.probe_logits = logits_with(0.9, 0.05)
+    fixed = get_method("cacheblend", ratio=0.1).layer0_positions(plan)
+    assert torch.equal(method.layer0_positions(plan), fixed)
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [({"selection": "hkvd"}, "selection='query'"), ({"probe_depth": 4}, "probe_depth 0")],
+)
+def test_margin_budget_rejects_a_probe_that_cannot_give_logits(options, needle):
+    from cacheblend_rag.blend import get_method
+    from cacheblend_rag.errors import MethodOptionError
+
+    with pytest.raises(MethodOptionError, match=needle):
+        get_method("cacheblend", budget="margin", **options)
+
+
+def test_margin_probe_gives_full_reuses_first_token_and_sets_the_budget(model, prompts):
+    """The probe asked for logits finishes its last layer: its next-token logits are full reuse's (the
+    same cached KV, the fresh text computed by the probe's own attention), and the fusion recomputes the
+    share margin_share reads from them."""
+    segments, _ = prompts[1]
+    fusor = Fusor(model)
+    reuse = fusor.fuse(segments, FullReuse())
+    method = CacheBlend(ratio=0.5, budget="margin", min_ratio=0.05, confident=1.0)  # never sure: 0.5
+    fused = fusor.fuse(segments, method)
+    probe_logits = fused.plan.probe_logits
+    assert probe_logits is not None and probe_logits.shape == reuse.logits.shape
+    torch.testing.assert_close(probe_logits, reuse.logits.float(), atol=2e-4, rtol=1e-4)
+    fresh = int(fused.plan.must_compute.sum())
+    assert fused.probe_token_layers == model.num_layers * fresh  # the last layer finished too
+    assert method.margin_share(probe_logits) == 0.5
+    same = fusor.fuse(segments, CacheBlend(ratio=0.5))
+    assert torch.equal(fused.selected, same.selected) and torch.equal(fused.logits, same.logits)
+    sure = CacheBlend(ratio=0.5, budget="margin", min_ratio=0.05, confident=1e-6)  # always sure: 0.05
+    assert torch.equal(
+        fusor.fuse(segments, sure).selected, fusor.fuse(segments, CacheBlend(ratio=0.05)).selected
+    )
+    # a fixed budget asks for no logits and its probe still stops before the last layer's attention
+    assert fusor.fuse(segments, CacheBlend()).plan.probe_logits is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from cacheblend_rag.blend.spec import parse_method
@@ -93,6 +94,11 @@ def test_eval_scores_every_method_against_the_reference(qa_run):
             assert m["ttft_s"] > 0 and m["nll_gold"] > 0, label
             assert 0 <= m["gold"] <= 1 and 0 <= m["agreement_f1"] <= 1
             assert m["kl_first_token"] >= 0
+            assert 0.0 <= m["first_token_margin"] <= 1.0, label
+        # prefix reuse is exact up to the codec: its first token is as sure as full prefill's
+        assert reference["first_token_margin"] == pytest.approx(
+            case["methods"]["prefix_cache"]["first_token_margin"], abs=5e-3
+        )
     summary = results["summary"]
     assert summary["cases"] == 2 and set(summary["methods"]) == LABELS
     assert summary["methods"]["full_recompute"]["speedup_median"] == 1.0
@@ -117,6 +123,14 @@ def test_rerun_skips_finished_cases_and_adds_new_methods(qa_run, model):
 
     with pytest.raises(EvalDataError, match="top_k"):
         run_eval(EvalConfig(**{**config.__dict__, "top_k": 2}), model=model)
+
+
+def test_first_token_margin_is_the_lead_over_the_runner_up():
+    from cacheblend_rag.engine.fidelity import first_token_margin
+
+    logprobs = torch.tensor([0.1, 0.6, 0.25, 0.05]).log()
+    assert first_token_margin(logprobs) == pytest.approx(0.35)
+    assert first_token_margin(torch.tensor([0.5, 0.5]).log()) == pytest.approx(0.0)
 
 
 def test_eval_cli_summary_task_writes_json_markdown_and_plot(tmp_path):
