@@ -133,8 +133,8 @@ def render(paths: list[Path], markdown: Path | None = None) -> str:
         "Fidelity against full prefill on the cases every results file holds (means over cases; these do",
         "not depend on the machine's load). `budget=auto` recomputes the fewest cached tokens whose",
         "question-attention contribution covers `target` of it, between `min_ratio` (2 % unless named) and",
-        "`ratio` of them; `budget=margin` recomputes `min_ratio` of them when full reuse's next token leads",
-        "its second by `confident` or more, rising linearly to `ratio` as that lead falls to 0.",
+        "`ratio` of them; `budget=margin` recomputes `ratio` of them when full reuse's next token leads its",
+        "runner-up by less than `confident`, else `min_ratio` of them.",
         f"Chunk KV codec: {', '.join(sorted(codecs))}"
         + (" (the files differ: rows from different files are not comparable)" if len(codecs) > 1 else "."),
         "",

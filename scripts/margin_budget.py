@@ -40,15 +40,17 @@ def mean_row(records: list[dict]) -> dict[str, float]:
     return {m: statistics.fmean(float(r[m]) for r in records) for m in METRICS}
 
 
-def simulate(cases: list[dict], low: float, high: float, confident: float) -> tuple[dict[str, float], float]:
-    """The rule's mean metrics over ``cases``, and the share of cases that got ``high``."""
+def simulate(
+    by_case: list[dict[float, dict]], low: float, high: float, confident: float
+) -> tuple[dict[str, float], float]:
+    """The rule's mean metrics over the cases (each its :func:`fixed_columns`), and the share of cases
+    that got ``high``."""
     picked, unsure = [], 0
-    for case in cases:
-        columns = fixed_columns(case)
+    for columns in by_case:
         could_flip = columns[0.0]["first_token_margin"] < confident
         unsure += could_flip
         picked.append(columns[high if could_flip else low])
-    return mean_row(picked), unsure / len(cases)
+    return mean_row(picked), unsure / len(by_case)
 
 
 def render(
@@ -59,18 +61,18 @@ def render(
     highs: list[float] | None = None,
 ) -> str:
     results = json.loads(path.read_text())
-    cases = [c for c in results["cases"] if "full_reuse" in c["methods"]]
-    ratios = sorted(set.intersection(*(set(fixed_columns(c)) for c in cases)))
+    by_case = [fixed_columns(c) for c in results["cases"] if "full_reuse" in c["methods"]]
+    ratios = sorted(set.intersection(*(set(columns) for columns in by_case)))
     rows, fixed = [], []
     for r in ratios:
-        row = mean_row([fixed_columns(c)[r] for c in cases])
+        row = mean_row([columns[r] for columns in by_case])
         fixed.append(row)
         rows.append([f"fixed r = {r:g}", "-", *(fmt(row[m], 3) for m in METRICS), "-", "-", "-"])
     for low, high in itertools.combinations(ratios, 2):
         if (lows is not None and low not in lows) or (highs is not None and high not in highs):
             continue
         for confident in confidents:
-            row, unsure = simulate(cases, low, high, confident)
+            row, unsure = simulate(by_case, low, high, confident)
             label = f"margin: {high:g} below {confident:g}, else {low:g}"
             at = [fixed_at(fixed, row["compute_fraction"], m) for m in METRICS[2:]]
             rows.append(
@@ -90,18 +92,18 @@ def render(
         "first-token agreement",
         "agreement F1",
         "fixed r at equal compute: KL",
-        "agreement",
-        "agreement F1",
+        "fixed r: first-token agreement",
+        "fixed r: agreement F1",
     ]
     config = results["config"]
     command = [str(path), "--confident", ",".join(f"{c:g}" for c in confidents)]
     command += ["--lows", ",".join(f"{x:g}" for x in lows)] if lows is not None else []
     command += ["--highs", ",".join(f"{x:g}" for x in highs)] if highs is not None else []
     command += ["--markdown", str(markdown)] if markdown is not None else []
-    margins = sorted(fixed_columns(c)[0.0]["first_token_margin"] for c in cases)
+    margins = sorted(columns[0.0]["first_token_margin"] for columns in by_case)
     text = "\n".join(
         [
-            f"#### budget=margin simulated: {config.get('dataset', '?')}, {len(cases)} cases, chunks of <= "
+            f"#### budget=margin simulated: {config.get('dataset', '?')}, {len(by_case)} cases, chunks of <= "
             f"{config.get('chunk_tokens')} tokens, top-k {config.get('top_k')}",
             "",
             "```bash",

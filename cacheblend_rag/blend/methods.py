@@ -278,8 +278,7 @@ class CacheBlend(RecomputeMethod):
         the next token ``logits``: ``ratio`` when its top probability leads the second by less than
         ``confident`` (an answer that could flip gets the budget), else ``min_ratio`` (one that will not,
         little). A step, so each request gets exactly what a fixed ratio of either value would give."""
-        top = torch.softmax(logits.float(), dim=-1).topk(2).values
-        sure = float(top[0] - top[1]) >= self.confident
+        sure = next_token_lead(logits) >= self.confident
         return min(self.min_ratio, self.ratio) if sure else self.ratio
 
     def _covering(self, ranked: torch.Tensor, most: int, plan: FusionPlan) -> int:
@@ -308,6 +307,13 @@ class CacheBlend(RecomputeMethod):
         )
         keep = torch.cat([must.nonzero().squeeze(1), top])
         return state.candidates[keep.sort().values]
+
+
+def next_token_lead(logits: torch.Tensor) -> float:
+    """How sure a next-token distribution is: its top probability minus the runner-up's, from logits or
+    log-probabilities ([V])."""
+    top = torch.softmax(logits.float(), dim=-1).topk(2).values
+    return float(top[0] - top[1])
 
 
 def share_budget(share: float, plan: FusionPlan) -> int:

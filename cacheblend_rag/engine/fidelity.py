@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..blend.methods import Reuse
+from ..blend.methods import Reuse, next_token_lead
 from ..blend.spec import MethodSpec
 from .base import EngineProtocol
 from .metrics import kl_divergence, qa_f1
@@ -197,17 +197,11 @@ def compare_methods(
             ),
             kl_first_token=kl_divergence(reference.logprobs, diagnostics.first_token_logprobs),
             nll_reference=ref_nll if nll_reference else None,
-            first_token_margin=first_token_margin(diagnostics.first_token_logprobs),
+            first_token_margin=next_token_lead(diagnostics.first_token_logprobs),
             nll_gold=scores[0] if continuation is not None else None,
             options=dict(run.spec.options) if run.spec.options else None,
         )
     return records, prompt_tokens
-
-
-def first_token_margin(logprobs: torch.Tensor) -> float:
-    """The first token's probability minus the runner-up's, from its log-probabilities."""
-    top = logprobs.float().exp().topk(2).values
-    return float(top[0] - top[1])
 
 
 def method_table(cases: Sequence[dict[str, Any]], labels: Sequence[str]) -> dict[str, dict[str, Any]]:

@@ -126,11 +126,11 @@ def test_rerun_skips_finished_cases_and_adds_new_methods(qa_run, model):
 
 
 def test_first_token_margin_is_the_lead_over_the_runner_up():
-    from cacheblend_rag.engine.fidelity import first_token_margin
+    from cacheblend_rag.blend.methods import next_token_lead
 
     logprobs = torch.tensor([0.1, 0.6, 0.25, 0.05]).log()
-    assert first_token_margin(logprobs) == pytest.approx(0.35)
-    assert first_token_margin(torch.tensor([0.5, 0.5]).log()) == pytest.approx(0.0)
+    assert next_token_lead(logprobs) == pytest.approx(0.35)
+    assert next_token_lead(torch.tensor([0.5, 0.5]).log()) == pytest.approx(0.0)
 
 
 def test_eval_cli_summary_task_writes_json_markdown_and_plot(tmp_path):
