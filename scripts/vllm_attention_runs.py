@@ -12,7 +12,7 @@ the kernel per layer (random K/V in a paged cache of the model's shape; median o
   fewer, longer runs, more rows);
 * every position (full prefill's causal attention), the kernel's best rate;
 
-and, for comparison, our runtime's masked SDPA blocks over the same selection (the kernel the vLLM path's
+and, for comparison, our runtime's row blocks over the same selection (the kernel the vLLM path's
 ``AttentionChoice`` picks instead where it is faster, cacheblend_rag/engine/vllm/paged.py).
 
 It prints each variant's milliseconds per layer and its rate counted on the rows it attends (every row's
@@ -97,7 +97,7 @@ def main() -> None:
     query = torch.randn(1, shape.num_heads, selected.numel(), shape.head_dim)
     ms = median_ms(lambda: model.attend(query, keys, values, mask))
     flops = float((selected + 1).sum()) * 4 * shape.num_heads * shape.head_dim
-    label = f"runtime's masked SDPA ({len(mask.blocks)} blocks)"
+    label = f"runtime's row blocks ({len(mask.blocks)})"
     print(f"{label:32s} {selected.numel():6d} {'-':>6s} {ms:9.2f} {flops / ms / 1e6:8.0f}")
 
 

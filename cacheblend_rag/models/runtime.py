@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -103,12 +104,26 @@ class KVCache:
                 store[i] = bigger
 
 
-# Ascending query positions (a CacheBlend selection) are attended in row blocks, each over the keys up
-# to its last position only, which skips most of the masked-out upper triangle: at most this many blocks
-# (16 attended a 15 % selection of 3,000 positions ~10 % faster than 4 on this CPU), of at least
-# ATTENTION_BLOCK_ROWS rows each (a handful of rows per kernel call costs more in calls than it saves).
-ATTENTION_ROW_BLOCKS = 16
-ATTENTION_BLOCK_ROWS = 32
+# Ascending query positions (a CacheBlend selection) are attended in row blocks. A block's rows all see the
+# keys before its first row's position: on CPU that rectangle is one unmasked flash-attention call, and only
+# the window from its first row's position to its last row's is masked (two calls merged by log-sum-exp;
+# grouped-query heads packed as rows, so each call has many rows per KV head). Elsewhere (CUDA) a block is
+# one masked call over the keys up to its last row. At most ATTENTION_ROW_BLOCKS blocks of at least
+# ATTENTION_BLOCK_ROWS rows: on this Intel Xeon (2 threads, the default's real selections of 490 / 957 rows
+# of 3,132 / 6,210 positions) 6 such blocks attend in 12.4 / 49.2 ms per layer, where 16 masked blocks
+# took 14.7 / 61.2 ms (scripts/row_block_attention.py).
+ATTENTION_ROW_BLOCKS = 6
+ATTENTION_BLOCK_ROWS = 64
+
+
+class RowBlock(NamedTuple):
+    """Rows ``start..end-1`` of a selection: every one sees keys ``0..seen-1`` (the positions before its
+    first row), and keys ``seen..key_end-1`` only up to its own position."""
+
+    start: int
+    end: int
+    seen: int
+    key_end: int
 
 
 @dataclass(frozen=True)
@@ -117,17 +132,18 @@ class AttentionMask:
 
     Built once per forward and shared by all layers. The two common shapes need no mask tensor: a full
     prefill (queries 0..T-1, SDPA's own causal kernel) and queries that all sit at the last slot (decode).
-    Ascending positions of one sequence come with ``blocks``: (first row, end row, key length) triples.
+    Ascending positions of one sequence come with ``blocks`` (:class:`RowBlock`).
     """
 
     tensor: torch.Tensor | None
     is_causal: bool
-    blocks: tuple[tuple[int, int, int], ...] = ()
+    blocks: tuple[RowBlock, ...] = ()
     # queries are the contiguous positions suffix_start..T-1 (a prefix-cache hit, a chunk prefilled behind
     # its context): on CPU attended as the keys before them, unmasked, merged with a causal square
     suffix_start: int | None = None
-    # ``tensor`` as an additive float mask per dtype, made on first use and kept for every layer (SDPA
-    # would otherwise convert the boolean mask again at each call)
+    # ``tensor`` as an additive float mask per dtype (and each block's window of it per dtype and head
+    # group), made on first use and kept for every layer (SDPA would otherwise convert the boolean mask
+    # again at each call)
     _additive: dict = field(default_factory=dict, compare=False, repr=False)
 
     def additive(self, dtype: torch.dtype) -> torch.Tensor:
@@ -137,6 +153,21 @@ class AttentionMask:
             found = torch.zeros(self.tensor.shape, dtype=dtype, device=self.tensor.device)
             found.masked_fill_(~self.tensor, float("-inf"))
             self._additive[dtype] = found
+        return found
+
+    def windows(self, dtype: torch.dtype, groups: int) -> list[torch.Tensor]:
+        """Each block's additive mask over its window (keys ``seen..key_end-1``), its rows repeated once
+        per query head of a KV group as :func:`_row_block_attention` packs them: [1, 1, groups * rows,
+        window] per block."""
+        key = (dtype, groups)
+        found = self._additive.get(key)
+        if found is None:
+            additive = self.additive(dtype)
+            found = [
+                additive[:, :, b.start : b.end, b.seen : b.key_end].repeat(1, 1, groups, 1).contiguous()
+                for b in self.blocks
+            ]
+            self._additive[key] = found
         return found
 
     @classmethod
@@ -160,7 +191,7 @@ class AttentionMask:
                 count = max(1, min(ATTENTION_ROW_BLOCKS, positions.numel() // ATTENTION_BLOCK_ROWS))
                 bounds = torch.linspace(0, positions.numel(), count + 1).long().tolist()
                 blocks = tuple(
-                    (start, end, int(positions[end - 1]) + 1)
+                    RowBlock(start, end, int(positions[start]), int(positions[end - 1]) + 1)
                     for start, end in itertools.pairwise(bounds)
                     if end > start
                 )
@@ -182,6 +213,30 @@ def _suffix_attention(
     seen, seen_lse = flash_with_lse(q, keys[:, :, :start], values[:, :, :start], scaling)
     own, own_lse = flash_with_lse(q, keys[:, :, start:], values[:, :, start:], scaling, causal=True)
     return merge_attention(seen, seen_lse, own, own_lse).to(q.dtype)
+
+
+def _row_block_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask, scaling: float
+) -> torch.Tensor:
+    """Exact attention of a selection's rows (``mask.blocks``) on CPU: per block, the keys every row sees
+    (an unmasked flash call) and the window after them (a masked one), merged through their log-sum-exps;
+    each KV head's query heads packed as rows ([1, Hkv, groups * rows, d]), which the kernel attends faster
+    than grouped-query heads (see :data:`ATTENTION_ROW_BLOCKS`). Returns [1, H, S, d]."""
+    heads, kv_heads, d = q.shape[1], keys.shape[1], q.shape[3]
+    groups = heads // kv_heads
+    outs = []
+    for block, window in zip(mask.blocks, mask.windows(q.dtype, groups), strict=True):
+        rows = block.end - block.start
+        packed = q[:, :, block.start : block.end].reshape(1, kv_heads, groups * rows, d)
+        k_window, v_window = keys[:, :, block.seen : block.key_end], values[:, :, block.seen : block.key_end]
+        out, lse = flash_with_lse(packed, k_window, v_window, scaling, mask=window)
+        if block.seen:
+            seen, seen_lse = flash_with_lse(
+                packed, keys[:, :, : block.seen], values[:, :, : block.seen], scaling
+            )
+            out = merge_attention(seen, seen_lse, out, lse).to(q.dtype)
+        outs.append(out.reshape(1, heads, rows, d))
+    return torch.cat(outs, dim=2)
 
 
 def flash_with_lse(
@@ -301,6 +356,14 @@ class LayerwiseModel:
         residual, post-attention norm, MLP and residual. Returns the layer output [B, S, D]."""
         return self.finish_layer(layer, hidden, self.attend(q, keys, values, mask))
 
+    def prepare_mask(self, mask: AttentionMask, q: torch.Tensor, keys: torch.Tensor) -> None:
+        """Build now what :meth:`attend` builds on its first call with ``mask`` (a caller timing the
+        attention of a layer keeps that one-off cost out of it)."""
+        if mask.blocks and q.device.type == "cpu":
+            mask.windows(q.dtype, q.shape[1] // keys.shape[1])
+        elif mask.tensor is not None:
+            mask.additive(q.dtype)
+
     @torch.inference_mode()
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask
@@ -316,19 +379,21 @@ class LayerwiseModel:
             out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scaling)
         elif mask.suffix_start is not None:
             out = _suffix_attention(q, keys, values, mask.suffix_start, self.scaling)
+        elif mask.blocks and q.device.type == "cpu":
+            out = _row_block_attention(q, keys, values, mask, self.scaling)
         elif mask.blocks:
             additive = mask.additive(q.dtype)
             out = torch.cat(
                 [
                     F.scaled_dot_product_attention(
-                        q[:, :, start:end],
-                        keys[:, :, :key_end],
-                        values[:, :, :key_end],
-                        attn_mask=additive[:, :, start:end, :key_end],
+                        q[:, :, b.start : b.end],
+                        keys[:, :, : b.key_end],
+                        values[:, :, : b.key_end],
+                        attn_mask=additive[:, :, b.start : b.end, : b.key_end],
                         scale=self.scaling,
                         enable_gqa=True,
                     )
-                    for start, end, key_end in mask.blocks
+                    for b in mask.blocks
                 ],
                 dim=2,
             )

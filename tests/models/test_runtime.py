@@ -69,21 +69,26 @@ def test_decode_step_over_the_cache_matches_a_longer_prefill(model, real_text_ru
     assert (step - hf.logits[:, 200].float()).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("spread", ["scattered", "clustered", "tail"])
+@pytest.mark.parametrize("spread", ["scattered", "clustered", "tail", "from_zero"])
 def test_row_block_attention_equals_one_masked_call(model, spread):
-    """Selected rows attended in row blocks, each over the keys up to its last row only, equal one masked
-    attention over all keys."""
+    """Selected rows attended in row blocks (on CPU: the keys before a block's first row unmasked, its
+    window masked, merged by log-sum-exp) equal one masked attention over all keys."""
     generator = torch.Generator().manual_seed(1)
     n = 1500
     if spread == "scattered":
         picked = torch.randperm(n - 1, generator=generator)[:300]
     elif spread == "clustered":  # runs of consecutive rows: many a block's first row sees no masked key
         picked = torch.cat([torch.arange(s, s + 40) for s in (10, 400, 410 + 40, 900, 1300)])
+    elif spread == "from_zero":  # the first block starts at position 0: no keys before it, window only
+        picked = torch.cat([torch.arange(0, 90), torch.arange(700, 800)])
     else:
         picked = torch.arange(n - 400, n - 1, 2)  # where query-aware selection tends to go
     positions = torch.cat([picked, torch.tensor([n - 1])]).unique().sort().values
     mask = AttentionMask.for_positions(positions, n)
     assert len(mask.blocks) > 1
+    assert all(b.seen == int(positions[b.start]) for b in mask.blocks)
+    if spread == "from_zero":
+        assert mask.blocks[0].seen == 0
     heads, kv_heads, d = model.shape.num_heads, model.shape.num_kv_heads, model.shape.head_dim
     q = torch.randn(1, heads, positions.numel(), d, generator=generator)
     keys = torch.randn(1, kv_heads, n, d, generator=generator)
@@ -92,3 +97,20 @@ def test_row_block_attention_equals_one_masked_call(model, spread):
     one_call = model.attend(q, keys, values, AttentionMask(mask.tensor, False))
     assert not blocked.isnan().any()
     assert (blocked - one_call).abs().max().item() <= 1e-5
+
+
+def test_row_block_attention_in_bfloat16_stays_within_its_precision(model):
+    """The row-block path (log-sum-exp merge included) in bfloat16 tracks the float32 result."""
+    generator = torch.Generator().manual_seed(2)
+    n = 900
+    positions = torch.cat([torch.randperm(n - 1, generator=generator)[:200], torch.tensor([n - 1])])
+    positions = positions.unique().sort().values
+    mask = AttentionMask.for_positions(positions, n)
+    heads, kv_heads, d = model.shape.num_heads, model.shape.num_kv_heads, model.shape.head_dim
+    q = torch.randn(1, heads, positions.numel(), d, generator=generator)
+    keys = torch.randn(1, kv_heads, n, d, generator=generator)
+    values = torch.randn(1, kv_heads, n, d, generator=generator)
+    exact = model.attend(q, keys, values, AttentionMask(mask.tensor, False))
+    low = model.attend(q.bfloat16(), keys.bfloat16(), values.bfloat16(), mask)
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - exact).abs().max().item() <= 3e-2

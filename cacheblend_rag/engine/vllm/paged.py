@@ -1,9 +1,9 @@
 """The fused rows attended by vLLM's own attention kernel, over the request's blocks of vLLM's paged cache.
 
 The fusor recomputes scattered rows (a CacheBlend selection) that each attend over the keys before them.
-Our runtime attends them over its own cache with masked SDPA calls over row blocks, which computes masked
-rectangles; vLLM's CPU attention kernel (``cpu_attention_with_kv_cache``) attends variable-length causal
-query runs over a block table without them. So at every layer, once the fusion's K/V of that layer is
+Our runtime attends them over its own cache in row blocks (keys before a block unmasked, its window
+masked); vLLM's CPU attention kernel (``cpu_attention_with_kv_cache``) attends variable-length causal
+query runs over a block table. So at every layer, once the fusion's K/V of that layer is
 final (the cached chunks placed, the selected rows' fresh K/V written over them, which
 ``LayerwiseModel.attend`` is always called after), :class:`PagedLayerwiseModel`
 
@@ -18,7 +18,7 @@ final (the cached chunks placed, the selected rows' fresh K/V written over them,
    selection, so they are built once per selection.
 
 Which kernel attends a scattered selection fastest depends on the processor and the prompt's size: on an
-Intel Xeon with AMX our runtime's masked SDPA blocks attend a 12 x 512 selection faster than vLLM's kernel
+Intel Xeon with AMX our runtime's row blocks attend a 12 x 512 selection faster than vLLM's kernel
 even after merging (``scripts/vllm_attention_runs.py``: 63.8 against 73.1 ms per layer) while vLLM's
 kernel over the runs as selected is the fastest at 6 x 512; on an AMD EPYC vLLM's kernel was almost twice
 as fast as ours. :class:`AttentionChoice` therefore times the candidates on the first selections of each
@@ -223,7 +223,7 @@ def attend_runs(
 
 
 # The kernels a scattered selection may be attended with: vLLM's over runs merged across gaps of at most
-# MERGE_GAP, vLLM's over the runs as selected, our runtime's masked SDPA blocks
+# MERGE_GAP, vLLM's over the runs as selected, our runtime's row blocks (models.runtime.RowBlock)
 KERNELS = ("vllm", "vllm_unmerged", "runtime")
 RUN_GAPS = {"vllm": MERGE_GAP, "vllm_unmerged": 0}
 
@@ -231,7 +231,7 @@ RUN_GAPS = {"vllm": MERGE_GAP, "vllm_unmerged": 0}
 @dataclass
 class AttentionChoice:
     """Which kernel attends a fusion's scattered rows: ``"vllm"`` (vLLM's paged kernel, runs merged
-    across small gaps), ``"runtime"`` (our runtime's masked SDPA blocks over the fusion's own copy of the
+    across small gaps), ``"runtime"`` (our runtime's row blocks over the fusion's own copy of the
     K/V), or ``"auto"``: the fastest of :data:`KERNELS` on this processor, timed on real fusions. For each
     size (key length, to a power of two) the first selections' layers take the kernels in turn after an
     untimed first layer, until each has attended ``trials`` layers (a selection's layers all do the same
@@ -333,7 +333,7 @@ class PagedLayerwiseModel(LayerwiseModel):
         if kernel != "runtime":
             runs = self._runs(target, mask, q.shape[2], keys.shape[2], layer, RUN_GAPS[kernel])
         else:
-            mask.additive(q.dtype)
+            self.prepare_mask(mask, q, keys)
         self._write(target, layer, keys, values)
         started = time.perf_counter()
         out = super().attend(q, keys, values, mask) if runs is None else self._attend_paged(q, layer, runs)
