@@ -37,7 +37,14 @@ from dataclasses import dataclass
 import torch
 
 from ..models.rope import Rope
-from ..models.runtime import AttentionMask, KVCache, LayerwiseModel, flash_with_lse, merge_attention
+from ..models.runtime import (
+    AttentionMask,
+    KVCache,
+    LayerwiseModel,
+    RowBlock,
+    flash_with_lse,
+    merge_attention,
+)
 from .context import RoundKV, SharedContext
 from .fusor import FusionResult, RoundShare
 from .methods import RecomputeMethod
@@ -194,7 +201,8 @@ class MembersPass:
             own_end = member.slot + member.own_positions.numel()
             visible[first:end, member.slot : own_end] = member.own_positions[None] <= member.rows[:, None]
             first = end
-        return AttentionMask(visible[None, None].to(device), False, ((0, rows, self.keys_end),))
+        # one block over every slot, none of them visible to every row (seen = 0): one masked call
+        return AttentionMask(visible[None, None].to(device), False, (RowBlock(0, rows, 0, self.keys_end),))
 
     def _split(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """The masks of :meth:`attend`'s two parts (additive, ``dtype``): every row over the round's prompt,

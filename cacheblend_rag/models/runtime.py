@@ -155,16 +155,18 @@ class AttentionMask:
             self._additive[dtype] = found
         return found
 
-    def windows(self, dtype: torch.dtype, groups: int) -> list[torch.Tensor]:
+    def windows(self, dtype: torch.dtype, groups: int) -> list[torch.Tensor | None]:
         """Each block's additive mask over its window (keys ``seen..key_end-1``), its rows repeated once
         per query head of a KV group as :func:`_row_block_attention` packs them: [1, 1, groups * rows,
-        window] per block."""
+        window]; None for a block with ``seen == 0`` (attended as one grouped-query call, unrepeated)."""
         key = (dtype, groups)
         found = self._additive.get(key)
         if found is None:
             additive = self.additive(dtype)
             found = [
                 additive[:, :, b.start : b.end, b.seen : b.key_end].repeat(1, 1, groups, 1).contiguous()
+                if b.seen
+                else None
                 for b in self.blocks
             ]
             self._additive[key] = found
@@ -172,7 +174,7 @@ class AttentionMask:
 
     @classmethod
     def for_positions(cls, positions: torch.Tensor, key_length: int) -> AttentionMask:
-        blocks: tuple[tuple[int, int, int], ...] = ()
+        blocks: tuple[RowBlock, ...] = ()
         if positions.dim() == 1:
             if positions.numel() == key_length and bool(
                 (positions == torch.arange(key_length, device=positions.device)).all()
@@ -221,20 +223,30 @@ def _row_block_attention(
     """Exact attention of a selection's rows (``mask.blocks``) on CPU: per block, the keys every row sees
     (an unmasked flash call) and the window after them (a masked one), merged through their log-sum-exps;
     each KV head's query heads packed as rows ([1, Hkv, groups * rows, d]), which the kernel attends faster
-    than grouped-query heads (see :data:`ATTENTION_ROW_BLOCKS`). Returns [1, H, S, d]."""
+    than grouped-query heads (see :data:`ATTENTION_ROW_BLOCKS`). A block no key of which every row sees
+    (``seen == 0``) is one masked grouped-query call, whatever its mask. Returns [1, H, S, d]."""
     heads, kv_heads, d = q.shape[1], keys.shape[1], q.shape[3]
     groups = heads // kv_heads
     outs = []
     for block, window in zip(mask.blocks, mask.windows(q.dtype, groups), strict=True):
+        if window is None:  # no key every row sees: one masked call (a mask of any shape, e.g. a round's)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, block.start : block.end],
+                    keys[:, :, : block.key_end],
+                    values[:, :, : block.key_end],
+                    attn_mask=mask.additive(q.dtype)[:, :, block.start : block.end, : block.key_end],
+                    scale=scaling,
+                    enable_gqa=True,
+                )
+            )
+            continue
         rows = block.end - block.start
         packed = q[:, :, block.start : block.end].reshape(1, kv_heads, groups * rows, d)
         k_window, v_window = keys[:, :, block.seen : block.key_end], values[:, :, block.seen : block.key_end]
         out, lse = flash_with_lse(packed, k_window, v_window, scaling, mask=window)
-        if block.seen:
-            seen, seen_lse = flash_with_lse(
-                packed, keys[:, :, : block.seen], values[:, :, : block.seen], scaling
-            )
-            out = merge_attention(seen, seen_lse, out, lse).to(q.dtype)
+        seen, seen_lse = flash_with_lse(packed, keys[:, :, : block.seen], values[:, :, : block.seen], scaling)
+        out = merge_attention(seen, seen_lse, out, lse).to(q.dtype)
         outs.append(out.reshape(1, heads, rows, d))
     return torch.cat(outs, dim=2)
 

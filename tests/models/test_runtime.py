@@ -79,7 +79,7 @@ def test_row_block_attention_equals_one_masked_call(model, spread):
         picked = torch.randperm(n - 1, generator=generator)[:300]
     elif spread == "clustered":  # runs of consecutive rows: many a block's first row sees no masked key
         picked = torch.cat([torch.arange(s, s + 40) for s in (10, 400, 410 + 40, 900, 1300)])
-    elif spread == "from_zero":  # the first block starts at position 0: no keys before it, window only
+    elif spread == "from_zero":  # the first block starts at position 0: no keys before it, one masked call
         picked = torch.cat([torch.arange(0, 90), torch.arange(700, 800)])
     else:
         picked = torch.arange(n - 400, n - 1, 2)  # where query-aware selection tends to go
