@@ -20,46 +20,32 @@ Run it on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 from profile_fusion import build_prompt  # scripts/ is on sys.path when a script in it runs
 
 from cacheblend_rag.blend import DirectLayerKV, Fusor, parse_method
 from cacheblend_rag.blend.segments import kv_sources
 from cacheblend_rag.models.loader import load_model
-from cacheblend_rag.models.runtime import AttentionMask, RowBlock, _row_block_attention
+from cacheblend_rag.models.runtime import (
+    AttentionMask,
+    _masked_block_attention,
+    _row_block_attention,
+    row_blocks,
+)
 from cacheblend_rag.settings import get_settings
 
 
 def with_blocks(mask: AttentionMask, positions: torch.Tensor, count: int) -> AttentionMask:
     """``mask`` with its rows cut into ``count`` equal blocks."""
-    bounds = torch.linspace(0, positions.numel(), count + 1).long().tolist()
-    blocks = tuple(
-        RowBlock(a, b, int(positions[a]), int(positions[b - 1]) + 1) for a, b in itertools.pairwise(bounds)
-    )
-    return AttentionMask(mask.tensor, False, blocks)
+    return AttentionMask(mask.tensor, False, row_blocks(positions, count))
 
 
 def masked_blocks(q, keys, values, mask: AttentionMask, scaling: float) -> torch.Tensor:
-    additive = mask.additive(q.dtype)
-    return torch.cat(
-        [
-            F.scaled_dot_product_attention(
-                q[:, :, b.start : b.end],
-                keys[:, :, : b.key_end],
-                values[:, :, : b.key_end],
-                attn_mask=additive[:, :, b.start : b.end, : b.key_end],
-                scale=scaling,
-                enable_gqa=True,
-            )
-            for b in mask.blocks
-        ],
-        dim=2,
-    )
+    """Every block one masked SDPA call (the runtime's layout before the split, and on CUDA)."""
+    return torch.cat([_masked_block_attention(q, keys, values, mask, b, scaling) for b in mask.blocks], dim=2)
 
 
 def main() -> None:

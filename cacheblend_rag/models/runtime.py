@@ -126,6 +126,16 @@ class RowBlock(NamedTuple):
     key_end: int
 
 
+def row_blocks(positions: torch.Tensor, count: int) -> tuple[RowBlock, ...]:
+    """Ascending ``positions`` cut into ``count`` blocks of (nearly) equal rows."""
+    bounds = torch.linspace(0, positions.numel(), count + 1).long().tolist()
+    return tuple(
+        RowBlock(start, end, int(positions[start]), int(positions[end - 1]) + 1)
+        for start, end in itertools.pairwise(bounds)
+        if end > start
+    )
+
+
 @dataclass(frozen=True)
 class AttentionMask:
     """Exact causal visibility for queries at given positions over keys at slots 0..T-1.
@@ -191,12 +201,7 @@ class AttentionMask:
                 return cls(None, False, suffix_start=start)
             if positions.numel() > 1 and bool((positions[1:] > positions[:-1]).all()):
                 count = max(1, min(ATTENTION_ROW_BLOCKS, positions.numel() // ATTENTION_BLOCK_ROWS))
-                bounds = torch.linspace(0, positions.numel(), count + 1).long().tolist()
-                blocks = tuple(
-                    RowBlock(start, end, int(positions[start]), int(positions[end - 1]) + 1)
-                    for start, end in itertools.pairwise(bounds)
-                    if end > start
-                )
+                blocks = row_blocks(positions, count)
             positions = positions[None]
         key_positions = torch.arange(key_length, device=positions.device)
         # [B, 1, S, T]: the query at position p sees the keys at positions 0..p
@@ -217,6 +222,25 @@ def _suffix_attention(
     return merge_attention(seen, seen_lse, own, own_lse).to(q.dtype)
 
 
+def _masked_block_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: AttentionMask,
+    block: RowBlock,
+    scaling: float,
+) -> torch.Tensor:
+    """One block's rows in one masked grouped-query SDPA call over the keys up to its last row."""
+    return F.scaled_dot_product_attention(
+        q[:, :, block.start : block.end],
+        keys[:, :, : block.key_end],
+        values[:, :, : block.key_end],
+        attn_mask=mask.additive(q.dtype)[:, :, block.start : block.end, : block.key_end],
+        scale=scaling,
+        enable_gqa=True,
+    )
+
+
 def _row_block_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: AttentionMask, scaling: float
 ) -> torch.Tensor:
@@ -230,16 +254,7 @@ def _row_block_attention(
     outs = []
     for block, window in zip(mask.blocks, mask.windows(q.dtype, groups), strict=True):
         if window is None:  # no key every row sees: one masked call (a mask of any shape, e.g. a round's)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, block.start : block.end],
-                    keys[:, :, : block.key_end],
-                    values[:, :, : block.key_end],
-                    attn_mask=mask.additive(q.dtype)[:, :, block.start : block.end, : block.key_end],
-                    scale=scaling,
-                    enable_gqa=True,
-                )
-            )
+            outs.append(_masked_block_attention(q, keys, values, mask, block, scaling))
             continue
         rows = block.end - block.start
         packed = q[:, :, block.start : block.end].reshape(1, kv_heads, groups * rows, d)
@@ -394,20 +409,8 @@ class LayerwiseModel:
         elif mask.blocks and q.device.type == "cpu":
             out = _row_block_attention(q, keys, values, mask, self.scaling)
         elif mask.blocks:
-            additive = mask.additive(q.dtype)
             out = torch.cat(
-                [
-                    F.scaled_dot_product_attention(
-                        q[:, :, b.start : b.end],
-                        keys[:, :, : b.key_end],
-                        values[:, :, : b.key_end],
-                        attn_mask=additive[:, :, b.start : b.end, : b.key_end],
-                        scale=self.scaling,
-                        enable_gqa=True,
-                    )
-                    for b in mask.blocks
-                ],
-                dim=2,
+                [_masked_block_attention(q, keys, values, mask, b, self.scaling) for b in mask.blocks], dim=2
             )
         else:
             out = F.scaled_dot_product_attention(
