@@ -1,13 +1,15 @@
-"""TTFT with the load pipeline's prefetch thread on and off, chunk KV in the RAM tier (the choice
-``store.pipeline.worth_prefetching`` makes for the engine).
+"""TTFT with the load pipeline's prefetch thread on and off, chunk KV in the RAM tier or on disk (the
+choice ``store.pipeline.worth_prefetching`` makes for the engine).
 
     .venv/bin/python scripts/prefetch_ttft.py [--chunks 6] [--chunk-tokens 512] [--repeats 3]
-        [--methods full_reuse,cacheblend,full_recompute]
+        [--methods full_reuse,cacheblend,full_recompute] [--tier ram|disk]
 
 The ``scripts/profile_fusion.py`` prompt's chunks are stored in a scratch KV store of the settings' codec
 (int8 by default) and kept in its RAM tier; each method is answered (one token) through ``Engine`` with
 its loader prefetching and not, interleaved, after a warm-up round; the median TTFT of ``--repeats`` is
-printed. Run it on a quiet machine.
+printed. With ``--tier disk`` the RAM tier is evicted and the chunk files dropped from the page cache
+before every run, as ``bench``'s cold disk column does, and TTFT counts building the prompt (where the
+files are opened). Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from profile_fusion import musique_chunks
@@ -26,6 +29,7 @@ from cacheblend_rag.eval.engines import settings_store
 from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.settings import get_settings
 from cacheblend_rag.store.pipeline import PipelinedLayerLoader
+from cacheblend_rag.store.profile import drop_page_cache
 
 QUESTION = "Which river flows through the city where the author of the book was born?"
 
@@ -36,6 +40,7 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", default="full_reuse,cacheblend,full_recompute")
+    parser.add_argument("--tier", choices=("ram", "disk"), default="ram")
     args = parser.parse_args()
 
     settings = get_settings()
@@ -56,16 +61,30 @@ def main() -> None:
                 engine._loader = loader  # pylint: disable=protected-access  # the choice under test
                 for name in methods:
                     spec = parse_method(name).with_ratio(settings.ratio, where_taken=True)
+                    if args.tier == "disk":
+                        cold(engine, refs)
+                    started = time.perf_counter()
                     segments = engine.rag_segments(QUESTION, refs, spec)
+                    segments_s = time.perf_counter() - started
                     result = engine.generate(segments, spec.build(), SamplingParams(max_new_tokens=1))
                     if repeat:
-                        samples.setdefault((name, prefetch), []).append(result.ttft_s)
+                        samples.setdefault((name, prefetch), []).append(segments_s + result.ttft_s)
         engine.close()
-    print(f"{args.chunks} x {args.chunk_tokens} tokens, chunk KV {store.kv_dtype_name} in the RAM tier")
+    where = "in the RAM tier" if args.tier == "ram" else "on disk, page cache dropped"
+    print(f"{args.chunks} x {args.chunk_tokens} tokens, chunk KV {store.kv_dtype_name} {where}")
     print(f"{'method':16s} {'prefetch on (s)':>16s} {'prefetch off (s)':>17s}")
     for name in methods:
         on, off = (statistics.median(samples[(name, flag)]) for flag in (True, False))
         print(f"{name:16s} {on:16.3f} {off:17.3f}")
+
+
+def cold(engine: Engine, refs: list[ChunkRef]) -> None:
+    """Every chunk's KV only on disk, its file out of the page cache."""
+    engine.store.evict_ram()
+    for chunk in refs:
+        path = engine.store.path_for(engine.chunk_key(chunk.token_ids))
+        if path.is_file():
+            drop_page_cache(path)
 
 
 if __name__ == "__main__":

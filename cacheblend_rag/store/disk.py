@@ -171,6 +171,7 @@ class DiskTier:
         self.count(disk_hits=1)
         self.index.touch(key, adopt=(meta, stat.st_size))
         small = meta.layer_nbytes * meta.num_layers <= promote_max_bytes  # the RAM tier keeps it encoded
+        read_ahead(self.path_for(key))  # every layer will be read, one at a time, by whoever computes
         source = DiskChunkKV(self, key, handle, meta, stat, promote if small else None)
         self._live[key] = source
         return source
@@ -340,6 +341,25 @@ class DiskTier:
     @staticmethod
     def key_of(path: Path) -> str:
         return path.name.removesuffix(FILE_SUFFIX)
+
+
+def read_ahead(path: Path) -> None:
+    """Ask the kernel to start reading ``path`` into the page cache now, in the background: the layer
+    reads that follow find its pages there, with no thread of ours spending a core on the wait (on a CPU
+    whose cores all compute, the loader reads layers when asked, see ``store.pipeline.worth_prefetching``).
+    A hint only: where the platform has no ``posix_fadvise``, or it fails, reads go to the device."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    except OSError as exc:
+        log.debug("read-ahead of %s not taken: %s", path, exc)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

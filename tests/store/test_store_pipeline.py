@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -142,15 +143,28 @@ def test_bad_arguments(make_kv):
 def test_only_slow_tiers_or_an_accelerator_are_worth_a_prefetch_thread(tmp_path, shape, make_kv):
     disk, ram = mixed_sources(tmp_path, shape, make_kv)
     assert (disk.tier, ram.tier) == ("disk", "ram")
-    assert worth_prefetching([ram, disk], "cpu") and worth_prefetching([disk], "cpu")
+    # from disk on a CPU: a thread only where a core is left over beside the compute's threads
+    assert worth_prefetching([ram, disk], "cpu", spare=1) and worth_prefetching([disk], "cpu", spare=2)
+    assert not worth_prefetching([disk], "cpu", spare=0) and not worth_prefetching(
+        [ram, disk], "cpu", spare=0
+    )
     # KV in RAM decodes faster on the compute's own cores than a thread hands it over
-    assert not worth_prefetching([ram], "cpu") and not worth_prefetching([make_kv()], torch.device("cpu"))
-    assert worth_prefetching([ram], "cuda")  # the copy to the device overlaps the compute
-    assert not worth_prefetching([], "cpu")
+    assert not worth_prefetching([ram], "cpu", spare=4)
+    assert not worth_prefetching([make_kv()], torch.device("cpu"), spare=4)
+    assert worth_prefetching([ram], "cuda", spare=0)  # the copy to the device overlaps the compute
+    assert not worth_prefetching([], "cpu", spare=4)
 
 
-def test_engine_reads_ram_kv_in_its_own_thread_and_disk_kv_ahead(tmp_path, model, real_chunks):
+def test_a_remote_tier_is_read_ahead_in_a_thread_even_with_no_core_to_spare(make_kv):
+    class RemoteSource:  # what a remote tier's reader says of itself (store/remote/source.py)
+        tier = "remote"
+
+    assert worth_prefetching([make_kv(), RemoteSource()], "cpu", spare=0)
+
+
+def test_engine_reads_disk_kv_ahead_only_with_a_core_to_spare(tmp_path, model, real_chunks, monkeypatch):
     from cacheblend_rag.engine import Engine
+    from cacheblend_rag.store import pipeline
 
     store = KVStore(tmp_path, model.fingerprint, model.shape, "int8")
     engine = Engine(model, store)
@@ -160,7 +174,33 @@ def test_engine_reads_ram_kv_in_its_own_thread_and_disk_kv_ahead(tmp_path, model
     with engine._loader([store.get(key) for key in keys]) as loader:
         assert loader._thread is None  # every source in RAM: read when asked for
         assert len(loader.layer(0)) == len(keys)
+    for spare, threaded in ((1, True), (0, False)):
+        monkeypatch.setattr(pipeline, "spare_cores", lambda spare=spare: spare)
+        store.evict_ram()
+        with engine._loader([store.get(key) for key in keys]) as loader:
+            # from disk: prefetched while the fusor computes, when a core is free for it
+            assert (loader._thread is not None) is threaded
+            assert len(loader.layer(0)) == len(keys)
+
+
+def test_the_disk_tier_asks_the_kernel_to_read_a_chunk_file_ahead_when_it_opens_it(
+    tmp_path, shape, make_kv, monkeypatch
+):
+    from cacheblend_rag.store import disk as disk_module
+
+    store = KVStore(tmp_path, FINGERPRINT, shape, "int8")
+    kv = make_kv()
+    key = store.chunk_key([7])
+    store.put(key, kv)
     store.evict_ram()
-    with engine._loader([store.get(key) for key in keys]) as loader:
-        assert loader._thread is not None  # from disk: prefetched while the fusor computes
-        assert len(loader.layer(0)) == len(keys)
+    hints = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(
+        disk_module.os,
+        "posix_fadvise",
+        lambda fd, off, n, advice: hints.append(advice) or real(fd, off, n, advice),
+    )
+    source = store.get(key)
+    assert source is not None and source.tier == "disk"
+    assert hints == [os.POSIX_FADV_WILLNEED]
+    torch.testing.assert_close(source.layer(0)[0].float(), kv.keys[0].float(), atol=0.05, rtol=0.05)
