@@ -1,7 +1,8 @@
 """Layer-wise pipelined loading of a request's chunk KV.
 
 While the fusor computes layer i, a background thread reads layer i+1 of every chunk from its tier and
-converts it to the compute dtype and device, so that loading hides behind recompute. The loader records
+converts it to the compute dtype and device, so that loading hides behind recompute (where a thread pays:
+:func:`worth_prefetching`; otherwise each layer is read when asked for). The loader records
 how long each layer took to load and how long the caller waited for it: the part of the load time the
 caller did not wait for is the part the pipeline hid.
 """
