@@ -222,8 +222,8 @@ def render_ttft(page: Page, ttft: TtftResult) -> list[str]:
         f"{ttft.kv_dtype}; cacheblend at r = {ttft.ratio:g}. TTFT runs from building the prompt "
         "(KV look-ups included) to the first token; median of "
         f"{ttft.repeats} interleaved runs, every method's KV in the RAM tier except for the disk "
-        "tier column, which evicts the RAM tier before each run (the OS page cache may still hold "
-        "the files)."
+        "tier column, which evicts the RAM tier and drops the chunk files from the OS page cache "
+        "before each run (posix_fadvise DONTNEED), so their bytes come from the device."
     )
     head = ttft.headline
     if head:
