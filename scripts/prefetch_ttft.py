@@ -25,11 +25,11 @@ from profile_fusion import musique_chunks
 from cacheblend_rag.blend.spec import parse_method
 from cacheblend_rag.engine import ChunkRef, Engine, SamplingParams
 from cacheblend_rag.engine.fidelity import store_in_ram
+from cacheblend_rag.eval.bench.ttft import only_on_disk
 from cacheblend_rag.eval.engines import settings_store
 from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.settings import get_settings
 from cacheblend_rag.store.pipeline import PipelinedLayerLoader
-from cacheblend_rag.store.profile import drop_page_cache
 
 QUESTION = "Which river flows through the city where the author of the book was born?"
 
@@ -62,7 +62,7 @@ def main() -> None:
                 for name in methods:
                     spec = parse_method(name).with_ratio(settings.ratio, where_taken=True)
                     if args.tier == "disk":
-                        cold(engine, refs)
+                        only_on_disk(engine, refs)
                     started = time.perf_counter()
                     segments = engine.rag_segments(QUESTION, refs, spec)
                     segments_s = time.perf_counter() - started
@@ -76,15 +76,6 @@ def main() -> None:
     for name in methods:
         on, off = (statistics.median(samples[(name, flag)]) for flag in (True, False))
         print(f"{name:16s} {on:16.3f} {off:17.3f}")
-
-
-def cold(engine: Engine, refs: list[ChunkRef]) -> None:
-    """Every chunk's KV only on disk, its file out of the page cache."""
-    engine.store.evict_ram()
-    for chunk in refs:
-        path = engine.store.path_for(engine.chunk_key(chunk.token_ids))
-        if path.is_file():
-            drop_page_cache(path)
 
 
 if __name__ == "__main__":

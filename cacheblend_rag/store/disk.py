@@ -158,8 +158,9 @@ class DiskTier:
             self.count(disk_hits=1)
             self.index.touch(key)
             return live
+        path = self.path_for(key)
         try:
-            handle, meta, stat = open_file(self.path_for(key), key)
+            handle, meta, stat = open_file(path, key)
             self.check_ours(meta)
         except FileNotFoundError:
             self.count(disk_misses=1)
@@ -171,7 +172,7 @@ class DiskTier:
         self.count(disk_hits=1)
         self.index.touch(key, adopt=(meta, stat.st_size))
         small = meta.layer_nbytes * meta.num_layers <= promote_max_bytes  # the RAM tier keeps it encoded
-        read_ahead(self.path_for(key))  # every layer will be read, one at a time, by whoever computes
+        read_ahead(path)  # every layer will be read, one at a time, by whoever computes
         source = DiskChunkKV(self, key, handle, meta, stat, promote if small else None)
         self._live[key] = source
         return source
