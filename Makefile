@@ -100,6 +100,9 @@ bench: install
 # The quality runs behind BENCHMARKS.md (about 3.5 hours on 2 quiet cores, `pareto` 1 of them); each
 # resumes from its --json file when interrupted. The held-out MuSiQue cases were never used to choose a
 # default (`make tune` chose them on the 60-case development split, docs/fusor.md).
+# The results files of earlier rounds were made before the chunk-shift correction (methods revision 1);
+# eval refuses to resume them (a label like cacheblend@0.15 computes something else now): move them away
+# to rerun a target.
 EVAL := $(VENV)/bin/cacheblend-rag eval --methods full_recompute,full_reuse,epic,cacheblend
 eval: install
 	$(EVAL) --data musique-heldout --ratios 0,0.05,0.15,0.3,0.5,1 --json docs/results/eval-musique-heldout.json \

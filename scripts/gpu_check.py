@@ -9,8 +9,9 @@ between a short fresh head and a fresh question), it times, median of ``--repeat
 runs (CUDA events on CUDA, wall clock elsewhere):
 
 - ``full_prefill``: the model's forward over the whole prompt;
-- ``cacheblend`` (the default: query-aware selection, r = 0.15), ``cacheblend_hkvd`` (the paper's rule at
-  the same r), ``full_reuse`` and ``epic``, each fusing the precomputed chunk KV through our ``Fusor``,
+- ``cacheblend`` (the default: query-aware selection and the chunk-shift correction, r = 0.15),
+  ``cacheblend_hkvd`` (the paper's rule at the same r, without the shift), ``full_reuse`` and ``epic``,
+  each fusing the precomputed chunk KV through our ``Fusor``,
   with that KV held in device memory (``hbm``) and in pinned host RAM (``host``; on CPU only ``ram``).
 
 Every time runs to the first token's logits. It then checks ``cacheblend@ratio=1`` against full prefill
@@ -284,7 +285,7 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 # label -> (method, options): the defaults, and HKVD at the default's ratio
 METHODS: dict[str, tuple[str, dict]] = {
     "cacheblend": ("cacheblend", {}),
-    "cacheblend_hkvd": ("cacheblend", {"selection": "hkvd"}),
+    "cacheblend_hkvd": ("cacheblend", {"selection": "hkvd", "shift": False}),  # the paper's rule
     "full_reuse": ("full_reuse", {}),
     "epic": ("epic", {}),
 }

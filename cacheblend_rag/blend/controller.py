@@ -3,8 +3,8 @@
 CacheBlend recomputes a fraction r of the cached tokens at each layer while the next layer's KV loads. The
 recompute is free when one layer's recompute takes as long as one layer's load, so the controller picks
 ``r = max(r_match, r_floor)``: ``r_match`` equalises the two (from a measured profile of this model on this
-device), ``r_floor`` (default 0.15) keeps quality. For a fixed r it can also rank tiers by storage cost and
-pick the cheapest one whose load still hides behind the recompute.
+device), ``r_floor`` (default: the default ratio, 0.15) keeps quality. For a fixed r it can also rank tiers
+by storage cost and pick the cheapest one whose load still hides behind the recompute.
 
 The profile (``cacheblend-rag profile``) holds the time of one layer of full prefill at several context
 lengths and the load throughput of each tier; it is saved as JSON under the settings home, keyed by model

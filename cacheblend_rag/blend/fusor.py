@@ -34,6 +34,7 @@ from .methods import FullReuse, RecomputeMethod
 from .plan import FusionPlan, LayerState
 from .probe import ProbePass, ProbeResult
 from .segments import DirectLayerKV, LayerKVProvider, Segment, kv_sources
+from .shift import ChunkShift
 
 # Called at every layer with (layer, query positions, q [1, H, S, d], keys [1, Hkv, T, d], mask): lets
 # diagnostics look at attention without a second code path.
@@ -321,6 +322,9 @@ class _Run:
         self.cache = self.model.new_cache(plan.num_tokens + room, zeroed=False)
         self.rotations = fusor._rerotations(self.spans)
         self.check_layers = set(request.method.check_layers(plan))
+        self.shift = None
+        if request.method.shifts_chunks():
+            self.shift = ChunkShift(plan, self.model.rope, self.model.device)
         self.num_cached_total = int(plan.cached_mask.sum())
         self.query_scores = request.query_scores
         self.wants_probe = (
@@ -392,6 +396,9 @@ class _Run:
             )
             narrowed = self.method.select(state).to(self.model.device)
             self.fusor._check_selection(plan, narrowed, selected)
+        # what the recomputed rows changed, onto the rest of their chunks (when any of them is kept)
+        if self.shift is not None and int(plan.cached_mask[selected.cpu()].sum()) < self.num_cached_total:
+            self.shift.apply(cache.keys[layer][0], cache.values[layer][0], selected, k[0], v[0])
         cache.write(layer, selected, k, v)  # every candidate's fresh K/V is better than its cached one
         if narrowed is not None:
             keep = torch.searchsorted(selected, narrowed)

@@ -31,6 +31,10 @@ from ..config import DEFAULT_RATIO
 from ..errors import MethodOptionError
 from .plan import FusionPlan, LayerState
 
+# What a method label computes changes when a default option does: results recorded under one revision are
+# not resumed under another (eval's results files). 2: cacheblend's chunk-shift correction on by default.
+METHODS_REVISION = 2
+
 
 class Reuse(StrEnum):
     """What KV a method reuses, which decides how a request's segments are built for it."""
@@ -45,6 +49,10 @@ class RoundSharing(StrEnum):
 
     NONE = "none"  # each request fused alone (the method reuses no chunk KV, or must stay exact)
     SAME_PREFIX = "same_prefix"  # only requests whose text up to their last chunk is the round's own
+    # only requests whose chunks come in the same order (any text of their own before, between or after):
+    # a blend that moved every token of a chunk by what the passages before it changed (blend/shift.py)
+    # is wrong for a request that has other passages before that chunk
+    SAME_ORDER = "same_order"
     ANY = "any"  # every request over the same chunks, whatever its own text before, between or after
 
 
@@ -96,6 +104,11 @@ class RecomputeMethod(BaseModel, ABC):
         """Whether the query probe should also finish its last layer and set ``plan.probe_logits`` (the
         next token's logits over the cached chunks as they are) before :meth:`layer0_positions`; no by
         default."""
+        return False
+
+    def shifts_chunks(self) -> bool:
+        """Whether the fusor should correct each chunk's kept cached K/V by the mean change its recomputed
+        tokens show at the same layer (blend/shift.py); no by default."""
         return False
 
     def describe(self) -> dict[str, Any]:
@@ -176,6 +189,10 @@ class CacheBlend(RecomputeMethod):
       (blend/probe.py); the top ``ratio`` of cached tokens are then recomputed from layer 0.
     - ``hkvd``: the paper's rule. Layer 0 computes every token; at each check layer of ``schedule`` the
       cached tokens whose fresh K (or V, ``signal``) deviates most from the cached one are kept.
+
+    With ``shift`` (default on) every chunk's kept K/V then move, at each layer, by the mean change its
+    recomputed tokens show there (blend/shift.py): the recomputed tokens measure what the chunk missed by
+    being precomputed alone, for all of it.
     """
 
     name = "cacheblend"
@@ -220,6 +237,11 @@ class CacheBlend(RecomputeMethod):
         description="query only: score the question's attention over the first N layers only (a cheaper "
         "probe, a different selection); 0 (default) scores every layer",
     )
+    shift: bool = Field(
+        True,
+        description="correct every chunk's kept cached K/V by the mean change its recomputed tokens show "
+        "at the same layer (keys in their unrotated frame): the chunk-shift correction; false: off",
+    )
     signal: Literal["k", "v", "kv"] = Field(
         "k", description="hkvd only: deviation of K, V or both (each normalised)"
     )
@@ -250,10 +272,17 @@ class CacheBlend(RecomputeMethod):
     def probe_logits(self) -> bool:
         return self.budget == "margin"
 
+    def shifts_chunks(self) -> bool:
+        return self.shift
+
     def round_sharing(self) -> RoundSharing:
         # r = 1 promises each request its own full prefill: a shared blend keeps it only for requests
-        # whose text before the chunks is the round's own
-        return RoundSharing.SAME_PREFIX if self.ratio >= 1.0 else RoundSharing.ANY
+        # whose text before the chunks is the round's own; with the chunk-shift correction the blend holds
+        # for the round's chunk order only (tests/blend/test_round.py: an agent with its own order read
+        # the shifted blend with 2x full reuse's first-token KL)
+        if self.ratio >= 1.0:
+            return RoundSharing.SAME_PREFIX
+        return RoundSharing.SAME_ORDER if self.shift else RoundSharing.ANY
 
     def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
         if self.selection == "hkvd":

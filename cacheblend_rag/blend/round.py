@@ -6,7 +6,9 @@ places, probes and recomputes the same chunks N times. A round does that once:
 1. requests fused with equal methods whose cached chunks are the same (in any order, at any offset)
    form a round of two or more; the method's :meth:`~.methods.RecomputeMethod.round_sharing` may narrow
    it to requests whose text up to their last chunk is the same (cacheblend at r = 1, so every request
-   still gets exactly its own full prefill) or rule rounds out;
+   still gets exactly its own full prefill), to requests whose chunks come in the same order (cacheblend
+   with its chunk-shift correction, on by default: the shift a chunk's tokens get is what the passages
+   before it changed, so it holds for that order only) or rule rounds out;
 2. the round's prompt is its first request's text up to and including its last chunk. A method that
    selects by the question's attention gets one probe of that prompt followed by every request's
    question (at most :data:`PROBE_QUESTIONS` of them, spread over the round), so the selection is scored
@@ -74,9 +76,11 @@ def plan_rounds(requests: Sequence[FusionRequest]) -> list[list[int]]:
     groups: dict[tuple, list[int]] = {}
     for i, request in enumerate(requests):
         sharing = request.method.round_sharing()
-        chunks = tuple(sorted(s.token_ids for s in request.segments if _is_chunk(s)))
+        chunks = tuple(s.token_ids for s in request.segments if _is_chunk(s))
         if sharing is RoundSharing.NONE or not chunks:
             continue
+        if sharing is not RoundSharing.SAME_ORDER:
+            chunks = tuple(sorted(chunks))  # the same chunks in any order
         key: tuple = (request.method, chunks)
         if sharing is RoundSharing.SAME_PREFIX:
             segments = request.segments[: _last_chunk(request.segments) + 1]

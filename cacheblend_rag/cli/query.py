@@ -33,7 +33,8 @@ def query(
     ratio: Annotated[
         float | None,
         typer.Option(
-            help="Recompute ratio of a method that has one (default: the loading controller's, >= 0.15)."
+            help="Recompute ratio of a method that has one (default: the loading controller's, at least "
+            "the ratio setting)."
         ),
     ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 128,

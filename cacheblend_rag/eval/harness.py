@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..blend.methods import Reuse
+from ..blend.methods import METHODS_REVISION, Reuse
 from ..blend.spec import reuse_of
 from ..config import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
 from ..engine import ChunkRef, EngineProtocol, SamplingParams
@@ -69,9 +69,10 @@ _RESUME_KEYS = (
     "prompt",
     "chunk_context",
     "engine",
+    "methods_revision",
 )
 # what a results file made before a key was recorded ran with
-_RESUME_DEFAULTS = {"engine": "torch"}
+_RESUME_DEFAULTS = {"engine": "torch", "methods_revision": 1}
 
 
 def task_question(case: EvalCase, task: str) -> str:
@@ -173,6 +174,7 @@ def setup_run(
         "chunk_tokens": config.chunk_tokens,
         "max_new_tokens": max_new,
         "engine": config.engine,
+        "methods_revision": METHODS_REVISION,  # what a method label computes (blend/methods.py)
         "model": engine.model.name,
         "model_fingerprint": engine.model.fingerprint,
         "compute_dtype": compute_dtype,

@@ -34,25 +34,30 @@ def cases():
     return json.loads((DATA_DIR / "musique_24.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def prompts(model, cases):
-    """Three real RAG prompts of up to six <= 512-token chunks (each case's paragraphs cut by the ingest
-    chunker), chunk KV precomputed behind the neutral chunk context and stored in fp16, and their
-    full-prefill logits."""
+def rag_prompts(model, cases, chunk_tokens: int, kv_dtype: torch.dtype) -> list:
+    """Real RAG prompts of up to six ``chunk_tokens``-token chunks per case (each case's paragraphs cut by
+    the ingest chunker), chunk KV precomputed behind the neutral chunk context and held in ``kv_dtype``,
+    each with its full-prefill logits."""
     tok = model.tokenizer
     context = ChunkContext(chunk_context_ids(tok, "neutral"))
-    chunker = Chunker(tok, 512)
+    chunker = Chunker(tok, chunk_tokens)
     out = []
-    for case in cases[:3]:
+    for case in cases:
         text = "\n\n".join(c["title"] + "\n" + c["text"] for c in case["ctxs"])
         chunks = [
-            ChunkRef(c.token_ids, None, prefill_chunk_kv(model, c.token_ids, context).to(torch.float16))
+            ChunkRef(c.token_ids, None, prefill_chunk_kv(model, c.token_ids, context).to(kv_dtype))
             for c in chunker.split(text)[:6]
         ]
         segments = PromptBuilder(tok).rag_segments(case["question"], chunks)
         logits, _ = model.prefill(flat_ids(segments))
         out.append((segments, logits[0]))
     return out
+
+
+@pytest.fixture(scope="module")
+def prompts(model, cases):
+    """Three real RAG prompts of up to six <= 512-token chunks, chunk KV in fp16 (:func:`rag_prompts`)."""
+    return rag_prompts(model, cases[:3], 512, torch.float16)
 
 
 def test_query_selection_recomputes_the_most_attended_tokens_at_every_layer(model, prompts):
@@ -147,13 +152,18 @@ def test_probe_attention_comes_from_the_probabilities_it_records(model):
 
 
 class _Fixed(RecomputeMethod):
-    """Recomputes given positions, found by no probe of its own."""
+    """Recomputes given positions, found by no probe of its own (with cacheblend's chunk-shift correction
+    unless ``shift`` is off)."""
 
     name = "fixed_positions"
     positions: tuple[int, ...]
+    shift: bool = True
 
     def layer0_positions(self, plan):
         return torch.tensor(self.positions)
+
+    def shifts_chunks(self) -> bool:
+        return self.shift
 
 
 def test_a_shallower_probe_scores_its_layers_and_fuses_what_it_selected(model, prompts):

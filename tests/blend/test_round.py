@@ -94,7 +94,8 @@ def test_a_round_of_one_is_todays_request(model, parts):
 
 
 def test_roles_orders_and_an_outsider_in_one_batch(model, parts):
-    fusor, method = Fusor(model), get_method("cacheblend")
+    # any chunk order shares a round without the chunk-shift correction (with it: the next test)
+    fusor, method = Fusor(model), get_method("cacheblend", shift=False)
     agents = [
         prompt(parts, QUESTIONS[0], ROLES[0]),
         prompt(parts, QUESTIONS[1], ROLES[1], order=(3, 1, 0, 2)),  # its own order: the same round
@@ -116,6 +117,22 @@ def test_roles_orders_and_an_outsider_in_one_batch(model, parts):
         reference = full_logits(model, agent)
         assert kl(result.logits, reference) < kl(fusor.fuse(agent, reuse).logits, reference)
     alone = fusor.fuse(outsider, method)
+    assert results[-1].round is None and torch.equal(results[-1].logits, alone.logits)
+
+
+def test_with_the_chunk_shift_a_round_is_one_chunk_order(model, parts):
+    fusor, method = Fusor(model), get_method("cacheblend")  # the default: shift on
+    same = [prompt(parts, QUESTIONS[0], ROLES[0]), prompt(parts, QUESTIONS[1], ROLES[1])]
+    reordered = prompt(parts, QUESTIONS[2], order=(2, 0, 3, 1))
+    requests = [FusionRequest(a, method) for a in [*same, reordered]]
+    assert plan_rounds(requests) == [[0, 1]]
+    results = fuse_round(fusor, requests)
+    reuse = get_method("full_reuse")
+    for agent, result in zip(same, results, strict=False):
+        assert result.round is not None and result.round.requests == 2
+        reference = full_logits(model, agent)
+        assert kl(result.logits, reference) < kl(fusor.fuse(agent, reuse).logits, reference)
+    alone = fusor.fuse(reordered, method)
     assert results[-1].round is None and torch.equal(results[-1].logits, alone.logits)
 
 

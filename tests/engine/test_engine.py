@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cacheblend_rag.config import DEFAULT_RATIO
 from cacheblend_rag.engine import ChunkRef, Engine, SamplingParams
 from cacheblend_rag.errors import ContextLengthError
 from cacheblend_rag.store.kvstore import KVStore
@@ -113,7 +114,7 @@ def test_controller_picks_the_ratio_when_none_is_given(engine, rag_chunks):
         engine.rag_segments(question, chunks, "cacheblend"), "cacheblend", SamplingParams(4)
     )
     decision = result.controller
-    assert decision is not None and decision["ratio"] >= decision["r_floor"] == 0.15
+    assert decision is not None and decision["ratio"] >= decision["r_floor"] == DEFAULT_RATIO
     assert result.method_options["ratio"] == decision["ratio"]
     assert decision["tier"] in ("ram", "disk")
 

@@ -4,12 +4,14 @@ and CacheBlendRAG.query_round, each agent's result reporting its round."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from cacheblend_rag.blend.methods import get_method
+from cacheblend_rag.config import DEFAULT_RATIO
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.engine.prompt import ChunkRef
 from cacheblend_rag.engine.scheduler import BatchRequest, BatchScheduler
@@ -61,7 +63,8 @@ def test_the_scheduler_blends_shared_chunks_once_by_default(engine, refs):
     results = engine.generate_batch(batch)
     for result in results:
         assert result.round_requests == 3 and result.round_shared_tokens == 400
-        assert result.round_recomputed_tokens == 60  # r = 0.15 of the round's 400 cached tokens, once
+        # the default ratio of the round's 400 cached tokens, once
+        assert result.round_recomputed_tokens == math.floor(DEFAULT_RATIO * 400 + 1e-9)
         # the agent computed only its own text; the chunks' KV was read (blended by the round)
         assert result.reused_tokens == 400 + len(head)
         assert result.computed_tokens == result.prompt_tokens - 400 - len(head)

@@ -124,6 +124,15 @@ def test_rerun_skips_finished_cases_and_adds_new_methods(qa_run, model):
     with pytest.raises(EvalDataError, match="top_k"):
         run_eval(EvalConfig(**{**config.__dict__, "top_k": 2}), model=model)
 
+    # a file from before a default changed what a label computes (no methods_revision: revision 1) is
+    # not resumed: its cacheblend@0.15 columns ran without the chunk-shift correction
+    older = json.loads(config.json_path.read_text())
+    del older["config"]["methods_revision"]
+    old_path = config.json_path.with_name("before-the-shift.json")
+    old_path.write_text(json.dumps(older))
+    with pytest.raises(EvalDataError, match="methods_revision"):
+        run_eval(EvalConfig(**{**config.__dict__, "json_path": old_path}), model=model)
+
 
 def test_first_token_margin_is_the_lead_over_the_runner_up():
     from cacheblend_rag.blend.methods import next_token_lead
