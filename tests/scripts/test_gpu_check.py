@@ -23,7 +23,7 @@ def test_tiny_config_on_cpu_times_every_method_and_checks_r1(tmp_path):
     assert "r = 1 matches full prefill" in done.stdout
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["repeats"] == 5
-    assert result["forbidden_imports"] == [] and result["r1_ok"] is True
+    assert result["forbidden_imports"] == [] and result["r1_ok"] is True and result["failures"] == []
     assert [row["workload"] for row in result["rows"]] == ["3x32", "2x64"]
     for row in result["rows"]:
         assert row["r1_relative_error"] <= row["r1_bound"] == 1e-4
