@@ -27,7 +27,8 @@ pydantic-settings, platformdirs and python-dotenv); on a GPU machine without net
     python3 scripts/gpu_check.py --json $OUT/gpu_check.json
 
 Its first try on an H200 (2026-12-04) stopped at the HKVD selection, which indexed CPU positions with GPU
-indices (fixed); a path that raises is now named in the table and the JSON and the rest still runs.
+indices (fixed: ``LayerState.deviation`` answers on the candidates' device); a path that raises is now
+named in the table and the JSON and the rest still runs.
 ``--device cpu --config tiny`` runs in ``make test`` (tests/scripts/test_gpu_check.py) so this path
 cannot rot.
 """

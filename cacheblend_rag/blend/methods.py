@@ -330,8 +330,7 @@ class CacheBlend(RecomputeMethod):
         cached_candidates = (~must).nonzero().squeeze(1)
         if budget >= cached_candidates.numel():
             return state.candidates
-        # (the deviation is computed where the KV lives; the selection, like the plan, is on the CPU)
-        deviation = state.deviation(self.signal).cpu()[cached_candidates]
+        deviation = state.deviation(self.signal)[cached_candidates]
         top = (
             cached_candidates[torch.topk(deviation, budget).indices] if budget > 0 else cached_candidates[:0]
         )

@@ -91,17 +91,22 @@ class LayerState:
 
     def deviation(self, signal: str = "v") -> torch.Tensor:
         """Per-candidate squared L2 deviation of fresh from cached K, V, or both (each scaled by its mean
-        cached norm so neither dominates)."""
+        cached norm so neither dominates), on the candidates' device (the plan's, the CPU), computed on the
+        K/V's (an accelerator's), so that methods may index candidates with it."""
 
         def dev(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
             return (fresh.float() - cached.float()).pow(2).sum(dim=(0, 2))
 
         if signal == "k":
-            return dev(self.fresh_k, self.cached_k)
-        if signal == "v":
-            return dev(self.fresh_v, self.cached_v)
-        if signal == "kv":
+            deviation = dev(self.fresh_k, self.cached_k)
+        elif signal == "v":
+            deviation = dev(self.fresh_v, self.cached_v)
+        elif signal == "kv":
             k_scale = self.cached_k.float().pow(2).sum(dim=(0, 2)).mean().clamp_min(1e-6)
             v_scale = self.cached_v.float().pow(2).sum(dim=(0, 2)).mean().clamp_min(1e-6)
-            return dev(self.fresh_k, self.cached_k) / k_scale + dev(self.fresh_v, self.cached_v) / v_scale
-        raise ValueError(f"unknown deviation signal {signal!r}: use 'k', 'v' or 'kv'")
+            deviation = (
+                dev(self.fresh_k, self.cached_k) / k_scale + dev(self.fresh_v, self.cached_v) / v_scale
+            )
+        else:
+            raise ValueError(f"unknown deviation signal {signal!r}: use 'k', 'v' or 'kv'")
+        return deviation.to(self.candidates.device)
