@@ -242,6 +242,14 @@ class CacheBlend(RecomputeMethod):
         description="correct every chunk's kept cached K/V by the mean change its recomputed tokens show "
         "at the same layer (keys in their unrotated frame): the chunk-shift correction; false: off",
     )
+    chunk_rows: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="query with shift only: each chunk's best N tokens by the question's reading are "
+        "recomputed first, out of the same budget, so that every chunk has rows to measure its shift by; "
+        "0 (default): the budget's best tokens wherever they are",
+    )
     signal: Literal["k", "v", "kv"] = Field(
         "k", description="hkvd only: deviation of K, V or both (each normalised)"
     )
@@ -297,10 +305,34 @@ class CacheBlend(RecomputeMethod):
                 budget = self._covering(ranked.values, budget, plan)
             elif self.budget == "margin" and plan.probe_logits is not None:
                 budget = min(budget, share_budget(self.margin_share(plan.probe_logits), plan))
-            keep[cached[ranked.indices[:budget]]] = True
+            floor = self._chunk_floor(score, budget, plan) if self.shift and self.chunk_rows else None
+            if floor is None:
+                keep[cached[ranked.indices[:budget]]] = True
+            else:  # the floor first, then the best of the rest up to the budget
+                keep[floor] = True
+                rest = ranked.indices[~keep[cached[ranked.indices]]]
+                keep[cached[rest[: budget - floor.numel()]]] = True
         elif budget:  # no probe ran (nothing cached to look at): every candidate is recomputed
             keep[cached] = True
         return keep.nonzero().squeeze(1)
+
+    def _chunk_floor(self, score: torch.Tensor, budget: int, plan: FusionPlan) -> torch.Tensor | None:
+        """The chunk floor: each chunk's best ``chunk_rows`` cached tokens by ``score`` (fewer when the
+        budget cannot give every chunk as many). A chunk with fewer than 2 recomputed tokens keeps its
+        cached K/V unshifted (blend/shift.py); a chunk the question reads little would otherwise get
+        none, while its error moves what every query pays it. Where every chunk already has that many
+        among the budget's best tokens, the selection is the same as without the floor."""
+        spans = plan.chunk_spans()
+        per_chunk = min(self.chunk_rows, budget // max(len(spans), 1))
+        if not spans or per_chunk <= 0:
+            return None
+        picks = []
+        for start, end in spans:
+            span = torch.arange(start, end)[plan.candidate_mask[start:end]]
+            if span.numel():
+                best = torch.topk(score[span], min(per_chunk, span.numel())).indices
+                picks.append(span[best])
+        return torch.cat(picks) if picks else None
 
     def margin_share(self, logits: torch.Tensor) -> float:
         """budget=margin: the share of cached tokens to recompute when the cached chunks as they are give

@@ -290,3 +290,40 @@ def test_margin_probe_gives_full_reuses_first_token_and_sets_the_budget(model, p
     )
     # a fixed budget asks for no logits and its probe still stops before the last layer's attention
     assert fusor.fuse(segments, CacheBlend()).plan.probe_logits is None
+
+
+def test_chunk_floor_gives_every_chunk_rows_to_measure_its_shift():
+    """chunk_rows=N with the shift on: each chunk's best N tokens come first out of the same budget; where
+    every chunk already has that many among the budget's best, the selection is exactly the top tokens."""
+    from cacheblend_rag.blend import get_method
+    from cacheblend_rag.blend.plan import FusionPlan
+
+    segments = [
+        Segment.cached(range(1, 51), object()),
+        Segment.fresh([5]),
+        Segment.cached(range(51, 101), object()),
+        Segment.fresh([7, 8, 9]),
+    ]
+    plan = FusionPlan.from_segments(segments)
+    spans = plan.chunk_spans()
+    scores = torch.zeros(plan.num_tokens)
+    scores[spans[0][0] : spans[0][1]] = torch.linspace(1.0, 0.5, 50)  # the question reads chunk 0 only
+    scores[spans[1][0] : spans[1][1]] = torch.linspace(0.01, 0.001, 50)
+    plan.query_attention = plan.query_contribution = scores
+
+    def chosen(**options) -> tuple[int, int]:
+        picked = get_method("cacheblend", ratio=0.1, **options).layer0_positions(plan)
+        mask = torch.zeros(plan.num_tokens, dtype=torch.bool)
+        mask[picked] = True
+        assert int((mask & plan.cached_mask).sum()) == 10  # the budget is the same either way
+        return tuple(int(mask[start:end].sum()) for start, end in spans)
+
+    assert chosen() == (10, 0)  # the default: no floor
+    assert get_method("cacheblend").chunk_rows == 0
+    assert chosen(chunk_rows=2) == (8, 2)  # chunk 1's two best tokens, then the best of the rest
+    assert chosen(chunk_rows=4) == (6, 4)
+    assert chosen(chunk_rows=50) == (5, 5)  # never more than the budget shared out
+    assert chosen(chunk_rows=4, shift=False) == (10, 0)  # without the shift there is nothing to measure
+    # when every chunk already has its rows among the best, the floor changes nothing
+    scores[spans[1][0] : spans[1][0] + 3] = 2.0
+    assert chosen(chunk_rows=2) == chosen() == (7, 3)

@@ -43,3 +43,43 @@ def test_bad_arguments_are_named():
     assert bad_config.returncode != 0 and "unknown config llama-9" in bad_config.stderr
     too_few = run("--device", "cpu", "--config", "tiny", "--repeats", "3")
     assert too_few.returncode != 0 and "at least 5" in too_few.stderr
+
+
+def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypatch, capsys):
+    """One broken method costs neither the table nor the other methods' numbers: its cell says FAILED,
+    the JSON names it under ``failures`` and the script exits non-zero."""
+    import importlib.util
+
+    import torch
+
+    from cacheblend_rag.blend import methods
+    from cacheblend_rag.blend.methods import CacheBlend, register_method
+
+    # registered in a copy of the registry, gone after the test
+    monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))
+
+    @register_method
+    class RaisingForGpuCheck(CacheBlend):
+        name = "raising_for_gpu_check"
+
+        def layer0_positions(self, plan) -> torch.Tensor:
+            raise RuntimeError("indices should be on the same device")
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(module.METHODS, "broken", ("raising_for_gpu_check", {}))
+    out = tmp_path / "gpu.json"
+    argv = ["gpu_check.py", "--device", "cpu", "--config", "tiny", "--workloads", "2x32", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert module.main() == 1
+    printed = capsys.readouterr().out
+    assert "FAILED" in printed and "1 path(s) raised" in printed
+    result = json.loads(out.read_text())
+    assert result["failures"] == ["tiny 2x32 broken ram: RuntimeError: indices should be on the same device"]
+    (row,) = result["rows"]
+    assert row["broken_ram_error"].startswith("RuntimeError") and "broken_ram_s" not in row
+    for label in ("cacheblend", "cacheblend_hkvd", "full_reuse", "epic"):
+        assert row[f"{label}_ram_s"] > 0  # every other path still timed
+    assert result["r1_ok"] is True
