@@ -70,6 +70,9 @@ def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypat
     monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclasses look their module up there)
     spec.loader.exec_module(module)
     monkeypatch.setitem(module.METHODS, "broken", ("raising_for_gpu_check", {}))
+    # (in-process, the rest of the suite has imported what a GPU machine lacks: that check is the
+    # subprocess test's, above)
+    monkeypatch.setattr(module, "FORBIDDEN_IMPORTS", ())
     out = tmp_path / "gpu.json"
     argv = ["gpu_check.py", "--device", "cpu", "--config", "tiny", "--workloads", "2x32", "--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
