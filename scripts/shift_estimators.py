@@ -37,7 +37,7 @@ from cacheblend_rag.eval.datasets import load_dataset, select_cases
 from cacheblend_rag.eval.engines import qa_engine
 from cacheblend_rag.eval.metrics import kl_divergence
 from cacheblend_rag.models.loader import load_model
-from cacheblend_rag.models.rope import rotate_half
+from cacheblend_rag.models.rope import apply_rotary
 from cacheblend_rag.settings import get_settings
 
 RECORDS: list[dict] = []
@@ -59,7 +59,19 @@ def _recording_apply(self, keys, values, rows, fresh_k, fresh_v) -> None:
 
 
 def _unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos - rotate_half(x) * sin
+    """R(-p) x: the rotation by ``cos``/``sin`` undone."""
+    return apply_rotary(x, cos, -sin)
+
+
+def _rows_and_kept(
+    chunk_of: torch.Tensor, num_chunks: int, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Which of ``rows`` lie in a chunk (mask), those rows, and the chunks' kept positions."""
+    inside = chunk_of[rows] < num_chunks
+    rows_in = rows[inside]
+    kept_mask = chunk_of < num_chunks
+    kept_mask[rows_in] = False
+    return inside, rows_in, kept_mask.nonzero().squeeze(1)
 
 
 def _ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> torch.Tensor:
@@ -147,12 +159,7 @@ def _variant_apply(k_name: str, v_name: str):
         if not self.num_chunks:
             return
         n = self.chunk_of.numel()
-        chunk = self.chunk_of[rows]
-        inside = chunk < self.num_chunks
-        rows_in = rows[inside]
-        kept_mask = self.chunk_of < self.num_chunks
-        kept_mask[rows_in] = False
-        kept = kept_mask.nonzero().squeeze(1)
+        inside, rows_in, kept = _rows_and_kept(self.chunk_of, self.num_chunks, rows)
         if not rows_in.numel() or not kept.numel():
             return
         cos, sin = self.cos, self.sin
@@ -162,9 +169,7 @@ def _variant_apply(k_name: str, v_name: str):
         ck, cr = self.chunk_of[kept], self.chunk_of[rows_in]
         est_k = estimate(k_name, placed_k, dk, rows_in, kept, cr, ck)
         est_v = estimate(v_name, values[:, :n].float(), dv, rows_in, kept, cr, ck)
-        # back to each kept token's position: R(q) x = x cos q + rotate_half(x) sin q
-        est_k = est_k * cos[kept] + rotate_half(est_k) * sin[kept]
-        keys[:, kept] += est_k.to(keys.dtype)
+        keys[:, kept] += apply_rotary(est_k, cos[kept], sin[kept]).to(keys.dtype)  # to each kept position
         values[:, kept] += est_v.to(values.dtype)
 
     return apply
@@ -252,12 +257,8 @@ def main() -> None:
 def _residuals(record: dict, reference: FusionResult, layer: int, n: int, group: str, totals: dict) -> None:
     """Add one layer's squared change of the kept tokens (``none``) and what each estimator leaves of it."""
     shifter, rows = record["shift"], record["rows"]
-    chunk_of = shifter.chunk_of.cpu()
-    inside = chunk_of[rows] < shifter.num_chunks
-    rows_in = rows[inside]
-    kept_mask = chunk_of[:n] < shifter.num_chunks
-    kept_mask[rows_in] = False
-    kept = kept_mask.nonzero().squeeze(1)
+    chunk_of = shifter.chunk_of.cpu()  # (one entry per prompt position: n of them)
+    inside, rows_in, kept = _rows_and_kept(chunk_of, shifter.num_chunks, rows)
     cos, sin = shifter.cos.cpu(), shifter.sin.cpu()
     for kind in ("k", "v"):
         placed = record["keys" if kind == "k" else "values"][:, :n]

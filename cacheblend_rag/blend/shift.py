@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.rope import Rope, rotate_half
+from ..models.rope import Rope, apply_rotary
 from .plan import FusionPlan
 
 # the fewest recomputed tokens of a chunk whose mean change is applied to the rest of it
@@ -64,7 +64,7 @@ class ChunkShift:
         delta_v = fresh_v.index_select(1, inside).float() - values.index_select(1, rows).float()
         delta_k = fresh_k.index_select(1, inside).float() - keys.index_select(1, rows).float()
         # each key change back to the unrotated frame: R(-p) x = x cos p - rotate_half(x) sin p
-        delta_k = delta_k * self.cos[rows] - rotate_half(delta_k) * self.sin[rows]
+        delta_k = apply_rotary(delta_k, self.cos[rows], -self.sin[rows])
         heads, _, dim = delta_v.shape
         counts = torch.bincount(chunk, minlength=self.num_chunks)
         shift_k = torch.zeros(heads, self.num_chunks, dim, device=rows.device).index_add_(1, chunk, delta_k)
