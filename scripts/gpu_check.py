@@ -1,12 +1,13 @@
 """Time CacheBlend against full prefill on one accelerator, in one short call, and check r = 1 is exact.
 
     python scripts/gpu_check.py [--device cuda] [--config llama-3.1-8b,qwen2.5-1.5b]
-        [--workloads 6x512,20x512,8x2048] [--repeats 5] [--warmup 2] [--json gpu_check.json]
+        [--workloads 6x512,20x512,8x2048] [--repeats 5] [--warmup 2] [--json gpu_check.json] [--profile]
+    python scripts/gpu_check.py --render gpu_check.json     # a saved run as BENCHMARKS.md's tables
 
-For each model config (random weights in the shape of a named real model, built in plain torch: nothing is
-downloaded and ``transformers`` is not needed) and each workload ``NxL`` (N cached chunks of L tokens
-between a short fresh head and a fresh question), it times, median of ``--repeats`` after ``--warmup``
-runs (CUDA events on CUDA, wall clock elsewhere):
+For each model config (random weights in the shape of a named real model, built in plain torch by
+scripts/gpu_models.py: nothing is downloaded and ``transformers`` is not needed) and each workload
+``NxL`` (N cached chunks of L tokens between a short fresh head and a fresh question), it times, median
+of ``--repeats`` after ``--warmup`` runs (CUDA events on CUDA, wall clock elsewhere):
 
 - ``full_prefill``: the model's forward over the whole prompt;
 - ``cacheblend`` (the default: query-aware selection and the chunk-shift correction, r = 0.15),
@@ -14,7 +15,10 @@ runs (CUDA events on CUDA, wall clock elsewhere):
   each fusing the precomputed chunk KV through our ``Fusor``,
   with that KV held in device memory (``hbm``) and in pinned host RAM (``host``; on CPU only ``ram``).
 
-Every time runs to the first token's logits. It then checks ``cacheblend@ratio=1`` against full prefill
+Every time runs to the first token's logits. ``--profile`` adds, at each config's first workload, where the
+time goes: the time until the device finished, its kernels' own time and count, the host's time in torch
+ops (a device that idles while the host dispatches shows kernel time far below the finish time). It then
+checks ``cacheblend@ratio=1`` against full prefill
 (relative L2 error of the logits within the compute dtype's bound) and exits non-zero when it is not, prints
 one table and writes JSON (rows appended as they are measured, so a run cut short keeps what it did).
 
@@ -28,7 +32,8 @@ pydantic-settings, platformdirs and python-dotenv); on a GPU machine without net
 
 Its first try on an H200 (2026-12-04) stopped at the HKVD selection, which indexed CPU positions with GPU
 indices (fixed: ``LayerState.deviation`` answers on the candidates' device); a path that raises is now
-named in the table and the JSON and the rest still runs.
+named in the table and the JSON and the rest still runs. It then ran in full there (BENCHMARKS.md, section
+``gpu``; docs/results/gpu-check-h200*.json).
 ``--device cpu --config tiny`` runs in ``make test`` (tests/scripts/test_gpu_check.py) so this path
 cannot rot.
 """
@@ -37,181 +42,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its models, beside it, also when loaded by path)
+
+from gpu_models import CONFIGS, Config, build_model
 
 from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, get_method
 from cacheblend_rag.blend.segments import ChunkContext, ChunkKV, prefill_chunk_kv, prefill_context
-from cacheblend_rag.models.rope import Rope
-from cacheblend_rag.models.runtime import LayerwiseModel, ModelShape
+from cacheblend_rag.models.runtime import LayerwiseModel
 
 # Modules this path must never need: the GPU machine has none of them.
 FORBIDDEN_IMPORTS = ("transformers", "faiss", "sentence_transformers", "tokenizers", "langchain_core")
-
-
-@dataclass(frozen=True)
-class Config:
-    """The shape of a real model (its config.json), enough to build random weights of that size."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rope_theta: float
-    max_context: int
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    # Llama 3.1's rope scaling (factor, low_freq_factor, high_freq_factor, original context); None: plain
-    llama3_rope: tuple[float, float, float, int] | None = None
-
-
-CONFIGS = {
-    "llama-3.1-8b": Config(
-        "llama-3.1-8b",
-        32,
-        4096,
-        32,
-        8,
-        128,
-        14336,
-        128256,
-        500000.0,
-        131072,
-        llama3_rope=(8.0, 1.0, 4.0, 8192),
-    ),
-    "qwen2.5-1.5b": Config(
-        "qwen2.5-1.5b",
-        28,
-        1536,
-        12,
-        2,
-        128,
-        8960,
-        151936,
-        1000000.0,
-        32768,
-        qkv_bias=True,
-        tie_embeddings=True,
-    ),
-    "tiny": Config("tiny", 3, 64, 4, 2, 16, 128, 512, 10000.0, 8192, qkv_bias=True),
-}
-
-
-class RMSNorm(nn.Module):
-    """RMS norm computed in float32, as Llama and Qwen2 compute it."""
-
-    def __init__(self, size: int, device, dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
-        self.eps = 1e-6
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, c: Config, **kw) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **kw)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **kw)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Attention(nn.Module):
-    def __init__(self, c: Config, **kw) -> None:
-        super().__init__()
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, q, bias=c.qkv_bias, **kw)
-        self.k_proj = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias, **kw)
-        self.v_proj = nn.Linear(c.hidden_size, kv, bias=c.qkv_bias, **kw)
-        self.o_proj = nn.Linear(q, c.hidden_size, bias=False, **kw)
-
-
-class Block(nn.Module):
-    def __init__(self, c: Config, **kw) -> None:
-        super().__init__()
-        self.self_attn = Attention(c, **kw)
-        self.mlp = SwiGLU(c, **kw)
-        self.input_layernorm = RMSNorm(c.hidden_size, **kw)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, **kw)
-
-
-class Backbone(nn.Module):
-    def __init__(self, c: Config, **kw) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **kw)
-        self.layers = nn.ModuleList(Block(c, **kw) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, **kw)
-
-
-class CausalLM(nn.Module):
-    """Modules laid out as a Hugging Face causal LM (``model.embed_tokens / layers / norm``, ``lm_head``),
-    which is all :class:`LayerwiseModel` drives."""
-
-    def __init__(self, c: Config, **kw) -> None:
-        super().__init__()
-        self.model = Backbone(c, **kw)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, **kw)
-        if c.tie_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-
-def inv_freq(c: Config) -> torch.Tensor:
-    """RoPE inverse frequencies of the config, with Llama 3.1's frequency-dependent scaling if it has it."""
-    freqs = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-    if c.llama3_rope is None:
-        return freqs.float()
-    factor, low, high, original = c.llama3_rope
-    wavelen = 2 * math.pi / freqs
-    smooth = (original / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > original / low, freqs / factor, freqs)
-    mid = (wavelen <= original / low) & (wavelen >= original / high)
-    return torch.where(mid, (1 - smooth) * freqs / factor + smooth * freqs, scaled).float()
-
-
-def build_model(c: Config, device: torch.device, dtype: torch.dtype, seed: int) -> LayerwiseModel:
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        hf_like = CausalLM(c, device=device, dtype=dtype).eval()
-    shape = ModelShape(
-        "llama",
-        c.num_layers,
-        c.hidden_size,
-        c.num_heads,
-        c.num_kv_heads,
-        c.head_dim,
-        c.vocab_size,
-        c.max_context,
-    )
-    return LayerwiseModel(
-        hf_like,
-        shape,
-        Rope(inv_freq(c)),
-        dtype,
-        device,
-        fingerprint=f"gpu-check-{c.name}-{seed}",
-        name=c.name,
-    )
 
 
 class Timer:
@@ -345,9 +195,72 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
                 row[f"{label}_compute_fraction"] = result.compute_fraction
         out["rows"].append(row)
         print_row(row, tiers)
+        if args.profile and (chunks, tokens) == parse_workloads(args.workloads)[0]:
+            print(f"where the time goes, {c.name} {chunks}x{tokens} (chunk KV on the device):")
+            kvs = [s.kv for s in segments if s.kv is not None]
+            found = [where_time_goes("full_prefill", lambda ids=ids: model.prefill(ids), device)]
+            for label, (name, options) in METHODS.items():
+                method = get_method(name, **options)
+                found.append(
+                    where_time_goes(
+                        label, lambda m=method, p=segments, k=kvs: fusor.fuse(p, m, DirectLayerKV(k)), device
+                    )
+                )
+            out["profiles"].append({"config": c.name, "workload": f"{chunks}x{tokens}", "runs": found})
         if args.json is not None:
             args.json.write_text(json.dumps(out, indent=2))
     return ok
+
+
+def where_time_goes(label: str, fn: Callable[[], object], device: torch.device) -> dict:
+    """Whether ``fn`` keeps the device busy or leaves it waiting on the host: the time until the device
+    finished it (median of 3), and from one profiled run the device kernels' own time and count (kernels,
+    copies and fills; not the ``fusion::`` ranges the fusor marks) and the host's time inside torch ops.
+    Kernel time far below the finish time means the device idled while the host dispatched."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    finish = []
+    for _ in range(3):
+        sync()
+        started = time.perf_counter()
+        fn()
+        sync()
+        finish.append(time.perf_counter() - started)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+    events = prof.key_averages()
+
+    def device_us(event) -> float:
+        return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0)))
+
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA and not e.key.startswith("fusion::")]
+    on_host = [e for e in events if e.device_type == DeviceType.CPU]
+    found = {
+        "label": label,
+        "finish_s": statistics.median(finish),
+        "device_kernel_s": sum(device_us(e) for e in on_device) / 1e6,
+        "kernels": sum(e.count for e in on_device),
+        "host_op_s": sum(e.self_cpu_time_total for e in on_host) / 1e6,
+        "top_kernels": [
+            {"kernel": e.key[:80], "count": e.count, "device_s": device_us(e) / 1e6}
+            for e in sorted(on_device, key=device_us, reverse=True)[:6]
+        ],
+    }
+    print(
+        f"  {label:<16} finish {found['finish_s'] * 1e3:7.1f} ms | device kernels "
+        f"{found['device_kernel_s'] * 1e3:7.1f} ms ({found['kernels']}) | host in torch ops "
+        f"{found['host_op_s'] * 1e3:7.1f} ms",
+        flush=True,
+    )
+    return found
 
 
 def print_row(row: dict, tiers: list[str]) -> None:
@@ -367,6 +280,48 @@ def print_row(row: dict, tiers: list[str]) -> None:
     print(" | ".join(cells), flush=True)
 
 
+def render_markdown(results: dict) -> str:
+    """A saved run (``--json``) as a markdown table: per config and workload, full prefill and each path's
+    time and speed-up per tier, and r = 1's relative error; then the dispatch profile when one ran."""
+    tiers = [t for t in ("hbm", "host", "ram") if any(f"cacheblend_{t}_s" in r for r in results["rows"])]
+    head = ["config", "workload", "prompt tokens", "full prefill ms"]
+    head += [f"{label} ({tier}) ms" for tier in tiers for label in results["methods"]] + ["r = 1 rel. error"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results["rows"]:
+        cells = [
+            row["config"],
+            row["workload"],
+            str(row["prompt_tokens"]),
+            f"{row['full_prefill_s'] * 1e3:.1f}",
+        ]
+        for tier in tiers:
+            for label in results["methods"]:
+                seconds = row.get(f"{label}_{tier}_s")
+                cells.append(
+                    "FAILED"
+                    if seconds is None
+                    else f"{seconds * 1e3:.1f} ({row[f'{label}_{tier}_speedup']:.2f}x)"
+                )
+        cells.append(f"{row['r1_relative_error']:.1e}")
+        lines.append("| " + " | ".join(cells) + " |")
+    for found in results.get("profiles", []):
+        lines += [
+            "",
+            f"Where the time goes, {found['config']} {found['workload']} (chunk KV on the device): time "
+            "until the device finished, the device kernels' own time and count, the host's time inside "
+            "torch ops",
+            "",
+            "| path | finish ms | device kernels ms | kernels | host in torch ops ms |",
+            "|---|---|---|---|---|",
+        ]
+        for run in found["runs"]:
+            lines.append(
+                f"| {run['label']} | {run['finish_s'] * 1e3:.1f} | {run['device_kernel_s'] * 1e3:.1f} | "
+                f"{run['kernels']} | {run['host_op_s'] * 1e3:.1f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
@@ -376,7 +331,16 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument(
+        "--profile", action="store_true", help="also time host dispatch vs device work at the first workload"
+    )
+    parser.add_argument(
+        "--render", type=Path, default=None, help="print a saved --json run as markdown; run nothing"
+    )
     args = parser.parse_args()
+    if args.render is not None:
+        print(render_markdown(json.loads(args.render.read_text())))
+        return 0
     if args.repeats < 5:
         parser.error("--repeats must be at least 5 (medians of fewer runs are not reported)")
     device = torch.device(args.device)
@@ -395,6 +359,7 @@ def main() -> int:
         "methods": METHODS,
         "rows": [],
         "failures": [],
+        "profiles": [],
     }
     tiers = ["hbm", "host"] if device.type == "cuda" else ["ram"]
     print(

@@ -29,6 +29,7 @@ from profile_fusion import musique_chunks  # scripts/ is on sys.path when a scri
 
 from cacheblend_rag.blend import fusor as fusor_module
 from cacheblend_rag.blend import layers as layers_module
+from cacheblend_rag.blend import placement as placement_module
 from cacheblend_rag.blend import probe as probe_module
 from cacheblend_rag.blend import round as round_module
 from cacheblend_rag.blend.fusor import FusionRequest
@@ -92,7 +93,7 @@ def instrument() -> None:
         if own and name.startswith("_") and name not in skip:
             timed(round_module, name, name, as_phase=True)
     timed(fusor_cls, "fuse_many", "fuse_many", as_phase=True)
-    timed(fusor_cls, "_place_cached", "place cached")
+    timed(placement_module.CachedPlacement, "place", "place cached")
     probe_pass_timer(run_cls)
     timed(probe_module.ProbePass, "attention_inputs", "probe attention inputs (probabilities, mass)")
     timed(probe_module.ProbePass, "attend", "probe attend (output from probabilities)")

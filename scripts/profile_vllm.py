@@ -57,7 +57,7 @@ def timed(owner: Any, name: str, label: Callable[..., str] | str) -> None:
 
 
 def instrument() -> None:
-    from cacheblend_rag.blend import fusor, probe
+    from cacheblend_rag.blend import fusor, placement, probe
     from cacheblend_rag.engine import engine as torch_engine
     from cacheblend_rag.engine.vllm import connector, paged, worker
     from cacheblend_rag.models.runtime import LayerwiseModel
@@ -82,7 +82,7 @@ def instrument() -> None:
     timed(probe.ProbePass, "attend", "probe.attention")  # the probe attends from its own probabilities
     timed(probe.ProbePass, "attention_inputs", "probe.attention")  # (its scores are computed here)
     # cached chunks placed into the fusion's cache, keys re-rotated (by the probe, before its scores)
-    timed(fusor.Fusor, "_place_cached", lambda *a, **k: f"{PHASE[0]}.place")
+    timed(placement.CachedPlacement, "place", lambda *a, **k: f"{PHASE[0]}.place")
     timed(torch_engine.Engine, "chunk_kv", "store")
     timed(torch_engine.Engine, "fuse", "fuse")
     timed(worker.WorkerBlender, "blend", "blend")

@@ -1,7 +1,7 @@
 """The fusor: turn independently precomputed chunk KV plus fresh text into one KV cache for the prompt.
 
-1. lay the segments out; each cached chunk's keys are re-rotated (float64 tables, once per fusion) from
-   its own positions 0..n-1 to where it lands in the prompt;
+1. lay the segments out; each cached chunk's keys are re-rotated (float64 angles, tables built once per
+   fusion: :mod:`.placement`) from its own positions 0..n-1 to where it lands in the prompt;
 2. a method that selects by the question's attention gets a probe pass first (:mod:`.probe`), which also
    places the cached KV of every layer it runs (all, unless the method's ``probe_layers`` says fewer);
 3. layer 0 runs for the positions the method picks (fresh text plus its selection, or every token for
@@ -16,7 +16,6 @@ projection and one MLP, each attends over its own cache (:mod:`.layers`).
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,11 +25,11 @@ import torch
 from torch.profiler import record_function
 
 from ..errors import ContextLengthError, FusionInputError
-from ..models.rope import Rope
 from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
 from .context import SharedContext
 from .layers import LayerPass, run_layer
 from .methods import FullReuse, RecomputeMethod
+from .placement import CachedPlacement
 from .plan import FusionPlan, LayerState
 from .probe import ProbePass, ProbeResult
 from .segments import DirectLayerKV, LayerKVProvider, Segment, kv_sources
@@ -254,36 +253,6 @@ class Fusor:
             run.provider.close()
         return probe.result()
 
-    def _rerotations(self, spans: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per cached span, the tables that turn its keys from 0..n-1 to its prompt positions; the same
-        at every layer, so computed once per fusion (none for a span that stays at 0..n-1)."""
-        device = self.model.device
-        tables = []
-        for start, end in spans:
-            local = torch.arange(end - start, device=device)
-            # float32 tables of a float64 angle difference: within ~1e-6 of float64 rotation, half the
-            # memory traffic at every layer
-            tables.append(self.model.rope.rerotation(local, local + start, torch.float32))
-        return tables
-
-    def _place_cached(
-        self,
-        cache: KVCache,
-        layer: int,
-        layer_kv: list[tuple[torch.Tensor, torch.Tensor]],
-        spans: list[tuple[int, int]],
-        rotations: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
-        """Write each cached chunk's K/V at its prompt positions, keys re-rotated from 0..n-1."""
-        device = self.model.device
-        for (k, v), (start, end), tables in zip(layer_kv, spans, rotations, strict=True):
-            # copy_ converts dtype and device in one pass, with no temporary the size of the chunk
-            if start == 0:  # already at its own positions (a prompt's head)
-                cache.keys[layer][0, :, :end].copy_(k)
-            else:  # rotated straight into the cache slice (no temporaries the size of the keys)
-                Rope.apply_rerotation_into(cache.keys[layer][0, :, start:end], k.to(device), tables)
-            cache.values[layer][0, :, start:end].copy_(v)
-
     @staticmethod
     def _check_selection(plan: FusionPlan, chosen: torch.Tensor, previous: torch.Tensor | None) -> None:
         """A method may only narrow the set, and may never drop fresh text or the last token."""
@@ -320,7 +289,7 @@ class _Run:
         self.probe_suffix = request.probe_suffix
         room = max(request.extra_capacity, len(self.probe_suffix))
         self.cache = self.model.new_cache(plan.num_tokens + room, zeroed=False)
-        self.rotations = fusor._rerotations(self.spans)
+        self.placement = CachedPlacement.for_spans(self.model.rope, self.spans, self.model.device)
         self.check_layers = set(request.method.check_layers(plan))
         self.shift = None
         if request.method.shifts_chunks():
@@ -337,14 +306,13 @@ class _Run:
         self.probe_token_layers = 0
 
     def probe_pass(self) -> ProbePass:
-        place = functools.partial(self.fusor._place_cached, spans=self.spans, rotations=self.rotations)
         plan = self.plan
         if self.probe_suffix:  # the same layout with the suffix's rows after it
             plan = FusionPlan.from_segments([*plan.segments, Segment.fresh(self.probe_suffix)])
         layers = self.method.probe_layers(self.model.num_layers)
         # a suffix's last row is another question's: the prompt's own next token is not there
         logits = self.method.probe_logits() and not self.probe_suffix
-        return ProbePass(self.model, plan, self.cache, self.provider, place, layers, logits)
+        return ProbePass(self.model, plan, self.cache, self.provider, self.placement.place, layers, logits)
 
     def begin(self, probe: ProbePass | None) -> None:
         """Take the probe's findings (when one ran) and the method's layer-0 positions."""
@@ -368,6 +336,9 @@ class _Run:
 
     def _select(self, selected: torch.Tensor) -> None:
         self.positions = selected
+        # whether some cached position keeps its cached K/V: read once per selection, not at every layer
+        # (on an accelerator each read waits for the queued work)
+        self.keeps_cached = int(self.plan.cached_mask[selected.cpu()].sum()) < self.num_cached_total
         self.cos_sin = self.model.rope.cos_sin(selected, self.model.dtype)
         self.mask = AttentionMask.for_positions(selected, self.plan.num_tokens)
 
@@ -380,9 +351,8 @@ class _Run:
             layer_kv = self.provider.layer(layer)  # providers serve layers in order; always ask
             self.load_wait += time.perf_counter() - waited
             # placing is skipped where every cached position is recomputed anyway
-            needs_cached = int(plan.cached_mask[selected.cpu()].sum()) < self.num_cached_total
-            if needs_cached or layer in self.check_layers:
-                self.fusor._place_cached(cache, layer, layer_kv, self.spans, self.rotations)
+            if self.keeps_cached or layer in self.check_layers:
+                self.placement.place(cache, layer, layer_kv)
         narrowed = None
         if layer in self.check_layers:
             state = LayerState(  # (indexing copies the cached K/V before the write below)
@@ -397,7 +367,7 @@ class _Run:
             narrowed = self.method.select(state).to(self.model.device)
             self.fusor._check_selection(plan, narrowed, selected)
         # what the recomputed rows changed, onto the rest of their chunks (when any of them is kept)
-        if self.shift is not None and int(plan.cached_mask[selected.cpu()].sum()) < self.num_cached_total:
+        if self.shift is not None and self.keeps_cached:
             self.shift.apply(cache.keys[layer][0], cache.values[layer][0], selected, k[0], v[0])
         cache.write(layer, selected, k, v)  # every candidate's fresh K/V is better than its cached one
         if narrowed is not None:

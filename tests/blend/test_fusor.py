@@ -181,6 +181,30 @@ def test_duplicate_chunks_are_fused_at_each_position(model, prompt):
     assert (fused.logits - reference[0]).abs().max().item() <= 1e-4
 
 
+def test_chunks_are_placed_rerotated_apart_or_back_to_back(model, prompt):
+    """Every cached position holds its chunk's KV, keys re-rotated to where the chunk lands, whether fresh
+    text separates the chunks (one indexed write) or they lie back to back (one slice)."""
+    segments, _ = prompt
+    chunks = [s for s in segments if s.kv is not None]
+    head, question = segments[0], segments[-1]
+    apart = [head, chunks[0], Segment.fresh([198, 198]), *chunks[1:], question]
+    together = [head, *chunks, question]
+    for layout in (apart, together):
+        fused = Fusor(model).fuse(layout, FullReuse())
+        start = 0
+        for segment in layout:
+            n = len(segment)
+            if segment.kv is not None:
+                local = torch.arange(n)
+                for layer in (0, model.num_layers - 1):
+                    k, v = segment.kv.layer(layer)
+                    want = model.rope.rerotate(k.to(model.dtype), local, local + start)
+                    got = fused.cache.keys[layer][0, :, start : start + n]
+                    assert (got - want).abs().max().item() <= 1e-5
+                    assert torch.equal(fused.cache.values[layer][0, :, start : start + n], v.to(model.dtype))
+            start += n
+
+
 def test_custom_method_can_be_registered(model, prompt):
     class EverySecondToken(RecomputeMethod):
         name = "every_second"

@@ -18,7 +18,9 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_tiny_config_on_cpu_times_every_method_and_checks_r1(tmp_path):
     out = tmp_path / "gpu.json"
-    done = run("--device", "cpu", "--config", "tiny", "--workloads", "3x32,2x64", "--json", str(out))
+    done = run(
+        "--device", "cpu", "--config", "tiny", "--workloads", "3x32,2x64", "--json", str(out), "--profile"
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "r = 1 matches full prefill" in done.stdout
     result = json.loads(out.read_text())
@@ -34,6 +36,17 @@ def test_tiny_config_on_cpu_times_every_method_and_checks_r1(tmp_path):
         assert row["prompt_tokens"] == 24 + 32 + int(row["workload"].split("x")[0]) * int(
             row["workload"].split("x")[1]
         )
+    # --profile: where the time goes at the first workload, every path
+    [profile] = result["profiles"]
+    assert profile["workload"] == "3x32"
+    labels = ["full_prefill", "cacheblend", "cacheblend_hkvd", "full_reuse", "epic"]
+    assert [found["label"] for found in profile["runs"]] == labels
+    assert all(found["finish_s"] > 0 and found["kernels"] == 0 for found in profile["runs"])  # (no device)
+    # --render: the saved run as the markdown BENCHMARKS.md shows, without running anything
+    rendered = run("--render", str(out))
+    assert rendered.returncode == 0, rendered.stderr
+    assert "| tiny | 3x32 | 152 |" in rendered.stdout and "| tiny | 2x64 | 184 |" in rendered.stdout
+    assert "Where the time goes, tiny 3x32" in rendered.stdout
 
 
 def test_bad_arguments_are_named():
