@@ -2,6 +2,7 @@
 
     python scripts/gpu_check.py [--device cuda] [--config llama-3.1-8b,qwen2.5-1.5b]
         [--workloads 6x512,20x512,8x2048] [--repeats 5] [--warmup 2] [--json gpu_check.json] [--profile]
+        [--batch N]
     python scripts/gpu_check.py --render gpu_check.json     # a saved run as BENCHMARKS.md's tables
 
 For each model config (random weights in the shape of a named real model, built in plain torch by
@@ -17,8 +18,10 @@ of ``--repeats`` after ``--warmup`` runs (CUDA events on CUDA, wall clock elsewh
 
 Every time runs to the first token's logits. ``--profile`` adds, at each config's first workload, where the
 time goes: the time until the device finished, its kernels' own time and count, the host's time in torch
-ops (a device that idles while the host dispatches shows kernel time far below the finish time). It then
-checks ``cacheblend@ratio=1`` against full prefill
+ops (a device that idles while the host dispatches shows kernel time far below the finish time).
+``--batch N`` adds, at each config's first workload, N different prompts at once as a server batches
+concurrent requests: full prefill of all in one forward against fusing all together (``fuse_many``).
+It then checks ``cacheblend@ratio=1`` against full prefill
 (relative L2 error of the logits within the compute dtype's bound) and exits non-zero when it is not, prints
 one table and writes JSON (rows appended as they are measured, so a run cut short keeps what it did).
 
@@ -57,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its models, beside 
 from gpu_models import CONFIGS, Config, build_model
 
 from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, get_method
+from cacheblend_rag.blend.fusor import FusionRequest
 from cacheblend_rag.blend.segments import ChunkContext, ChunkKV, prefill_chunk_kv, prefill_context
 from cacheblend_rag.models.runtime import LayerwiseModel
 
@@ -207,9 +211,60 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
                     )
                 )
             out["profiles"].append({"config": c.name, "workload": f"{chunks}x{tokens}", "runs": found})
+        if args.batch and (chunks, tokens) == parse_workloads(args.workloads)[0]:
+            try:
+                found = time_batch(model, fusor, timer, (chunks, tokens), args.batch, kv_dtype, generator)
+                out["batches"].append({"config": c.name, **found})
+            except Exception as error:  # (as above: the rest of the run is worth having)
+                traceback.print_exc()
+                out["failures"].append(f"{c.name} {chunks}x{tokens} batch of {args.batch}: {error}")
         if args.json is not None:
             args.json.write_text(json.dumps(out, indent=2))
     return ok
+
+
+def time_batch(
+    model: LayerwiseModel,
+    fusor: Fusor,
+    timer: Timer,
+    workload: tuple[int, int],
+    batch: int,
+    kv_dtype: torch.dtype,
+    generator: torch.Generator,
+) -> dict:
+    """``batch`` different prompts of one workload at once, as a server batches concurrent requests: full
+    prefill of all of them in one forward ([batch, T]) against fusing all of them together
+    (:meth:`Fusor.fuse_many`: one projection and one MLP per layer over every request's rows); seconds per
+    batch, and per method the speed-up over the batched full prefill."""
+    chunks, tokens = workload
+    prompts = [prompt_segments(model, chunks, tokens, kv_dtype, generator) for _ in range(batch)]
+    ids = torch.tensor([prompt_ids for _, prompt_ids in prompts], device=model.device)
+    positions = torch.arange(ids.shape[1], device=model.device)
+
+    def full_prefill() -> torch.Tensor:
+        return model.forward(ids, positions, model.new_cache(ids.shape[1], batch=batch, zeroed=False))
+
+    found = {"workload": f"{chunks}x{tokens}", "batch": batch, "full_prefill_s": timer.median(full_prefill)}
+    for label, (name, options) in METHODS.items():
+        method = get_method(name, **options)
+
+        def fuse_all(method=method) -> list:
+            requests = [
+                FusionRequest(segments, method, DirectLayerKV([s.kv for s in segments if s.kv is not None]))
+                for segments, _ in prompts
+            ]
+            return fusor.fuse_many(requests)
+
+        found[f"{label}_s"] = timer.median(fuse_all)
+        found[f"{label}_speedup"] = found["full_prefill_s"] / found[f"{label}_s"]
+    cells = " | ".join(
+        f"{label} {found[f'{label}_s'] * 1e3:.1f} ({found[f'{label}_speedup']:.2f}x)" for label in METHODS
+    )
+    print(
+        f"  {batch} prompts at once: full prefill {found['full_prefill_s'] * 1e3:.1f} ms | {cells}",
+        flush=True,
+    )
+    return found
 
 
 def where_time_goes(label: str, fn: Callable[[], object], device: torch.device) -> dict:
@@ -304,6 +359,21 @@ def render_markdown(results: dict) -> str:
                 )
         cells.append(f"{row['r1_relative_error']:.1e}")
         lines.append("| " + " | ".join(cells) + " |")
+    for found in results.get("batches", []):
+        lines += [
+            "",
+            f"{found['batch']} prompts at once, {found['config']} {found['workload']} (chunk KV on the "
+            "device): full prefill of all in one forward against fusing all together (Fusor.fuse_many)",
+            "",
+            "| full prefill ms | " + " | ".join(f"{label} ms" for label in results["methods"]) + " |",
+            "|---|" + "---|" * len(results["methods"]),
+            f"| {found['full_prefill_s'] * 1e3:.1f} | "
+            + " | ".join(
+                f"{found[f'{label}_s'] * 1e3:.1f} ({found[f'{label}_speedup']:.2f}x)"
+                for label in results["methods"]
+            )
+            + " |",
+        ]
     for found in results.get("profiles", []):
         lines += [
             "",
@@ -335,6 +405,9 @@ def main() -> int:
         "--profile", action="store_true", help="also time host dispatch vs device work at the first workload"
     )
     parser.add_argument(
+        "--batch", type=int, default=0, help="also time N prompts at once at the first workload (fuse_many)"
+    )
+    parser.add_argument(
         "--render", type=Path, default=None, help="print a saved --json run as markdown; run nothing"
     )
     args = parser.parse_args()
@@ -360,6 +433,7 @@ def main() -> int:
         "rows": [],
         "failures": [],
         "profiles": [],
+        "batches": [],
     }
     tiers = ["hbm", "host"] if device.type == "cuda" else ["ram"]
     print(

@@ -19,7 +19,17 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_tiny_config_on_cpu_times_every_method_and_checks_r1(tmp_path):
     out = tmp_path / "gpu.json"
     done = run(
-        "--device", "cpu", "--config", "tiny", "--workloads", "3x32,2x64", "--json", str(out), "--profile"
+        "--device",
+        "cpu",
+        "--config",
+        "tiny",
+        "--workloads",
+        "3x32,2x64",
+        "--json",
+        str(out),
+        "--profile",
+        "--batch",
+        "2",
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "r = 1 matches full prefill" in done.stdout
@@ -42,11 +52,18 @@ def test_tiny_config_on_cpu_times_every_method_and_checks_r1(tmp_path):
     labels = ["full_prefill", "cacheblend", "cacheblend_hkvd", "full_reuse", "epic"]
     assert [found["label"] for found in profile["runs"]] == labels
     assert all(found["finish_s"] > 0 and found["kernels"] == 0 for found in profile["runs"])  # (no device)
+    # --batch: two prompts at once at the first workload, full prefill batched against fuse_many
+    [batch] = result["batches"]
+    assert batch["workload"] == "3x32" and batch["batch"] == 2 and batch["full_prefill_s"] > 0
+    assert all(batch[f"{label}_s"] > 0 for label in labels[1:])
     # --render: the saved run as the markdown BENCHMARKS.md shows, without running anything
     rendered = run("--render", str(out))
     assert rendered.returncode == 0, rendered.stderr
     assert "| tiny | 3x32 | 152 |" in rendered.stdout and "| tiny | 2x64 | 184 |" in rendered.stdout
-    assert "Where the time goes, tiny 3x32" in rendered.stdout
+    assert (
+        "Where the time goes, tiny 3x32" in rendered.stdout
+        and "2 prompts at once, tiny 3x32" in rendered.stdout
+    )
 
 
 def test_bad_arguments_are_named():
@@ -99,3 +116,14 @@ def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypat
     for label in ("cacheblend", "cacheblend_hkvd", "full_reuse", "epic"):
         assert row[f"{label}_ram_s"] > 0  # every other path still timed
     assert result["r1_ok"] is True
+
+
+def test_benchmarks_gpu_tables_are_the_saved_runs_rendered():
+    """Every GPU table in BENCHMARKS.md (section ``gpu``) is ``--render`` of a committed run: no GPU number
+    there is typed by hand or estimated."""
+    repo = SCRIPT.parents[1]
+    page = (repo / "BENCHMARKS.md").read_text()
+    for name in ("gpu-check-h200.json", "gpu-check-h200-before.json", "gpu-check-h200-batch.json"):
+        rendered = run("--render", str(repo / "docs" / "results" / name))
+        assert rendered.returncode == 0, rendered.stderr
+        assert rendered.stdout.strip() in page, f"BENCHMARKS.md does not show {name} as rendered"
