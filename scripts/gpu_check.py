@@ -61,7 +61,7 @@ from gpu_models import CONFIGS, Config, build_model
 
 from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, get_method
 from cacheblend_rag.blend.fusor import FusionRequest
-from cacheblend_rag.blend.segments import ChunkContext, ChunkKV, prefill_chunk_kv, prefill_context
+from cacheblend_rag.blend.segments import ChunkContext, ChunkKV, kv_sources, prefill_chunk_kv, prefill_context
 from cacheblend_rag.models.runtime import LayerwiseModel
 
 # Modules this path must never need: the GPU machine has none of them.
@@ -159,7 +159,8 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
     bound = 0.05 if dtype == torch.bfloat16 else 1e-4
     ok = True
     generator = torch.Generator().manual_seed(args.seed)
-    for chunks, tokens in parse_workloads(args.workloads):
+    workloads = parse_workloads(args.workloads)
+    for chunks, tokens in workloads:
         segments, ids = prompt_segments(model, chunks, tokens, kv_dtype, generator)
         if len(ids) > c.max_context:
             print(
@@ -179,7 +180,7 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
                 s if s.kv is None or tier != "host" else Segment.cached(s.token_ids, on_host(s.kv))
                 for s in segments
             ]
-            kvs = [s.kv for s in placed if s.kv is not None]
+            kvs = kv_sources(placed)
             for label, (name, options) in METHODS.items():
                 method = get_method(name, **options)
                 try:
@@ -199,9 +200,9 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
                 row[f"{label}_compute_fraction"] = result.compute_fraction
         out["rows"].append(row)
         print_row(row, tiers)
-        if args.profile and (chunks, tokens) == parse_workloads(args.workloads)[0]:
+        if args.profile and (chunks, tokens) == workloads[0]:
             print(f"where the time goes, {c.name} {chunks}x{tokens} (chunk KV on the device):")
-            kvs = [s.kv for s in segments if s.kv is not None]
+            kvs = kv_sources(segments)
             found = [where_time_goes("full_prefill", lambda ids=ids: model.prefill(ids), device)]
             for label, (name, options) in METHODS.items():
                 method = get_method(name, **options)
@@ -211,7 +212,7 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
                     )
                 )
             out["profiles"].append({"config": c.name, "workload": f"{chunks}x{tokens}", "runs": found})
-        if args.batch and (chunks, tokens) == parse_workloads(args.workloads)[0]:
+        if args.batch and (chunks, tokens) == workloads[0]:
             try:
                 found = time_batch(model, fusor, timer, (chunks, tokens), args.batch, kv_dtype, generator)
                 out["batches"].append({"config": c.name, **found})
@@ -250,7 +251,7 @@ def time_batch(
 
         def fuse_all(method=method) -> list:
             requests = [
-                FusionRequest(segments, method, DirectLayerKV([s.kv for s in segments if s.kv is not None]))
+                FusionRequest(segments, method, DirectLayerKV(kv_sources(segments)))
                 for segments, _ in prompts
             ]
             return fusor.fuse_many(requests)
@@ -258,7 +259,7 @@ def time_batch(
         found[f"{label}_s"] = timer.median(fuse_all)
         found[f"{label}_speedup"] = found["full_prefill_s"] / found[f"{label}_s"]
     cells = " | ".join(
-        f"{label} {found[f'{label}_s'] * 1e3:.1f} ({found[f'{label}_speedup']:.2f}x)" for label in METHODS
+        f"{label} {time_cell(found[f'{label}_s'], found[f'{label}_speedup'])}" for label in METHODS
     )
     print(
         f"  {batch} prompts at once: full prefill {found['full_prefill_s'] * 1e3:.1f} ms | {cells}",
@@ -318,6 +319,11 @@ def where_time_goes(label: str, fn: Callable[[], object], device: torch.device) 
     return found
 
 
+def time_cell(seconds: float, speedup: float, width: int = 0) -> str:
+    """A path's time in ms and its speed-up over full prefill, as every table here shows it."""
+    return f"{seconds * 1e3:>{width}.1f} ({speedup:.2f}x)"
+
+
 def print_row(row: dict, tiers: list[str]) -> None:
     cells = [
         f"{row['config']:<13}",
@@ -330,7 +336,7 @@ def print_row(row: dict, tiers: list[str]) -> None:
             if f"{label}_{tier}_s" not in row:
                 cells.append(f"{'FAILED':>16}")
                 continue
-            cells.append(f"{row[f'{label}_{tier}_s'] * 1e3:>8.1f} ({row[f'{label}_{tier}_speedup']:.2f}x)")
+            cells.append(time_cell(row[f"{label}_{tier}_s"], row[f"{label}_{tier}_speedup"], width=8))
     cells.append(f"{row['r1_relative_error']:.1e}{'' if row['r1_ok'] else ' FAIL'}")
     print(" | ".join(cells), flush=True)
 
@@ -353,9 +359,7 @@ def render_markdown(results: dict) -> str:
             for label in results["methods"]:
                 seconds = row.get(f"{label}_{tier}_s")
                 cells.append(
-                    "FAILED"
-                    if seconds is None
-                    else f"{seconds * 1e3:.1f} ({row[f'{label}_{tier}_speedup']:.2f}x)"
+                    "FAILED" if seconds is None else time_cell(seconds, row[f"{label}_{tier}_speedup"])
                 )
         cells.append(f"{row['r1_relative_error']:.1e}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -369,8 +373,7 @@ def render_markdown(results: dict) -> str:
             "|---|" + "---|" * len(results["methods"]),
             f"| {found['full_prefill_s'] * 1e3:.1f} | "
             + " | ".join(
-                f"{found[f'{label}_s'] * 1e3:.1f} ({found[f'{label}_speedup']:.2f}x)"
-                for label in results["methods"]
+                time_cell(found[f"{label}_s"], found[f"{label}_speedup"]) for label in results["methods"]
             )
             + " |",
         ]

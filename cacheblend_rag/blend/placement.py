@@ -26,15 +26,14 @@ from ..models.runtime import KVCache
 
 @dataclass(frozen=True)
 class CachedPlacement:
-    """Where a prompt's cached spans go: ``bounds`` (first start, last end), ``index`` (every cached
-    position, ascending; None when the spans lie back to back) and the float32 cos/sin ``tables`` that
-    re-rotate their keys, all spans' rows in order."""
+    """Where a prompt's cached ``spans`` go ([start, end), ascending): ``index`` (every cached position,
+    ascending; None when the spans lie back to back) and the float32 cos/sin ``tables`` that re-rotate their
+    keys, all spans' rows in order."""
 
-    bounds: tuple[int, int]
+    spans: tuple[tuple[int, int], ...]
     index: torch.Tensor | None
     tables: tuple[torch.Tensor, torch.Tensor] | None
     device: torch.device
-    spans: tuple[tuple[int, int], ...] = ()
     batched: bool = True  # all chunks of a layer at once (accelerators), else chunk by chunk (the CPU)
 
     @classmethod
@@ -55,9 +54,8 @@ class CachedPlacement:
         joined = None
         if tables:
             joined = (torch.cat([cos for cos, _ in tables]), torch.cat([sin for _, sin in tables]))
-        bounds = (spans[0][0], spans[-1][1]) if spans else (0, 0)
         batched = device.type != "cpu" if batched is None else batched
-        return cls(bounds, index, joined, device, tuple(spans), batched)
+        return cls(tuple(spans), index, joined, device, batched)
 
     def place(self, cache: KVCache, layer: int, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write every cached chunk's K/V of ``layer`` (``layer_kv``: per span, [Hkv, n, d] K and V rotated
@@ -80,7 +78,7 @@ class CachedPlacement:
         k = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
         v = values[0] if len(values) == 1 else torch.cat(values, dim=1)
         if self.index is None:  # back to back: rotated straight into the cache slice
-            start, end = self.bounds
+            start, end = self.spans[0][0], self.spans[-1][1]
             Rope.apply_rerotation_into(key_cache[:, start:end], k, self.tables)
             value_cache[:, start:end].copy_(v)
             return
