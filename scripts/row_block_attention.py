@@ -10,7 +10,7 @@ the model's shape: the time does not depend on the values) is then timed, interl
 * ``masked xN``: N row blocks, each one masked SDPA call over the keys up to its last row (grouped-query
   heads through ``enable_gqa``): what the runtime did before, with N = 16;
 * ``split xN``: N row blocks, each the keys before its first row unmasked plus its window masked, merged by
-  log-sum-exp, query heads packed as rows (``models.runtime._row_block_attention``; the runtime's choice
+  log-sum-exp, query heads packed as rows (``models.attention.row_block_attention``; the runtime's choice
   of N is ``ATTENTION_ROW_BLOCKS`` / ``ATTENTION_BLOCK_ROWS``).
 
 Prints milliseconds per layer and the useful GFLOP/s (each row's q.k and p.v over the keys it sees).
@@ -28,13 +28,13 @@ from profile_fusion import build_prompt  # scripts/ is on sys.path when a script
 
 from cacheblend_rag.blend import DirectLayerKV, Fusor, parse_method
 from cacheblend_rag.blend.segments import kv_sources
-from cacheblend_rag.models.loader import load_model
-from cacheblend_rag.models.runtime import (
+from cacheblend_rag.models.attention import (
     AttentionMask,
-    _masked_block_attention,
-    _row_block_attention,
+    masked_block_attention,
+    row_block_attention,
     row_blocks,
 )
+from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.settings import get_settings
 
 
@@ -45,7 +45,7 @@ def with_blocks(mask: AttentionMask, positions: torch.Tensor, count: int) -> Att
 
 def masked_blocks(q, keys, values, mask: AttentionMask, scaling: float) -> torch.Tensor:
     """Every block one masked SDPA call (the runtime's layout before the split, and on CUDA)."""
-    return torch.cat([_masked_block_attention(q, keys, values, mask, b, scaling) for b in mask.blocks], dim=2)
+    return torch.cat([masked_block_attention(q, keys, values, mask, b, scaling) for b in mask.blocks], dim=2)
 
 
 def main() -> None:
@@ -69,9 +69,9 @@ def main() -> None:
         groups = shape.num_heads // shape.num_kv_heads
         variants = {f"masked x{c}": (masked_blocks, with_blocks(base, positions, c)) for c in (16, 8)}
         variants |= {
-            f"split x{c}": (_row_block_attention, with_blocks(base, positions, c)) for c in (4, 6, 8, 12)
+            f"split x{c}": (row_block_attention, with_blocks(base, positions, c)) for c in (4, 6, 8, 12)
         }
-        variants[f"runtime ({len(base.blocks)} blocks)"] = (_row_block_attention, base)
+        variants[f"runtime ({len(base.blocks)} blocks)"] = (row_block_attention, base)
         reference = masked_blocks(q, keys, values, with_blocks(base, positions, 16), model.scaling)
         for fn, mask in variants.values():  # masks built and kernels warmed before the clock
             mask.windows(q.dtype, groups)

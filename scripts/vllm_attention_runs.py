@@ -48,8 +48,8 @@ def main() -> None:
         merge_gaps,
         scheduler_metadata,
     )
+    from cacheblend_rag.models.attention import AttentionMask
     from cacheblend_rag.models.loader import load_model
-    from cacheblend_rag.models.runtime import AttentionMask
     from cacheblend_rag.settings import get_settings
 
     model = load_model(config=get_settings())

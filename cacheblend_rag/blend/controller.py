@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from ..config import DEFAULT_RATIO, default_home
-from ..models.runtime import AttentionMask, LayerwiseModel
+from ..models.attention import AttentionMask
+from ..models.runtime import LayerwiseModel
 
 PROFILE_VERSION = 1
 # Relative cost of keeping a byte in each tier; only the order matters (cheapest is tried first).

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.runtime import AttentionMask, KVCache
+from ..models.attention import AttentionMask
+from ..models.runtime import KVCache
 from .fusor import Fusor
 from .methods import FullRecompute, RecomputeMethod
 from .segments import Segment

@@ -25,7 +25,8 @@ import torch
 from torch.profiler import record_function
 
 from ..errors import ContextLengthError, FusionInputError
-from ..models.runtime import AttentionMask, KVCache, LayerwiseModel
+from ..models.attention import AttentionMask
+from ..models.runtime import KVCache, LayerwiseModel
 from .context import SharedContext
 from .layers import LayerPass, run_layer
 from .methods import FullReuse, RecomputeMethod

@@ -13,7 +13,8 @@ from typing import Protocol
 
 import torch
 
-from ..models.runtime import AttentionMask, LayerwiseModel
+from ..models.attention import AttentionMask
+from ..models.runtime import LayerwiseModel
 
 
 class LayerPass(Protocol):

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.runtime import AttentionMask, KVCache, LayerwiseModel, ModelShape
+from ..models.attention import AttentionMask
+from ..models.runtime import KVCache, LayerwiseModel, ModelShape
 from .plan import FusionPlan
 from .segments import LayerKVProvider
 

@@ -36,15 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.attention import AttentionMask, RowBlock, flash_with_lse, merge_attention
 from ..models.rope import Rope
-from ..models.runtime import (
-    AttentionMask,
-    KVCache,
-    LayerwiseModel,
-    RowBlock,
-    flash_with_lse,
-    merge_attention,
-)
+from ..models.runtime import KVCache, LayerwiseModel
 from .context import RoundKV, SharedContext
 from .fusor import FusionResult, RoundShare
 from .methods import RecomputeMethod

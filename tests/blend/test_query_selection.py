@@ -20,7 +20,7 @@ from cacheblend_rag.blend.probe import (
 from cacheblend_rag.blend.segments import ChunkContext, prefill_chunk_kv
 from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
 from cacheblend_rag.eval.metrics import kl_divergence
-from cacheblend_rag.models.runtime import AttentionMask
+from cacheblend_rag.models.attention import AttentionMask
 from cacheblend_rag.models.tokenizer import chunk_context_ids
 from cacheblend_rag.text.chunker import Chunker
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag.models.runtime import AttentionMask
+from cacheblend_rag.models.attention import AttentionMask
 
 NUM_TOKENS = 1000
 

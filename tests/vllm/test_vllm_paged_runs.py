@@ -127,7 +127,8 @@ def test_the_runtime_kernel_gives_the_selected_rows_vllms_output():
 
     from vllm import _custom_ops as ops
 
-    from cacheblend_rag.models.runtime import AttentionMask, LayerwiseModel
+    from cacheblend_rag.models.attention import AttentionMask
+    from cacheblend_rag.models.runtime import LayerwiseModel
 
     shape, n, block = kernel.shape, kernel.n, kernel.block
     keys, values = (kernel.randn(1, shape.num_kv_heads, n, shape.head_dim) for _ in "kv")

@@ -40,7 +40,8 @@ from typing import Any, Literal, get_args
 
 import torch
 
-from ...models.runtime import QKV, AttentionMask, LayerwiseModel, ModelShape
+from ...models.attention import AttentionMask
+from ...models.runtime import QKV, LayerwiseModel, ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def attend_runs(
 
 
 # The kernels a scattered selection may be attended with: vLLM's over runs merged across gaps of at most
-# MERGE_GAP, vLLM's over the runs as selected, our runtime's row blocks (models.runtime.RowBlock)
+# MERGE_GAP, vLLM's over the runs as selected, our runtime's row blocks (models.attention.RowBlock)
 KERNELS = ("vllm", "vllm_unmerged", "runtime")
 RUN_GAPS = {"vllm": MERGE_GAP, "vllm_unmerged": 0}
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from ...blend.segments import ChunkKVSource, prefill_chunk_kv
-from ...models.runtime import AttentionMask, LayerwiseModel, ModelShape
+from ...models.attention import AttentionMask
+from ...models.runtime import LayerwiseModel, ModelShape
 from ...settings import get_settings
 from ...store.keys import KV_DTYPES, chunk_payload_bytes, kv_bytes_per_token
 from ...store.pipeline import LayerKV
