@@ -14,9 +14,9 @@ from typing import Any
 from .markdown import fmt, machine_line, table
 from .report import selection
 
-# The variants that chose the defaults (docs/fusor.md); `none:` marks chunk KV precomputed alone. The
-# sweep ran before the chunk-shift correction (methods revision 1); a rerun measures every cacheblend row
-# with it, and the last row is the default without it.
+# The variants that chose the defaults (docs/fusor.md); `none:` marks chunk KV precomputed alone. Every
+# cacheblend row has the chunk-shift correction (methods revision 2) but the last, the default without it
+# (revision 1's sweep: docs/results/tune-musique-512-rev1.json).
 DEFAULT_VARIANTS = (
     "none:full_reuse",
     "full_reuse",
