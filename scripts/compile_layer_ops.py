@@ -100,10 +100,9 @@ class Swap:
         self.norms = [model.norm]
         for layer in model.layers:
             self.norms += [layer.input_layernorm, layer.post_attention_layernorm]
-        merge = attention_module.merge_attention
-        self.eager = (runtime_module.apply_rotary, shift_module.apply_rotary, merge)
+        self.merge = attention_module.merge_attention
         self.rope_c = torch.compile(apply_rotary, dynamic=True)
-        self.merge_c = torch.compile(attention_module.merge_attention, dynamic=True)
+        self.merge_c = torch.compile(self.merge, dynamic=True)
         self.norm_c = torch.compile(rms_norm, dynamic=True)
         self.silu_mul_c = torch.compile(silu_mul, dynamic=True)
         self.eager_mlp = gemm_module.Gemm.mlp
@@ -121,12 +120,8 @@ class Swap:
 
             gemm_module.Gemm.mlp = mlp
         else:
-            rope, shift_rope, merge = self.eager
-            runtime_module.apply_rotary, shift_module.apply_rotary, attention_module.merge_attention = (
-                rope,
-                shift_rope,
-                merge,
-            )
+            runtime_module.apply_rotary = shift_module.apply_rotary = apply_rotary
+            attention_module.merge_attention = self.merge
             for norm in self.norms:
                 norm.__dict__.pop("forward", None)
             gemm_module.Gemm.mlp = self.eager_mlp
