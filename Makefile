@@ -38,12 +38,16 @@ PYLINT_PATHS := cacheblend_rag integrations/langchain-cacheblend/langchain_cache
 	integrations/llama-index-retrievers-cacheblend/llama_index/retrievers/cacheblend \
 	integrations/llama-index-vector-stores-cacheblend/llama_index/vector_stores/cacheblend
 
+# One pytest-xdist worker per core, each test file whole on one worker (its module fixtures built once);
+# tests/conftest.py gives each worker its share of the cores' threads. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= auto
+
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 	$(PY) scripts/check_import_cycles.py
 	$(VENV)/bin/pylint $(PYLINT_PATHS)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 	$(MAKE) test-vllm
 
 # -- vLLM backend (issue 8) ---------------------------------------------------------------------------

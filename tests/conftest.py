@@ -14,6 +14,26 @@ from cacheblend_rag.models.runtime import LayerwiseModel
 DATA_DIR = Path(__file__).parent / "data"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs one worker per core), each worker and the processes it starts
+    get the cores divided among the workers, so two workers on two cores do not run four torch threads.
+    Much of the suite is single-threaded Python (imports of child processes, servers, tokenizers, small
+    operators): two one-thread workers finish it sooner than one two-thread process. A value set by hand
+    is kept.
+
+    xdist's workers also start with COLUMNS=80 and LINES=24 in their environment, which a serial run does
+    not have: with both set, Rich fixes the size of the CLI's module-level consoles when they are made, and
+    a test's own COLUMNS could no longer widen them. Workers drop both, as a serial run sees them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.pop("COLUMNS", None)
+        os.environ.pop("LINES", None)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = str(max(1, (os.cpu_count() or 1) // workers))
+        os.environ.setdefault("CACHEBLEND_THREADS", threads)
+        os.environ.setdefault("OMP_NUM_THREADS", threads)
+
+
 @pytest.fixture(autouse=True)
 def _settings_environment_restored():
     """Put every ``CACHEBLEND_*`` variable back after each test (a test that sets one by hand and fails

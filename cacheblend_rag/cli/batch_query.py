@@ -70,7 +70,7 @@ def query_batch_command(
         results = rag.query_batch(questions, top_k, method, ratio, chunk_ids, sampling)
         seconds = time.perf_counter() - started
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
     answered = list(zip(questions, results, strict=True))
     if as_json:

@@ -106,7 +106,7 @@ def bench_command(
 
         results = run_bench(config, previous=previous, command=command, on_section=progress)
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
     save_results(results, results_path)
     plots = {}

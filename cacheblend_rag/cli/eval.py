@@ -200,7 +200,7 @@ def eval_command(
         if markdown is not None:
             update_markdown(markdown, eval_section_name(results), render_eval(results, markdown, plot))
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
     _print_summary(results)
     err_console.print(f"results: {json_path}")

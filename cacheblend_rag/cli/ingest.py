@@ -84,7 +84,7 @@ def ingest(
                 config=settings,
             )
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", highlight=False)
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
         raise typer.Exit(1) from exc
     except KeyboardInterrupt:
         err_console.print("interrupted: files committed so far are kept; run the command again to resume")

@@ -55,7 +55,7 @@ def profile(
             work_dir=work_dir,
         )
     except CacheBlendError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
     path = result.save(output or profile_path(m.fingerprint, m.device, settings.home))
 

@@ -76,7 +76,7 @@ def query(
             temperature=temperature,
         )
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(2) from exc
     if (question is None) == (batch is None):
         err_console.print("[red]error:[/red] give either a QUESTION or --batch FILE")
@@ -112,7 +112,7 @@ def query(
                 sys.stdout.flush()
         result = handle.result()
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -59,7 +59,7 @@ def serve(
             corpus, model=model, served_name=served_model_name, engine_kind=engine, config=settings
         )
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
     state = ServeState()
     app = create_app(backend, state, api_key=api_key, default_max_tokens=max_tokens)

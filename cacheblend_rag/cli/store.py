@@ -54,7 +54,7 @@ def _run(corpus_dir: Path, action, kv_remote: str | None = None):
         finally:
             store.close()
     except CacheBlendError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
 
 
@@ -211,7 +211,7 @@ def recode(
         settings = use_kv_remote(kv_remote)
         report = recode_corpus(corpus, kv_dtype, settings.kv_dtype, settings.kv_remote)
     except (CacheBlendError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
     if as_json:
         _print_json(report.as_dict())

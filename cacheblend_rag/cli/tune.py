@@ -83,7 +83,7 @@ def tune_command(
         if markdown is not None:
             update_markdown(markdown, tune_section_name(results), body)
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
+        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
         raise typer.Exit(1) from exc
     print(body)
     err_console.print(f"results: {json_path}")

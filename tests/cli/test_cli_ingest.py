@@ -67,6 +67,16 @@ def test_errors_exit_nonzero_with_a_message_on_stderr(tmp_path, embedder):
     assert code == 1 and "at least 16 tokens" in stderr
 
 
+def test_an_error_naming_a_long_path_keeps_it_on_one_line(tmp_path):
+    """Rich would break a path longer than the console (80 columns off a terminal) in the middle; the
+    error line is soft-wrapped instead, so the path can be copied and searched for as printed."""
+    missing = tmp_path / ("a-folder-with-a-long-name-" * 4) / "missing.txt"
+    assert len(f"error: {missing}") > 100
+    result = CliRunner().invoke(app, ["ingest", str(missing), "--corpus", str(tmp_path / "s")])
+    assert result.exit_code == 1
+    assert f"error: {missing}: no such file or directory" in result.stderr, result.stderr
+
+
 def test_a_folder_ingest_skips_unreadable_files_names_them_and_exits_1(tmp_path, embedder, monkeypatch):
     """Issue 25, item 5: two good files, one empty, one not UTF-8."""
     monkeypatch.setenv("COLUMNS", "400")  # the table's paths on one line each

@@ -84,11 +84,14 @@ class TestChatCacheBlendIntegration(_ChatParams, ChatModelIntegrationTests):
         return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
 
     def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
-        """A prompt holding one stored chunk, whose KV the answer must reuse."""
+        """A prompt holding one stored chunk, whose KV the answer must reuse. The shared store is ingested
+        without KV: the chunk's first use computes it (reported as cache_creation), so it is used once
+        first, whichever test ran before this one."""
         retriever = CacheBlendRetriever(corpus_dir=STORE["dir"], k=1)
         (doc,) = retriever.invoke("Who wrote Miss Sara Sampson?")
         model = ChatCacheBlend(**self.chat_model_params, max_tokens=MAX_TOKENS)
         prompt = f"Context:\n{doc.page_content}\n\nWho wrote Miss Sara Sampson?"
+        model.invoke(prompt)  # the chunk's KV is stored from here on
         if stream:
             full: AIMessageChunk | None = None
             for chunk in model.stream(prompt):

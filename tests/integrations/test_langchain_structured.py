@@ -57,12 +57,12 @@ class Finding(TypedDict):
 
 @pytest.fixture(scope="module")
 def musique(tmp_path_factory):
-    """(store, questions): the first two paragraphs of 20 MuSiQue cases in a CacheBlendVectorStore (the
+    """(store, questions): the first paragraph of each of 20 MuSiQue cases in a CacheBlendVectorStore (the
     user's own documents, tagged with their case), and the 20 questions."""
     cases = json.loads(DATA.read_text())[:QUESTIONS]
     texts, metadatas = [], []
     for n, case in enumerate(cases):
-        for ctx in case["ctxs"][:2]:
+        for ctx in case["ctxs"][:1]:
             texts.append(f"{ctx['title']}\n{ctx['text']}")
             metadatas.append({"case": n})
     store = CacheBlendVectorStore.from_texts(
