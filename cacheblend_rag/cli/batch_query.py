@@ -16,6 +16,7 @@ from ..engine import SamplingParams
 from ..errors import CacheBlendError
 from ..rag import CacheBlendRAG
 from ..settings import Settings
+from .output import print_error
 
 console = Console()
 err_console = Console(stderr=True)
@@ -70,7 +71,7 @@ def query_batch_command(
         results = rag.query_batch(questions, top_k, method, ratio, chunk_ids, sampling)
         seconds = time.perf_counter() - started
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(err_console, exc)
         raise typer.Exit(1) from exc
     answered = list(zip(questions, results, strict=True))
     if as_json:

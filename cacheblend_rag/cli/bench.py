@@ -12,6 +12,7 @@ from rich.console import Console
 
 from ..errors import CacheBlendError
 from .eval import parse_list, settings_prefix
+from .output import print_error
 
 err_console = Console(stderr=True)
 
@@ -106,7 +107,7 @@ def bench_command(
 
         results = run_bench(config, previous=previous, command=command, on_section=progress)
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(err_console, exc)
         raise typer.Exit(1) from exc
     save_results(results, results_path)
     plots = {}

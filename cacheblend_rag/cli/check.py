@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..errors import CacheBlendError
 from .eval import parse_list
+from .output import print_error
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 console = Console()
@@ -74,7 +75,7 @@ def check_command(
         check_options(ratio_list or [None], target_agreement, max_tokens, sample)
         settings = use_kv_remote(kv_remote)
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(err_console, exc)
         raise typer.Exit(2) from exc
     try:
         rag = CacheBlendRAG(corpus, model=model, engine_kind="torch", config=settings)
@@ -83,7 +84,7 @@ def check_command(
         finally:
             rag.close()
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(err_console, exc)
         raise typer.Exit(1) from exc
     if as_json:
         print(json.dumps(report.to_dict(), indent=1))

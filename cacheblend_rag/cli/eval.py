@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ..config import DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
+from .output import print_error
 
 console = Console()
 err_console = Console(stderr=True)
@@ -200,7 +201,7 @@ def eval_command(
         if markdown is not None:
             update_markdown(markdown, eval_section_name(results), render_eval(results, markdown, plot))
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(err_console, exc)
         raise typer.Exit(1) from exc
     _print_summary(results)
     err_console.print(f"results: {json_path}")

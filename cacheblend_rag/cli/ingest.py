@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from ..errors import CacheBlendError
+from .output import print_error
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 console = Console()
@@ -84,7 +85,7 @@ def ingest(
                 config=settings,
             )
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True, highlight=False)
+        print_error(err_console, exc, highlight=False)
         raise typer.Exit(1) from exc
     except KeyboardInterrupt:
         err_console.print("interrupted: files committed so far are kept; run the command again to resume")

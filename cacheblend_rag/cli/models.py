@@ -6,6 +6,7 @@ import typer
 from rich.console import Console
 
 from ..errors import CacheBlendError
+from .output import print_error
 
 models_app = typer.Typer(no_args_is_help=True, help="Provision and inspect models.")
 console = Console()
@@ -20,7 +21,7 @@ def pull(force: bool = typer.Option(False, help="Convert again even if cached.")
     try:
         path = pull_default_model(force=force, home=get_settings().home)
     except CacheBlendError as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(console, exc)
         raise typer.Exit(1) from exc
     console.print(f"default model ready at {path}")
 
@@ -35,7 +36,7 @@ def info(model: str = typer.Option(None, "--model", help="Model name or local HF
     try:
         m = load_model(model or settings.model, config=settings)
     except CacheBlendError as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(console, exc)
         raise typer.Exit(1) from exc
     console.print(m.shape)
     console.print(f"fingerprint {m.fingerprint}")

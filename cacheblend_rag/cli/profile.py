@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import CacheBlendError
+from .output import print_error
 
 console = Console()
 CORPUS_OPTION = typer.Option(
@@ -55,7 +56,7 @@ def profile(
             work_dir=work_dir,
         )
     except CacheBlendError as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(console, exc)
         raise typer.Exit(1) from exc
     path = result.save(output or profile_path(m.fingerprint, m.device, settings.home))
 

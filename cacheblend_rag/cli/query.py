@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import CacheBlendError
+from .output import print_error
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 console = Console()
@@ -76,14 +77,14 @@ def query(
             temperature=temperature,
         )
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(err_console, exc)
         raise typer.Exit(2) from exc
     if (question is None) == (batch is None):
-        err_console.print("[red]error:[/red] give either a QUESTION or --batch FILE")
+        print_error(err_console, "give either a QUESTION or --batch FILE")
         raise typer.Exit(2)
     if batch is not None:
         if stream:
-            err_console.print("[red]error:[/red] --stream does not apply to --batch")
+            print_error(err_console, "--stream does not apply to --batch")
             raise typer.Exit(2)
         from .batch_query import query_batch_command
 
@@ -112,7 +113,7 @@ def query(
                 sys.stdout.flush()
         result = handle.result()
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(err_console, exc)
         raise typer.Exit(1) from exc
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import CacheBlendError
+from .output import print_error
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 err_console = Console(stderr=True)
@@ -48,7 +49,7 @@ def serve(
     try:
         from ..server import EngineBackend, ServeState, create_app, serve_app
     except ImportError as exc:
-        err_console.print(f"[red]error:[/red] {exc}: pip install 'cacheblend-rag\\[serve]'")
+        print_error(err_console, f"{exc}: pip install 'cacheblend-rag\\[serve]'")
         raise typer.Exit(1) from exc
 
     try:
@@ -59,7 +60,7 @@ def serve(
             corpus, model=model, served_name=served_model_name, engine_kind=engine, config=settings
         )
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(err_console, exc)
         raise typer.Exit(1) from exc
     state = ServeState()
     app = create_app(backend, state, api_key=api_key, default_max_tokens=max_tokens)

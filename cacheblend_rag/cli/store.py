@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ..errors import CacheBlendError, StoreError
 from ..settings import Settings, get_settings
+from .output import print_error
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the chunk KV store (DIR/kv).")
@@ -54,7 +55,7 @@ def _run(corpus_dir: Path, action, kv_remote: str | None = None):
         finally:
             store.close()
     except CacheBlendError as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(console, exc)
         raise typer.Exit(1) from exc
 
 
@@ -211,7 +212,7 @@ def recode(
         settings = use_kv_remote(kv_remote)
         report = recode_corpus(corpus, kv_dtype, settings.kv_dtype, settings.kv_remote)
     except (CacheBlendError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(console, exc)
         raise typer.Exit(1) from exc
     if as_json:
         _print_json(report.as_dict())

@@ -11,6 +11,7 @@ from rich.console import Console
 from ..config import DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
 from .eval import command_line
+from .output import print_error
 
 err_console = Console(stderr=True)
 
@@ -83,7 +84,7 @@ def tune_command(
         if markdown is not None:
             update_markdown(markdown, tune_section_name(results), body)
     except (CacheBlendError, ValueError) as exc:
-        err_console.print(f"[red]error:[/red] {exc}", soft_wrap=True)
+        print_error(err_console, exc)
         raise typer.Exit(1) from exc
     print(body)
     err_console.print(f"results: {json_path}")
