@@ -14,7 +14,7 @@ from cacheblend_rag.models.runtime import LayerwiseModel
 DATA_DIR = Path(__file__).parent / "data"
 
 
-def pytest_configure(config):
+def _share_the_cores_among_xdist_workers() -> None:
     """Under pytest-xdist (``make test`` runs one worker per core), each worker and the processes it starts
     get the cores divided among the workers, so two workers on two cores do not run four torch threads.
     Much of the suite is single-threaded Python (imports of child processes, servers, tokenizers, small
@@ -22,8 +22,11 @@ def pytest_configure(config):
     is kept.
 
     xdist's workers also start with COLUMNS=80 and LINES=24 in their environment, which a serial run does
-    not have: with both set, Rich fixes the size of the CLI's module-level consoles when they are made, and
-    a test's own COLUMNS could no longer widen them. Workers drop both, as a serial run sees them."""
+    not have: a Rich console made while COLUMNS is set keeps that width, and a test's own COLUMNS could no
+    longer widen the CLI's module-level consoles. Workers drop both, as a serial run sees them.
+
+    Called when this file is imported, before any conftest below it: those load before pytest_configure
+    when a run names their folders, and may import the CLI."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.pop("COLUMNS", None)
         os.environ.pop("LINES", None)
@@ -32,6 +35,9 @@ def pytest_configure(config):
         threads = str(max(1, (os.cpu_count() or 1) // workers))
         os.environ.setdefault("CACHEBLEND_THREADS", threads)
         os.environ.setdefault("OMP_NUM_THREADS", threads)
+
+
+_share_the_cores_among_xdist_workers()
 
 
 @pytest.fixture(autouse=True)
