@@ -63,6 +63,12 @@ class Config(BaseModel):
         "(manifest.json).",
     )
     threads: int = Field(0, ge=0, le=1024, description="Torch intra-op threads; 0 means one per core.")
+    fusion: Literal["auto", "static", "layers"] = Field(
+        "auto",
+        description="How the torch engine fuses a request: 'static' (fixed-shape steps queued without "
+        "reading back, blend/static.py), 'layers' (module-by-module layer passes) or 'auto' (static on an "
+        "accelerator, layers on the CPU, where they are faster).",
+    )
     # 16: the chunker's floor (a chunk must reach a character boundary); 32768: beyond any context we run
     chunk_tokens: int = Field(
         DEFAULT_CHUNK_TOKENS, ge=16, le=32768, description="Maximum tokens per chunk at ingest."

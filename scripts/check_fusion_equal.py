@@ -64,9 +64,10 @@ def greedy(model, fused, steps: int) -> list[int]:
     return tokens
 
 
-def run(method_spec: str, count: int, steps: int) -> list[dict]:
+def run(method_spec: str, count: int, steps: int, fusion: str) -> list[dict]:
     model = load_model()
-    fusor = Fusor(model)
+    # the static steps are what an accelerator runs; forced here to compare them on the CPU
+    fusor = Fusor(model) if fusion == "auto" else Fusor(model, static=fusion == "static")
     method = parse_method(method_spec).build()
     records = []
     for segments in [*musique_prompts(model, count), profile_prompt(model)]:
@@ -113,8 +114,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="MuSiQue prompts besides the 6 x 512 one")
     parser.add_argument("--steps", type=int, default=8, help="greedy tokens per prompt")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="max first-token probability change")
+    parser.add_argument(
+        "--fusion",
+        choices=("auto", "static", "layers"),
+        default="auto",
+        help="which fusion path (auto: the device's)",
+    )
     args = parser.parse_args()
-    records = run(args.method, args.prompts, args.steps)
+    records = run(args.method, args.prompts, args.steps, args.fusion)
     if args.save is not None:
         torch.save(records, args.save)
         print(f"saved {len(records)} prompts to {args.save}")

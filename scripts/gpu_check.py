@@ -62,6 +62,8 @@ from gpu_models import CONFIGS, Config, build_model
 from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, get_method
 from cacheblend_rag.blend.fusor import FusionRequest
 from cacheblend_rag.blend.segments import ChunkContext, ChunkKV, kv_sources, prefill_chunk_kv, prefill_context
+from cacheblend_rag.models.fused import fused_weights
+from cacheblend_rag.models.fused import prefill as fused_prefill
 from cacheblend_rag.models.runtime import LayerwiseModel
 
 # Modules this path must never need: the GPU machine has none of them.
@@ -149,11 +151,28 @@ METHODS: dict[str, tuple[str, dict]] = {
 }
 
 
+def timed_paths(fusors: dict[str, Fusor]) -> list[tuple[str, object, Fusor]]:
+    """(label, method, fusor) of every method on every fusion path asked for."""
+    return [
+        (label, get_method(*METHODS[plain][:1], **METHODS[plain][1]), fusor)
+        for path, fusor in fusors.items()
+        for label, plain in zip(path_labels(path), METHODS, strict=True)
+    ]
+
+
 def check_config(c: Config, args: argparse.Namespace, device: torch.device, out: dict) -> bool:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kv_dtype = torch.float16
     model = build_model(c, device, dtype, args.seed)
-    fusor, timer = Fusor(model), Timer(device, args.repeats, args.warmup)
+    timer = Timer(device, args.repeats, args.warmup)
+    # each fusion path asked for, side by side: the static steps (an accelerator's default) under their
+    # plain label, the module-by-module layer passes as "<label>_layers"
+    fusors = {
+        path: Fusor(model, static=path == "static", compile_mode=args.compile if path == "static" else None)
+        for path in args.fusion.split(",")
+    }
+    fusor = next(iter(fusors.values()))
+    weights = fused_weights(model)
     tiers = ["hbm", "host"] if device.type == "cuda" else ["ram"]
     # bf16 keeps 8 significant bits: a few rounding steps' worth of difference over the whole network
     bound = 0.05 if dtype == torch.bfloat16 else 1e-4
@@ -170,7 +189,11 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
             continue
         row = {"config": c.name, "workload": f"{chunks}x{tokens}", "prompt_tokens": len(ids)}
         full_logits, _ = model.prefill(ids)
-        full_s = timer.median(lambda ids=ids: model.prefill(ids))
+        # two full prefills, the runtime's forward and the fused layer steps: ratios are against the faster
+        full_layers_s = timer.median(lambda ids=ids: model.prefill(ids))
+        full_static_s = timer.median(lambda ids=ids: fused_prefill(model, weights, ids))
+        full_s = min(full_layers_s, full_static_s)
+        row.update(full_prefill_layers_s=full_layers_s, full_prefill_static_s=full_static_s)
         exact = fusor.fuse(segments, get_method("cacheblend", ratio=1.0)).logits
         error = relative_error(exact, full_logits[0])
         row.update(full_prefill_s=full_s, r1_relative_error=error, r1_bound=bound, r1_ok=error <= bound)
@@ -181,12 +204,11 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
                 for s in segments
             ]
             kvs = kv_sources(placed)
-            for label, (name, options) in METHODS.items():
-                method = get_method(name, **options)
+            for label, method, path_fusor in timed_paths(fusors):
                 try:
-                    result = fusor.fuse(placed, method, DirectLayerKV(kvs))
+                    result = path_fusor.fuse(placed, method, DirectLayerKV(kvs))
                     seconds = timer.median(
-                        lambda m=method, p=placed, k=kvs: fusor.fuse(p, m, DirectLayerKV(k))
+                        lambda m=method, p=placed, k=kvs, f=path_fusor: f.fuse(p, m, DirectLayerKV(k))
                     )
                 except Exception as error:  # one broken path must not cost the others their numbers
                     # (a lent GPU is minutes long: the rest of the table is worth having, the failure named)
@@ -199,16 +221,22 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
                 row[f"{label}_{tier}_speedup"] = full_s / seconds
                 row[f"{label}_compute_fraction"] = result.compute_fraction
         out["rows"].append(row)
-        print_row(row, tiers)
+        print_row(row, tiers, out["methods"])
         if args.profile and (chunks, tokens) == workloads[0]:
             print(f"where the time goes, {c.name} {chunks}x{tokens} (chunk KV on the device):")
             kvs = kv_sources(segments)
             found = [where_time_goes("full_prefill", lambda ids=ids: model.prefill(ids), device)]
-            for label, (name, options) in METHODS.items():
-                method = get_method(name, **options)
+            found.append(
+                where_time_goes(
+                    "full_prefill_static", lambda ids=ids: fused_prefill(model, weights, ids), device
+                )
+            )
+            for label, method, path_fusor in timed_paths(fusors):
                 found.append(
                     where_time_goes(
-                        label, lambda m=method, p=segments, k=kvs: fusor.fuse(p, m, DirectLayerKV(k)), device
+                        label,
+                        lambda m=method, p=segments, k=kvs, f=path_fusor: f.fuse(p, m, DirectLayerKV(k)),
+                        device,
                     )
                 )
             out["profiles"].append({"config": c.name, "workload": f"{chunks}x{tokens}", "runs": found})
@@ -324,7 +352,12 @@ def time_cell(seconds: float, speedup: float, width: int = 0) -> str:
     return f"{seconds * 1e3:>{width}.1f} ({speedup:.2f}x)"
 
 
-def print_row(row: dict, tiers: list[str]) -> None:
+def path_labels(path: str) -> list[str]:
+    """The row labels of METHODS on one fusion path (the static steps keep the plain labels)."""
+    return [label if path == "static" else f"{label}_{path}" for label in METHODS]
+
+
+def print_row(row: dict, tiers: list[str], labels: list[str]) -> None:
     cells = [
         f"{row['config']:<13}",
         f"{row['workload']:>7}",
@@ -332,7 +365,7 @@ def print_row(row: dict, tiers: list[str]) -> None:
         f"{row['full_prefill_s'] * 1e3:>9.1f}",
     ]
     for tier in tiers:
-        for label in METHODS:
+        for label in labels:
             if f"{label}_{tier}_s" not in row:
                 cells.append(f"{'FAILED':>16}")
                 continue
@@ -364,17 +397,16 @@ def render_markdown(results: dict) -> str:
         cells.append(f"{row['r1_relative_error']:.1e}")
         lines.append("| " + " | ".join(cells) + " |")
     for found in results.get("batches", []):
+        batched = [label for label in results["methods"] if f"{label}_s" in found]
         lines += [
             "",
             f"{found['batch']} prompts at once, {found['config']} {found['workload']} (chunk KV on the "
             "device): full prefill of all in one forward against fusing all together (Fusor.fuse_many)",
             "",
-            "| full prefill ms | " + " | ".join(f"{label} ms" for label in results["methods"]) + " |",
-            "|---|" + "---|" * len(results["methods"]),
+            "| full prefill ms | " + " | ".join(f"{label} ms" for label in batched) + " |",
+            "|---|" + "---|" * len(batched),
             f"| {found['full_prefill_s'] * 1e3:.1f} | "
-            + " | ".join(
-                time_cell(found[f"{label}_s"], found[f"{label}_speedup"]) for label in results["methods"]
-            )
+            + " | ".join(time_cell(found[f"{label}_s"], found[f"{label}_speedup"]) for label in batched)
             + " |",
         ]
     for found in results.get("profiles", []):
@@ -413,10 +445,24 @@ def main() -> int:
     parser.add_argument(
         "--render", type=Path, default=None, help="print a saved --json run as markdown; run nothing"
     )
+    parser.add_argument(
+        "--fusion",
+        default="static,layers",
+        help="fusion paths to time side by side: static (the steps an accelerator runs by default) and/or "
+        "layers (the module-by-module passes)",
+    )
+    parser.add_argument(
+        "--compile",
+        default=None,
+        help="the static steps under torch.compile in this mode (e.g. reduce-overhead)",
+    )
     args = parser.parse_args()
     if args.render is not None:
         print(render_markdown(json.loads(args.render.read_text())))
         return 0
+    unknown_paths = set(args.fusion.split(",")) - {"static", "layers"}
+    if unknown_paths:
+        parser.error(f"unknown fusion path {', '.join(sorted(unknown_paths))}: use static and/or layers")
     if args.repeats < 5:
         parser.error("--repeats must be at least 5 (medians of fewer runs are not reported)")
     device = torch.device(args.device)
@@ -432,7 +478,9 @@ def main() -> int:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "timer": "cuda events" if device.type == "cuda" else "perf_counter",
-        "methods": METHODS,
+        "methods": [label for path in args.fusion.split(",") for label in path_labels(path)],
+        "fusion": args.fusion,
+        "compile": args.compile,
         "rows": [],
         "failures": [],
         "profiles": [],
@@ -445,7 +493,7 @@ def main() -> int:
     )
     print(
         "config | workload | tokens | full ms | "
-        + " | ".join(f"{m} {t} ms" for t in tiers for m in METHODS)
+        + " | ".join(f"{m} {t} ms" for t in tiers for m in out["methods"])
         + " | r=1 rel err"
     )
     ok = True

@@ -89,9 +89,10 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **kw)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False, **kw)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **kw)
+        self.act_fn = nn.SiLU()  # (named as transformers names it: the fused steps look for it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):

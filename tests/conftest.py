@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.models.runtime import LayerwiseModel
 
 DATA_DIR = Path(__file__).parent / "data"
+# helpers shared by test areas (op_counting.py): importable by name under --import-mode=importlib
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _share_the_cores_among_xdist_workers() -> None:

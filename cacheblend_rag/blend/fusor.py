@@ -26,6 +26,7 @@ from torch.profiler import record_function
 
 from ..errors import ContextLengthError, FusionInputError
 from ..models.attention import AttentionMask
+from ..models.fused import fused_weights
 from ..models.runtime import KVCache, LayerwiseModel
 from .context import SharedContext
 from .layers import LayerPass, run_layer
@@ -35,6 +36,7 @@ from .plan import FusionPlan, LayerState
 from .probe import ProbePass, ProbeResult
 from .segments import DirectLayerKV, LayerKVProvider, Segment, kv_sources
 from .shift import ChunkShift
+from .static import EAGER_STEPS, LayerHook, compiled_steps, static_fusion
 
 # Called at every layer with (layer, query positions, q [1, H, S, d], keys [1, Hkv, T, d], mask): lets
 # diagnostics look at attention without a second code path.
@@ -177,10 +179,25 @@ _PROBE_ONLY = FullReuse()
 
 
 class Fusor:
-    """Applies :class:`RecomputeMethod` s layer by layer on a :class:`LayerwiseModel`."""
+    """Applies :class:`RecomputeMethod` s layer by layer on a :class:`LayerwiseModel`.
 
-    def __init__(self, model: LayerwiseModel) -> None:
+    ``static``: fuse one request at a time by the static steps (blend/static.py), which the host queues
+    without reading anything back; by default where the model runs on an accelerator, the module-by-module
+    layer passes on the CPU (where they are faster). ``compile_mode``: the static steps under
+    ``torch.compile`` in that mode (:func:`~.static.compiled_steps`; None: as they are). ``layer_hook`` is
+    called before each layer of a static fusion (and with -1 after its logits)."""
+
+    def __init__(
+        self,
+        model: LayerwiseModel,
+        static: bool | None = None,
+        compile_mode: str | None = None,
+        layer_hook: LayerHook | None = None,
+    ) -> None:
         self.model = model
+        self.static = model.device.type != "cpu" if static is None else static
+        self.steps = compiled_steps(compile_mode) if compile_mode else EAGER_STEPS
+        self.layer_hook = layer_hook
 
     def validate(self, segments: list[Segment]) -> None:
         shape = self.model.shape
@@ -225,6 +242,10 @@ class Fusor:
         passes of the caller's (a round's members, blend/round_members.py) run in the same layers."""
         for request in requests:
             self.validate(request.segments)
+        if self.static and len(requests) == 1 and not also:
+            fused = self._fuse_static(requests[0])
+            if fused is not None:
+                return [fused]
         runs = [_Run(self, request) for request in requests]
         model = self.model
         try:
@@ -241,6 +262,48 @@ class Fusor:
             for run in runs:
                 run.provider.close()
         return [run.result() for run in runs]
+
+    def runs_static(self, segments: list[Segment], method: RecomputeMethod, observer=None) -> bool:
+        """Whether :meth:`fuse` takes the static steps for this request (a loader may then serve each
+        layer's chunks joined, :class:`~cacheblend_rag.store.joined.JoinedLayerKV`)."""
+        if not self.static or observer is not None or fused_weights(self.model) is None:
+            return False
+        plan = FusionPlan.from_segments(segments)
+        return method.static_selection(plan, self.model.num_layers) is not None
+
+    def _fuse_static(self, request: FusionRequest) -> FusionResult | None:
+        """``request`` by the static steps, or None where it needs the layer passes (an observer, scores
+        or a suffix from a round, a method or model the steps do not cover)."""
+        if request.observer is not None or request.query_scores is not None or request.probe_suffix:
+            return None
+        started = time.perf_counter()
+        plan = FusionPlan.from_segments(request.segments)
+        provider = request.kv_provider or DirectLayerKV(kv_sources(request.segments))
+        fusion = static_fusion(
+            self.model, plan, request.method, provider, request.extra_capacity, self.layer_hook, self.steps
+        )
+        if fusion is None:
+            if request.kv_provider is None:
+                provider.close()
+            return None
+        try:
+            logits, selected, cache = fusion.run()
+        finally:
+            provider.close()
+        if fusion.scores is not None:
+            attention, contribution = (score[: plan.num_tokens].cpu() for score in fusion.scores)
+            plan.query_attention, plan.query_contribution = attention, contribution
+        return FusionResult(
+            buffer=cache,
+            logits=logits,
+            plan=plan,
+            selected=selected,
+            qkv_tokens_per_layer=fusion.qkv_counts,
+            attended_tokens_per_layer=fusion.attended_counts,
+            seconds=time.perf_counter() - started,
+            load_wait_s=fusion.load_wait,
+            probe_token_layers=fusion.probe_token_layers,
+        )
 
     @torch.inference_mode()
     def probe(self, segments: list[Segment], kv_provider: LayerKVProvider | None = None) -> ProbeResult:

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ..config import DEFAULT_RATIO
 from ..errors import MethodOptionError
 from .plan import FusionPlan, LayerState
+from .static_layout import DeviationNarrowing, HostRows, QueryTopK, StaticSelection
 
 # What a method label computes changes when a default option does: results recorded under one revision are
 # not resumed under another (eval's results files). 2: cacheblend's chunk-shift correction on by default.
@@ -110,6 +111,14 @@ class RecomputeMethod(BaseModel, ABC):
         """Whether the fusor should correct each chunk's kept cached K/V by the mean change its recomputed
         tokens show at the same layer (blend/shift.py); no by default."""
         return False
+
+    def static_selection(self, plan: FusionPlan, num_layers: int) -> StaticSelection | None:
+        """What the method recomputes, in a form the host knows before the fusion runs (the static
+        fusion of an accelerator, blend/static.py), or None when that needs values only the fusion finds.
+        Default: the layer-0 positions of a method with no probe and no check layers."""
+        if self.uses_query_attention(plan) or self.check_layers(plan) or self.probe_logits():
+            return None
+        return HostRows(self.layer0_positions(plan))
 
     def describe(self) -> dict[str, Any]:
         """The method and its options, JSON-able (what results report as ``method_options``)."""
@@ -347,6 +356,29 @@ class CacheBlend(RecomputeMethod):
         attention to all of them, within min_ratio and ``most`` (ratio's budget)."""
         least = min(most, math.floor(self.min_ratio * plan.num_cached + 1e-9))
         return max(least, min(most, tokens_covering(ranked, self.target)))
+
+    def static_selection(self, plan: FusionPlan, num_layers: int) -> StaticSelection | None:
+        if self.selection == "query":
+            if self.budget != "fixed" or self.chunk_rows:
+                return None  # sizes read from the probe's scores or spread by chunk
+            budget = min(share_budget(self.ratio, plan), plan.num_cached)
+            if budget == 0:
+                return HostRows(plan.must_compute.nonzero().squeeze(1))
+            if budget == plan.num_cached:  # every candidate: no probe needed to choose among them
+                return HostRows((plan.must_compute | plan.candidate_mask).nonzero().squeeze(1))
+            return QueryTopK(budget, self.score, self.probe_layers(num_layers))
+        if self.signal == "kv":
+            return None  # normalised by the candidates' mean norms: not worth a static form yet
+        checks, kept = [], plan.num_cached
+        for layer, multiple in self.schedule:
+            if layer >= num_layers - 1:
+                return None
+            share = self.ratio if layer == self.schedule[-1][0] else min(1.0, self.ratio * multiple)
+            budget = share_budget(share, plan)
+            if budget < kept:  # (select() keeps every candidate otherwise)
+                checks.append((layer, budget))
+                kept = budget
+        return DeviationNarrowing(self.layer0_positions(plan), tuple(checks), self.signal)
 
     def check_layers(self, plan: FusionPlan) -> tuple[int, ...]:
         if self.selection == "query":

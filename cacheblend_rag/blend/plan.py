@@ -33,15 +33,15 @@ class FusionPlan:
     def from_segments(cls, segments: list[Segment]) -> FusionPlan:
         if not segments or sum(len(s) for s in segments) == 0:
             raise FusionInputError("nothing to fuse: the prompt has no tokens")
-        spans, start = [], 0
+        # per-token flags from Python lists: one tensor each, whatever the number of segments
+        spans, cached_flags, exact_flags, start = [], [], [], 0
         for segment in segments:
             spans.append((start, start + len(segment)))
             start += len(segment)
-        cached = torch.zeros(start, dtype=torch.bool)
-        exact = torch.zeros(start, dtype=torch.bool)
-        for segment, (s, e) in zip(segments, spans, strict=True):
-            cached[s:e] = segment.is_cached
-            exact[s:e] = segment.is_cached and segment.exact
+            cached_flags += [segment.is_cached] * len(segment)
+            exact_flags += [segment.is_cached and segment.exact] * len(segment)
+        cached = torch.tensor(cached_flags, dtype=torch.bool)
+        exact = torch.tensor(exact_flags, dtype=torch.bool)
         must = ~cached
         must[-1] = True  # next-token logits need the last token's hidden state at every layer
         exact[-1] = False

@@ -31,6 +31,7 @@ from ..models.runtime import KVCache, LayerwiseModel
 from ..models.shared import acquire_model, release_model
 from ..models.tokenizer import chunk_context_ids
 from ..store.index import folder_codec
+from ..store.joined import JoinedLayerKV
 from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader, worth_prefetching
 from ..store.shared import KVStoreOptions, acquire_store, release_store
@@ -99,7 +100,8 @@ class Engine(PromptSegments):
             options = KVStoreOptions.of(config).store_kwargs()
             store = acquire_store(root, self.model.fingerprint, self.model.shape, codec, **options)
         self.store = store
-        self.fusor = Fusor(self.model)
+        static = {"auto": None, "static": True, "layers": False}[config.fusion]
+        self.fusor = Fusor(self.model, static=static)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
         # The model's forward is not re-entrant across threads: every forward (prefill, fusion, decode
         # step, here or in a BatchScheduler) holds this lock, the model's own, so engines sharing a
@@ -231,7 +233,11 @@ class Engine(PromptSegments):
         """Fuse with the store's pipelined loader. A chunk found corrupt while loading is recomputed,
         rewritten and the fusion retried once."""
         for attempt in (1, 2):
-            loader = self._loader(kv_sources(segments))
+            sources = kv_sources(segments)
+            if self.fusor.runs_static(segments, method, observer) and JoinedLayerKV.serves(sources):
+                loader = JoinedLayerKV(sources, self.model.dtype, self.model.device)
+            else:
+                loader = self._loader(sources)
             try:
                 with self.forward_lock:
                     return self.fusor.fuse(segments, method, loader, extra_capacity, observer)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -207,6 +208,44 @@ class Codec:
             values.view(shape),
         )
         return keys.to(self.dtype), values.to(self.dtype)
+
+    def joined_key_rows(self, lengths: Sequence[int]) -> torch.Tensor:
+        """For chunks of ``lengths`` tokens decoded together (:meth:`decode_joined`): each token's row in
+        their key scales laid end to end (a chunk's last, partial group included)."""
+        rows: list[int] = []
+        offset = 0
+        for n in lengths:
+            rows += [offset + t // self.key_group for t in range(n)]
+            offset += math.ceil(n / self.key_group)
+        return torch.tensor(rows, dtype=torch.long)
+
+    def decode_joined(
+        self,
+        parts: Sequence[dict[str, torch.Tensor]],
+        key_rows: torch.Tensor | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [H, sum n, d] of one layer of several chunks laid end to end, on ``device`` in
+        ``dtype``: each part joined once, moved once and decoded there once, so the operations do not
+        grow with the chunk count; the values are :meth:`decode`'s (float codecs, int8; ``key_rows`` from
+        :meth:`joined_key_rows`, on ``device``)."""
+
+        def joined(name: str) -> torch.Tensor:
+            one = parts[0][name] if len(parts) == 1 else torch.cat([p[name] for p in parts], dim=1)
+            return one.to(device, non_blocking=True)
+
+        if not self.quantized:
+            return joined("keys").to(dtype), joined("values").to(dtype)
+        if self.bits != 8 or key_rows is None:
+            raise ValueError(f"codec {self.name} is decoded chunk by chunk")
+        # (as decode: codes and scales in float32, the result rounded to the codec's float16)
+        keys = (joined("keys").float() - 128) * joined("keys.scale").index_select(1, key_rows).float()
+        codes = joined("values")
+        heads, n, dim = codes.shape
+        grouped = (codes.float() - 128).view(heads, n, dim // self.value_group, self.value_group)
+        values = (grouped * joined("values.scale").float()[..., None]).view(heads, n, dim)
+        return keys.to(self.dtype).to(dtype), values.to(self.dtype).to(dtype)
 
     def _dequantize(
         self, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None, out: torch.Tensor

@@ -39,23 +39,25 @@ def test_tiny_config_on_cpu_times_every_method_and_checks_r1(tmp_path):
     assert [row["workload"] for row in result["rows"]] == ["3x32", "2x64"]
     for row in result["rows"]:
         assert row["r1_relative_error"] <= row["r1_bound"] == 1e-4
+        # every method on both fusion paths: the static steps (plain labels) and the layer passes
         for label in ("cacheblend", "cacheblend_hkvd", "full_reuse", "epic"):
-            assert row[f"{label}_ram_s"] > 0
+            assert row[f"{label}_ram_s"] > 0 and row[f"{label}_layers_ram_s"] > 0
             assert 0 < row[f"{label}_compute_fraction"] < 1  # fresh text computed, most chunk KV reused
-        assert row["full_prefill_s"] > 0
+        assert row["full_prefill_s"] == min(row["full_prefill_layers_s"], row["full_prefill_static_s"]) > 0
         assert row["prompt_tokens"] == 24 + 32 + int(row["workload"].split("x")[0]) * int(
             row["workload"].split("x")[1]
         )
     # --profile: where the time goes at the first workload, every path
     [profile] = result["profiles"]
     assert profile["workload"] == "3x32"
-    labels = ["full_prefill", "cacheblend", "cacheblend_hkvd", "full_reuse", "epic"]
+    methods = ["cacheblend", "cacheblend_hkvd", "full_reuse", "epic"]
+    labels = ["full_prefill", "full_prefill_static", *methods, *(f"{m}_layers" for m in methods)]
     assert [found["label"] for found in profile["runs"]] == labels
     assert all(found["finish_s"] > 0 and found["kernels"] == 0 for found in profile["runs"])  # (no device)
     # --batch: two prompts at once at the first workload, full prefill batched against fuse_many
     [batch] = result["batches"]
     assert batch["workload"] == "3x32" and batch["batch"] == 2 and batch["full_prefill_s"] > 0
-    assert all(batch[f"{label}_s"] > 0 for label in labels[1:])
+    assert all(batch[f"{label}_s"] > 0 for label in methods)
     # --render: the saved run as the markdown BENCHMARKS.md shows, without running anything
     rendered = run("--render", str(out))
     assert rendered.returncode == 0, rendered.stderr
@@ -95,6 +97,9 @@ def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypat
         def layer0_positions(self, plan) -> torch.Tensor:
             raise RuntimeError("indices should be on the same device")
 
+        def static_selection(self, plan, num_layers):
+            raise RuntimeError("indices should be on the same device")
+
     spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclasses look their module up there)
@@ -108,13 +113,14 @@ def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypat
     monkeypatch.setattr(sys, "argv", argv)
     assert module.main() == 1
     printed = capsys.readouterr().out
-    assert "FAILED" in printed and "1 path(s) raised" in printed
+    assert "FAILED" in printed and "2 path(s) raised" in printed
     result = json.loads(out.read_text())
-    assert result["failures"] == ["tiny 2x32 broken ram: RuntimeError: indices should be on the same device"]
+    raised = "ram: RuntimeError: indices should be on the same device"
+    assert result["failures"] == [f"tiny 2x32 broken {raised}", f"tiny 2x32 broken_layers {raised}"]
     (row,) = result["rows"]
     assert row["broken_ram_error"].startswith("RuntimeError") and "broken_ram_s" not in row
     for label in ("cacheblend", "cacheblend_hkvd", "full_reuse", "epic"):
-        assert row[f"{label}_ram_s"] > 0  # every other path still timed
+        assert row[f"{label}_ram_s"] > 0 and row[f"{label}_layers_ram_s"] > 0  # every other path timed
     assert result["r1_ok"] is True
 
 
