@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml $(addsuffix /pyproject.toml,$(INTEGRATIONS)) | $(PY)
 
 # What `make lint` checks: ruff, the import layers (import-linter, contracts in pyproject.toml: the layers,
 # settings read at the edges only), no module-level import cycle inside a package
-# (scripts/check_import_cycles.py) and, with
+# (tools/check_import_cycles.py) and, with
 # pylint's duplicate-code check only, that no block of 6+ lines repeats in the package or integrations.
 PYLINT_PATHS := cacheblend_rag integrations/langchain-cacheblend/langchain_cacheblend \
 	integrations/llama-index-llms-cacheblend/llama_index/llms/cacheblend \
@@ -45,7 +45,7 @@ TEST_WORKERS ?= auto
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(PY) scripts/check_import_cycles.py
+	$(PY) tools/check_import_cycles.py
 	$(VENV)/bin/pylint $(PYLINT_PATHS)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 	$(MAKE) test-vllm
@@ -92,7 +92,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(PY) scripts/check_import_cycles.py
+	$(PY) tools/check_import_cycles.py
 	$(VENV)/bin/pylint $(PYLINT_PATHS)
 
 demo: install

@@ -125,7 +125,7 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
     if len(codecs) > 1:
         parts += ["", *codec_deltas(summary["methods"], codecs)]
     if summary.get("checks"):
-        parts += ["", "Claims of issue 13 on these numbers:", "", checks_list(summary["checks"])]
+        parts += ["", "The default's claims on these numbers:", "", checks_list(summary["checks"])]
     if plot is not None:
         parts += ["", f"![quality vs TTFT, {config['dataset']}]({relative_link(plot, markdown)})"]
     return "\n".join(parts)
@@ -133,7 +133,7 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
 
 def codec_deltas(methods: dict[str, Any], codecs: list[str]) -> list[str]:
     """Per codec and method: first-token KL and agreement F1 against the same method on the baseline
-    codec (``codecs[0]``; issue 22). Variants of codec c are labelled ``c:<method>``."""
+    codec (``codecs[0]``). Variants of codec c are labelled ``c:<method>``."""
     rows = []
     for label, e in methods.items():
         codec, colon, base = label.partition(":")

@@ -1,4 +1,4 @@
-"""Summaries of eval results: per-method means (medians for times) over the cases, and issue 13's claims
+"""Summaries of eval results: per-method means (medians for times) over the cases, and the default's claims
 evaluated on them."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def summarize(
 
 
 def _checks(table: dict[str, dict[str, Any]], task: str) -> list[dict[str, Any]]:
-    """Issue 13's claims on the default method (cacheblend at the default ratio), evaluated on this run's
+    """The claims on the default method (cacheblend at the default ratio), evaluated on this run's
     numbers (pass or fail, with the numbers). Claims whose columns the run lacks are left out."""
     default = default_label()
     blend, reference = table.get(default), table.get(REFERENCE)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 # one masked call over the keys up to its last row. At most ATTENTION_ROW_BLOCKS blocks of at least
 # ATTENTION_BLOCK_ROWS rows: on this Intel Xeon (2 threads, the default's real selections of 490 / 957 rows
 # of 3,132 / 6,210 positions) 6 such blocks attend in 12.4 / 49.2 ms per layer, where 16 masked blocks
-# took 14.7 / 61.2 ms (scripts/row_block_attention.py).
+# took 14.7 / 61.2 ms (scripts/row_block_attention.py at 929a489).
 ATTENTION_ROW_BLOCKS = 6
 ATTENTION_BLOCK_ROWS = 64
 

@@ -3,7 +3,7 @@
 ``torch.nn.functional.linear`` on a CPU build of torch runs MKL's sgemm. On AMD processors MKL does not
 take its fastest paths, and oneDNN's matmul (also in every x86 torch build, the kernel vLLM's CPU backend
 uses for its linear layers) runs the same float32 products about 2x faster there
-(``scripts/cpu_gemm.py`` measures both on this machine's shapes). :class:`Gemm` sends a plain
+(``scripts/cpu_gemm.py at 929a489`` measures both on this machine's shapes). :class:`Gemm` sends a plain
 ``nn.Linear`` through oneDNN when that is available, checked at start on a small product against
 ``F.linear``, and worth it: for a product of at least :data:`MIN_OUTPUTS` values (rows x output
 features); otherwise, and for any other module (vLLM's own layers, quantized ones), it calls the module.
@@ -23,7 +23,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# smaller products cost oneDNN more in per-call setup than they save (scripts/cpu_gemm.py on this
+# smaller products cost oneDNN more in per-call setup than they save (scripts/cpu_gemm.py at 929a489 on this
 # machine: k/v at 16 rows, 3,072 values, 0.75x; q/o at 16 rows, 9,216, 1.34x; 490 rows and more 2.0-2.5x
 # for every weight; the LM head at 1 row, 49,152 values, 3.5x)
 MIN_OUTPUTS = 8192

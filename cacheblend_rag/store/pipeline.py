@@ -62,9 +62,10 @@ def worth_prefetching(
     (``spare``, default :func:`spare_cores`). On a CPU whose cores all compute, the thread's reading,
     checking and decoding only competes with the compute for them (and for the GIL between its operators):
     the default cacheblend at 6 x 512 tokens, 2 cores, int8 chunk KV on disk with the page cache dropped,
-    took 1.04 s with the thread and 0.95 s without (0.89 s from the RAM tier; scripts/prefetch_ttft.py);
-    the disk tier asks the kernel to read a chunk's file ahead instead (``store.disk.read_ahead``). KV
-    already in RAM feeding a CPU device is decoded faster than a thread hands it over."""
+    took 1.04 s with the thread and 0.95 s without (0.89 s from the RAM tier; scripts/prefetch_ttft.py at
+    929a489); the disk tier asks the kernel to read a chunk's file ahead instead
+    (``store.disk.read_ahead``). KV already in RAM feeding a CPU device is decoded faster than a thread
+    hands it over."""
     if torch.device(device).type != "cpu":
         return True
     tiers = {tier_of(source) for source in sources}

@@ -1,4 +1,4 @@
-"""scripts/check_import_cycles.py (``make lint``) passes on the package and fails on a module-level cycle."""
+"""tools/check_import_cycles.py (``make lint``) passes on the package and fails on a module-level cycle."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_import_cycles.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "check_import_cycles.py"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

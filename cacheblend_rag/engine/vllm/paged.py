@@ -18,13 +18,13 @@ final (the cached chunks placed, the selected rows' fresh K/V written over them,
    selection, so they are built once per selection.
 
 Which kernel attends a scattered selection fastest depends on the processor and the prompt's size: on an
-Intel Xeon with AMX our runtime's row blocks attend a 12 x 512 selection faster than vLLM's kernel
-even after merging (``scripts/vllm_attention_runs.py``: 63.8 against 73.1 ms per layer) while vLLM's
-kernel over the runs as selected is the fastest at 6 x 512; on an AMD EPYC vLLM's kernel was almost twice
-as fast as ours. :class:`AttentionChoice` therefore times the candidates on the first selections of each
-size in this process (its layers take them in turn; each layer is attended once, by one kernel) and
-keeps the fastest; the other shapes (a full causal prefill, a suffix, the last layer's one row) always
-take vLLM's kernel. Either way the layer's K/V are written into the paged cache first.
+Intel Xeon with AMX our runtime's row blocks attend a 12 x 512 selection faster than vLLM's kernel even
+after merging (``scripts/vllm_attention_runs.py`` at 929a489: 63.8 against 73.1 ms per layer) while vLLM's
+kernel over the runs as selected is the fastest at 6 x 512; on an AMD EPYC vLLM's kernel was almost twice as
+fast as ours. :class:`AttentionChoice` therefore times the candidates on the first selections of each size
+in this process (its layers take them in turn; each layer is attended once, by one kernel) and keeps the
+fastest; the other shapes (a full causal prefill, a suffix, the last layer's one row) always take vLLM's
+kernel. Either way the layer's K/V are written into the paged cache first.
 
 Only vLLM's CPU backend is driven so; on another backend (CUDA), or outside a connector load (chunk
 precompute), attention is our runtime's and the connector writes the fused K/V after the fusion.
@@ -100,8 +100,8 @@ def mask_positions(mask: AttentionMask, rows: int, key_length: int) -> torch.Ten
 
 
 # Runs of selected rows at most this many unselected positions apart are attended as one run.
-# scripts/vllm_attention_runs.py, the default's 957 rows of a 12 x 512 prompt, ms per layer as selected
-# / gaps <= 2 / <= 4 / <= 8 merged: 56-58 / 52 / 53 / 58-60 on an AMD EPYC, 77.1 / 67.6 / 64.9 / 68.5
+# scripts/vllm_attention_runs.py (at 929a489), the default's 957 rows of a 12 x 512 prompt, ms per layer as
+# selected / gaps <= 2 / <= 4 / <= 8 merged: 56-58 / 52 / 53 / 58-60 on an AMD EPYC, 77.1 / 67.6 / 64.9 / 68.5
 # on an Intel Xeon with AMX (2026-12-03): 4 is the best or near it on both.
 MERGE_GAP = 4
 

@@ -1,4 +1,4 @@
-"""Section ``codec``: the chunk KV codecs side by side (issue 22). Per codec: file bytes per token
+"""Section ``codec``: the chunk KV codecs side by side. Per codec: file bytes per token
 (metadata included) on the sample corpus and on 512-token chunks; cacheblend TTFT at N x T from the RAM
 tier and from a cold disk (interleaved over codecs, median of the repeats); ingest tokens/s (precompute and
 store); and the read of one chunk from the remote tier (bytes and seconds) through the Redis server of

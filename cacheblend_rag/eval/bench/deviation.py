@@ -42,7 +42,7 @@ class DeviationResult(Record):
 
 
 def section_deviation(ctx: BenchContext) -> DeviationResult:
-    """Issue 3: attention/KV deviation vs ratio, with epic (k=16 and k matched to the ratio's cost) and
+    """Attention/KV deviation vs ratio, with epic (k=16 and k matched to the ratio's cost) and
     full_reuse beside it, on real multi-chunk prompts."""
     config = ctx.config
     engine = eval_engine(ctx)

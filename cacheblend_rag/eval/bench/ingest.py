@@ -43,7 +43,7 @@ class IngestResult(Record):
 
 
 def section_ingest(ctx: BenchContext) -> IngestResult:
-    """Issue 5: ingest the sample corpus (KV included) into a fresh store, then query TTFT per method."""
+    """Ingest the sample corpus (KV included) into a fresh store, then query TTFT per method."""
     config = ctx.config
     sources, questions = copy_sample_corpus(ctx, "sources")
     engine = Engine(ctx.model, ctx.work_dir / "ingest-kv", config=get_settings())

@@ -31,7 +31,7 @@ class PrefillResult(Record):
 
 @torch.inference_mode()
 def section_prefill(ctx: BenchContext) -> PrefillResult:
-    """Issue 2: our full prefill vs ``transformers``' forward on the same ids, interleaved."""
+    """Our full prefill vs ``transformers``' forward on the same ids, interleaved."""
     model, ids = ctx.model, ctx.text_ids[: ctx.config.prefill_tokens]
     ours, theirs = [], []
     model.prefill(ids[:64])  # warm-up

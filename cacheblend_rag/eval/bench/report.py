@@ -40,25 +40,17 @@ class SectionRenderer:
 
 RENDERERS: dict[str, SectionRenderer] = {
     "ttft": SectionRenderer("Time to first token", TtftResult, render_ttft),
-    "prefill": SectionRenderer("Full prefill: ours vs transformers (issue 2)", PrefillResult, render_prefill),
-    "store": SectionRenderer("KV store: loading and storage (issue 4)", StoreResult, render_store),
-    "deviation": SectionRenderer(
-        "Attention deviation vs recompute ratio (issue 3)", DeviationResult, render_deviation
-    ),
-    "ingest": SectionRenderer("Ingest and query on the sample corpus (issue 5)", IngestResult, render_ingest),
-    "throughput": SectionRenderer(
-        "Throughput: concurrent requests (issue 10)", ThroughputResult, render_throughput
-    ),
-    "round": SectionRenderer("Rounds: N agents over the same chunks (issue 21)", RoundResult, render_round),
+    "prefill": SectionRenderer("Full prefill: ours vs transformers", PrefillResult, render_prefill),
+    "store": SectionRenderer("KV store: loading and storage", StoreResult, render_store),
+    "deviation": SectionRenderer("Attention deviation vs recompute ratio", DeviationResult, render_deviation),
+    "ingest": SectionRenderer("Ingest and query on the sample corpus", IngestResult, render_ingest),
+    "throughput": SectionRenderer("Throughput: concurrent requests", ThroughputResult, render_throughput),
+    "round": SectionRenderer("Rounds: N agents over the same chunks", RoundResult, render_round),
     "serve": SectionRenderer(
-        "Serving: concurrent clients through `cacheblend-rag serve` (issue 17)", ServeResult, render_serve
+        "Serving: concurrent clients through `cacheblend-rag serve`", ServeResult, render_serve
     ),
-    "vllm": SectionRenderer(
-        "vLLM backend: full prefill vs CacheBlend inside vLLM (issue 8)", VllmResult, render_vllm
-    ),
-    "codec": SectionRenderer(
-        "Chunk KV codecs: bytes, TTFT, ingest, remote reads (issue 22)", CodecResult, render_codec
-    ),
+    "vllm": SectionRenderer("vLLM backend: full prefill vs CacheBlend inside vLLM", VllmResult, render_vllm),
+    "codec": SectionRenderer("Chunk KV codecs: bytes, TTFT, ingest, remote reads", CodecResult, render_codec),
 }
 
 

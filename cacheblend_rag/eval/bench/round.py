@@ -1,4 +1,4 @@
-"""Section ``round`` (issue 21): N agents reading the same chunks in one round.
+"""Section ``round``: N agents reading the same chunks in one round.
 
 Each agent's prompt is its own role (a system message of 20-80 tokens, different per agent), the same 6
 MuSiQue chunks and its own question. Timed through the batch scheduler, all agents arriving at once:
@@ -285,7 +285,7 @@ def _checks(timing: dict[str, dict[str, RoundTiming]], fidelity: RoundFidelity) 
             )
         )
     if fidelity.cases:
-        # issue 21 asks for 20 rounds: fewer are named as such
+        # the claim is over 20 rounds: fewer are named as such
         rounds = f"{fidelity.cases} rounds" + ("" if fidelity.cases >= 20 else ", of the 20 asked")
         gap = fidelity.kl_round - fidelity.kl_per_request
         checks.append(

@@ -1,4 +1,4 @@
-"""Section ``serve``: a bounded load test of ``cacheblend-rag serve`` over loopback (issue 17).
+"""Section ``serve``: a bounded load test of ``cacheblend-rag serve`` over loopback.
 
 A real server process serves the sample corpus, ingested here with its chunk KV; ``c`` clients (threads,
 one HTTP connection each) send streamed chat completions at once, each ``rounds`` requests back to back,
@@ -247,7 +247,7 @@ def run_serve_load(
 
 
 def section_serve(ctx: BenchContext) -> ServeResult:
-    """Issue 17: the load test through ``serve`` (:func:`run_serve_load`) on the sample corpus, ingested
+    """The load test through ``serve`` (:func:`run_serve_load`) on the sample corpus, ingested
     here with its chunk KV."""
     config = ctx.config
     sources, questions = copy_sample_corpus(ctx, "serve-sources")

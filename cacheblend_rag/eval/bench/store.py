@@ -143,7 +143,7 @@ def bench_loading(
     work_dir: Path | None = None,
     repeats: int = 3,
 ) -> LoadingResult:
-    """The loading benchmark of issue 4, in one run.
+    """The loading benchmark, in one run.
 
     Prefills ``num_chunks`` chunks of ``tokens`` tokens (random ids unless ``chunk_token_ids``), stores
     them, then times: full prefill of all chunks as one prompt; loading every layer of every chunk from

@@ -169,7 +169,7 @@ def throughput_row(timings: Sequence[Any], seconds: float) -> ThroughputRow:
 
 
 def section_throughput(ctx: BenchContext) -> ThroughputResult:
-    """Issue 10: requests/s and TTFT percentiles at each concurrency level, through the batching
+    """Requests/s and TTFT percentiles at each concurrency level, through the batching
     scheduler, beside the one-at-a-time baseline at ``throughput_requests`` (whose greedy answers the
     scheduler's must equal)."""
     config = ctx.config
@@ -207,7 +207,7 @@ def section_throughput(ctx: BenchContext) -> ThroughputResult:
 def _batched_fusion_rows(
     engine: Engine, config: BenchConfig, sampling: SamplingParams
 ) -> dict[str, BatchedFusion]:
-    """Issue 16: cacheblend through the scheduler at ``throughput_requests`` concurrent requests, their
+    """Cacheblend through the scheduler at ``throughput_requests`` concurrent requests, their
     prompts fused together vs one at a time, for short (128-token) and full-size chunks; median of
     ``repeats`` interleaved runs each."""
     count, rows = config.throughput_requests, {}

@@ -106,7 +106,7 @@ def _engine_ttft(
 
 def only_on_disk(engine: Engine, refs: Sequence[ChunkRef]) -> None:
     """Every chunk's KV only on disk (the RAM tier evicted), its file dropped from the OS page cache: the
-    cold disk column's start (scripts/prefetch_ttft.py --tier disk too)."""
+    cold disk column's start (scripts/prefetch_ttft.py at 929a489 --tier disk too)."""
     engine.store.evict_ram()
     for chunk in refs:
         path = engine.store.path_for(engine.chunk_key(chunk.token_ids))
@@ -195,7 +195,7 @@ def section_ttft(ctx: BenchContext) -> TtftResult:
 
 
 def _ttft_checks(headline: TtftPoint, points: Sequence[TtftPoint]) -> list[Check]:
-    """Issue 16's TTFT claims (and issue 13's speed claim) on this run's numbers."""
+    """The TTFT claims (and the default's speed claim) on this run's numbers."""
     speedup = headline.speedup
     worst_prefix = max(p.speedup["prefix_cache/full_prefill"] for p in points)
     full_ram, hf_ram = speedup["full_prefill/cacheblend_ram"], speedup["transformers/cacheblend_ram"]

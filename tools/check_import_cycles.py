@@ -12,7 +12,7 @@ modules within each package.
 issue 24's three (``check`` <-> ``rag``, ``corpus`` <-> ``documents``, the remote tier's ``admin`` <->
 ``source`` <-> ``tier``) are gone, and any cycle fails.
 
-    python scripts/check_import_cycles.py [ROOT_DIR]     # default: the cacheblend_rag package folder
+    python tools/check_import_cycles.py [ROOT_DIR]     # default: the cacheblend_rag package folder
 """
 
 from __future__ import annotations

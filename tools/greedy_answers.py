@@ -5,10 +5,10 @@ then the text, cut at ``--chunk-tokens``), answered by each method with ``--max-
 through the engine's own API (``rag_segments`` then ``generate``) on ``--engine`` torch or vllm. It uses
 only API that predates the change it checks, so the same file runs on an older checkout:
 
-    python scripts/greedy_answers.py --out /tmp/after.json
+    python tools/greedy_answers.py --out /tmp/after.json
     git worktree add /tmp/before <commit>
-    PYTHONPATH=/tmp/before python scripts/greedy_answers.py --out /tmp/before.json
-    python scripts/greedy_answers.py --compare /tmp/before.json /tmp/after.json
+    PYTHONPATH=/tmp/before python tools/greedy_answers.py --out /tmp/before.json
+    python tools/greedy_answers.py --compare /tmp/before.json /tmp/after.json
 
 Chunk KV goes to a fresh temporary store in float16 (the codec default changed over time).
 """

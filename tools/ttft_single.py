@@ -6,7 +6,7 @@ store) and brings it into the RAM tier, then ``--repeats`` timed requests of one
 building the segments (the KV look-ups included) to the token; prints the median and every sample as JSON.
 It uses only API older checkouts have, so the same file times them (``--pythonpath`` puts a checkout first):
 
-    python scripts/ttft_single.py --compare OLD_CHECKOUT --rounds 3
+    python tools/ttft_single.py --compare OLD_CHECKOUT --rounds 3
 
 runs this process for the old checkout and for this one in turn, ``--rounds`` times each, and prints the
 medians and the ratio of their medians (new / old).
