@@ -170,9 +170,11 @@ tune: install
 # scripts/gpu_check.py on a GPU machine without network (Python 3.12, torch and numpy there): the wheels
 # of the pure-Python packages our blend/models layers import, and pydantic-core's manylinux build, into
 # .whl/ (ignored) to carry beside the tree; the script's docstring says how they are installed there.
+# (safetensors: the store's file format, imported with the int8 codec the script times)
 GPU_WHEELS := pydantic==$$($(PY) -c "import pydantic; print(pydantic.VERSION)") \
 	pydantic-core==$$($(PY) -c "import pydantic_core; print(pydantic_core.__version__)") \
 	pydantic-settings==$$($(PY) -c "import importlib.metadata as m; print(m.version('pydantic-settings'))") \
+	safetensors==$$($(PY) -c "import safetensors; print(safetensors.__version__)") \
 	annotated-types typing-inspection typing-extensions platformdirs python-dotenv
 .PHONY: gpu-wheels
 gpu-wheels: install

@@ -65,6 +65,9 @@ from cacheblend_rag.blend.segments import ChunkContext, ChunkKV, kv_sources, pre
 from cacheblend_rag.models.fused import fused_weights
 from cacheblend_rag.models.fused import prefill as fused_prefill
 from cacheblend_rag.models.runtime import LayerwiseModel
+from cacheblend_rag.store.codec import CODECS
+from cacheblend_rag.store.fileformat import EncodedChunk
+from cacheblend_rag.store.joined import JoinedLayerKV
 
 # Modules this path must never need: the GPU machine has none of them.
 FORBIDDEN_IMPORTS = ("transformers", "faiss", "sentence_transformers", "tokenizers", "langchain_core")
@@ -138,9 +141,44 @@ def on_host(kv: ChunkKV) -> ChunkKV:
     )
 
 
+def int8_chunk(kv: ChunkKV, device: torch.device, on_device: bool) -> EncodedChunk:
+    """The same chunk KV in the default codec (int8), as the RAM tier keeps it: its parts in device memory
+    (``on_device``) or in pinned host RAM, decoded on the device one joined layer at a time."""
+    codec = CODECS["int8"].for_head_dim(kv.keys[0].shape[-1])
+
+    def placed(t: torch.Tensor) -> torch.Tensor:
+        if on_device:
+            return t.to(device)
+        return t.pin_memory() if device.type == "cuda" else t
+
+    layers = [
+        {n: placed(t) for n, t in codec.encode(k, v).items()} for k, v in zip(kv.keys, kv.values, strict=True)
+    ]
+    return EncodedChunk(codec, layers, kv.fingerprint, kv.num_tokens, {})
+
+
+def tier_segments(segments: list[Segment], tier: str, device: torch.device) -> list[Segment]:
+    """``segments`` with their chunk KV where ``tier`` keeps it: ``hbm`` (device memory, as computed),
+    ``host`` (pinned RAM), ``int8_hbm`` / ``int8_host`` / ``int8_ram`` (int8 parts there)."""
+    if tier in ("hbm", "ram"):
+        return segments
+    moved = []
+    for s in segments:
+        if s.kv is None:
+            moved.append(s)
+        elif tier == "host":
+            moved.append(Segment.cached(s.token_ids, on_host(s.kv)))
+        else:
+            moved.append(Segment.cached(s.token_ids, int8_chunk(s.kv, device, tier == "int8_hbm")))
+    return moved
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
+
+# where the chunk KV is kept, on an accelerator / elsewhere (see tier_segments)
+TIERS = {True: ["hbm", "host", "int8_hbm", "int8_host"], False: ["ram", "int8_ram"]}
 
 # label -> (method, options): the defaults, and HKVD at the default's ratio
 METHODS: dict[str, tuple[str, dict]] = {
@@ -173,7 +211,7 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
     }
     fusor = next(iter(fusors.values()))
     weights = fused_weights(model)
-    tiers = ["hbm", "host"] if device.type == "cuda" else ["ram"]
+    tiers = TIERS[device.type == "cuda"]
     # bf16 keeps 8 significant bits: a few rounding steps' worth of difference over the whole network
     bound = 0.05 if dtype == torch.bfloat16 else 1e-4
     ok = True
@@ -199,16 +237,21 @@ def check_config(c: Config, args: argparse.Namespace, device: torch.device, out:
         row.update(full_prefill_s=full_s, r1_relative_error=error, r1_bound=bound, r1_ok=error <= bound)
         ok &= error <= bound
         for tier in tiers:
-            placed = [
-                s if s.kv is None or tier != "host" else Segment.cached(s.token_ids, on_host(s.kv))
-                for s in segments
-            ]
+            placed = tier_segments(segments, tier, device)
             kvs = kv_sources(placed)
+            # int8 chunks are served joined per layer, which only the static steps take
+            provider = (
+                (lambda k=kvs: JoinedLayerKV(k, model.dtype, device))
+                if tier.startswith("int8")
+                else (lambda k=kvs: DirectLayerKV(k))
+            )
             for label, method, path_fusor in timed_paths(fusors):
+                if tier.startswith("int8") and not path_fusor.static:
+                    continue
                 try:
-                    result = path_fusor.fuse(placed, method, DirectLayerKV(kvs))
+                    result = path_fusor.fuse(placed, method, provider())
                     seconds = timer.median(
-                        lambda m=method, p=placed, k=kvs, f=path_fusor: f.fuse(p, m, DirectLayerKV(k))
+                        lambda m=method, p=placed, f=path_fusor, g=provider: f.fuse(p, m, g())
                     )
                 except Exception as error:  # one broken path must not cost the others their numbers
                     # (a lent GPU is minutes long: the rest of the table is worth having, the failure named)
@@ -367,7 +410,7 @@ def print_row(row: dict, tiers: list[str], labels: list[str]) -> None:
     for tier in tiers:
         for label in labels:
             if f"{label}_{tier}_s" not in row:
-                cells.append(f"{'FAILED':>16}")
+                cells.append(f"{'FAILED' if f'{label}_{tier}_error' in row else '-':>16}")
                 continue
             cells.append(time_cell(row[f"{label}_{tier}_s"], row[f"{label}_{tier}_speedup"], width=8))
     cells.append(f"{row['r1_relative_error']:.1e}{'' if row['r1_ok'] else ' FAIL'}")
@@ -377,7 +420,8 @@ def print_row(row: dict, tiers: list[str], labels: list[str]) -> None:
 def render_markdown(results: dict) -> str:
     """A saved run (``--json``) as a markdown table: per config and workload, full prefill and each path's
     time and speed-up per tier, and r = 1's relative error; then the dispatch profile when one ran."""
-    tiers = [t for t in ("hbm", "host", "ram") if any(f"cacheblend_{t}_s" in r for r in results["rows"])]
+    known = ("hbm", "host", "ram", "int8_hbm", "int8_host", "int8_ram")
+    tiers = [t for t in known if any(f"cacheblend_{t}_s" in r for r in results["rows"])]
     head = ["config", "workload", "prompt tokens", "full prefill ms"]
     head += [f"{label} ({tier}) ms" for tier in tiers for label in results["methods"]] + ["r = 1 rel. error"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -391,9 +435,10 @@ def render_markdown(results: dict) -> str:
         for tier in tiers:
             for label in results["methods"]:
                 seconds = row.get(f"{label}_{tier}_s")
-                cells.append(
-                    "FAILED" if seconds is None else time_cell(seconds, row[f"{label}_{tier}_speedup"])
-                )
+                if seconds is None:  # failed, or a path that does not take this tier
+                    cells.append("FAILED" if f"{label}_{tier}_error" in row else "-")
+                else:
+                    cells.append(time_cell(seconds, row[f"{label}_{tier}_speedup"]))
         cells.append(f"{row['r1_relative_error']:.1e}")
         lines.append("| " + " | ".join(cells) + " |")
     for found in results.get("batches", []):
@@ -486,7 +531,7 @@ def main() -> int:
         "profiles": [],
         "batches": [],
     }
-    tiers = ["hbm", "host"] if device.type == "cuda" else ["ram"]
+    tiers = TIERS[device.type == "cuda"]
     print(
         f"device {device_name}, torch {torch.__version__}, "
         f"median of {args.repeats} after {args.warmup} warm-up"

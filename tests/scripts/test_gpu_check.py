@@ -42,6 +42,8 @@ def test_tiny_config_on_cpu_times_every_method_and_checks_r1(tmp_path):
         # every method on both fusion paths: the static steps (plain labels) and the layer passes
         for label in ("cacheblend", "cacheblend_hkvd", "full_reuse", "epic"):
             assert row[f"{label}_ram_s"] > 0 and row[f"{label}_layers_ram_s"] > 0
+            # int8 chunk KV decoded joined per layer: the static steps only
+            assert row[f"{label}_int8_ram_s"] > 0 and f"{label}_layers_int8_ram_s" not in row
             assert 0 < row[f"{label}_compute_fraction"] < 1  # fresh text computed, most chunk KV reused
         assert row["full_prefill_s"] == min(row["full_prefill_layers_s"], row["full_prefill_static_s"]) > 0
         assert row["prompt_tokens"] == 24 + 32 + int(row["workload"].split("x")[0]) * int(
@@ -113,10 +115,14 @@ def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypat
     monkeypatch.setattr(sys, "argv", argv)
     assert module.main() == 1
     printed = capsys.readouterr().out
-    assert "FAILED" in printed and "2 path(s) raised" in printed
+    assert "FAILED" in printed and "3 path(s) raised" in printed
     result = json.loads(out.read_text())
     raised = "ram: RuntimeError: indices should be on the same device"
-    assert result["failures"] == [f"tiny 2x32 broken {raised}", f"tiny 2x32 broken_layers {raised}"]
+    assert result["failures"] == [
+        f"tiny 2x32 broken {raised}",
+        f"tiny 2x32 broken_layers {raised}",
+        f"tiny 2x32 broken int8_{raised}",
+    ]
     (row,) = result["rows"]
     assert row["broken_ram_error"].startswith("RuntimeError") and "broken_ram_s" not in row
     for label in ("cacheblend", "cacheblend_hkvd", "full_reuse", "epic"):
