@@ -5,18 +5,24 @@ answered by full prefill and by the method at each ratio asked for, one after th
 measured side by side), through :func:`~cacheblend_rag.engine.fidelity.compare_methods`, the runner
 ``cacheblend-rag eval`` scores its cases with: the same first-token agreement, first-token KL and
 agreement F1, averaged by the same :func:`~cacheblend_rag.engine.fidelity.method_table`.
+
+A verdict on a target agreement is given only when the evidence supports it: each method's first-token
+agreement comes with its count (k of n questions) and a 95 % Wilson score interval, and a ratio meets the
+target only when the whole interval clears it. A handful of questions cannot tell 0.9 from 1.0, so with
+too few the report says how many more are needed instead of a verdict that one more question would flip.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from .blend.spec import MethodSpec
-from .config import Config
+from .config import DEFAULT_CHECK_MAX_TOKENS, Config
 from .corpus.corpus import Corpus, RetrievedChunk
 from .engine import ChunkRef, EngineProtocol, SamplingParams
 from .engine.fidelity import REFERENCE, MethodRun, compare_methods, method_table, store_in_ram
@@ -37,6 +43,8 @@ class CheckedRAG(Protocol):
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s|\n")
 _QUESTION_WORDS = 12  # words of a chunk's first sentence a sampled question quotes
+CONFIDENCE_Z = 1.959964  # two-sided 95 % normal quantile, for the Wilson score interval
+_MAX_QUESTIONS_NEEDED = 100_000  # beyond this, "more questions" is no longer useful advice
 
 
 @dataclass
@@ -52,6 +60,14 @@ class CheckRow:
     speedup_median: float  # median over questions of full prefill's TTFT / this method's, side by side
     chunk_recompute_ratio: float  # share of the retrieved chunks' tokens recomputed
     compute_fraction: float  # the fusion's compute relative to a full prefill
+    questions: int = 0  # n: the questions this row was measured on
+    agreeing: int = 0  # k: the questions whose first token equals full prefill's
+    agreement_low: float = 0.0  # 95 % Wilson interval of the first-token agreement
+    agreement_high: float = 1.0
+    # the same on decisive questions (full prefill's first token leads by >= DECISIVE_MARGIN nats) alone;
+    # the rest are near-ties, where full prefill itself could have gone either way
+    decisive_questions: int = 0
+    decisive_agreeing: int = 0
 
 
 @dataclass
@@ -68,6 +84,9 @@ class CheckReport:
     target_note: str
     max_new_tokens: int
     cases: list[dict[str, Any]] = field(default_factory=list)
+    # about how many more questions would settle the cheapest ratio whose interval straddles the target
+    # (None: no such ratio, or its observed agreement sits on the target itself)
+    more_questions_needed: int | None = None
 
     def row(self, label: str) -> CheckRow:
         return next(r for r in self.rows if r.label == label)
@@ -144,7 +163,7 @@ def run_check(
     ratios: Sequence[float | None] | None = None,
     method: str | None = None,
     target_agreement: float | None = None,
-    max_new_tokens: int = 32,
+    max_new_tokens: int = DEFAULT_CHECK_MAX_TOKENS,
     sample: int = 20,
     top_k: int | None = None,
 ) -> CheckReport:
@@ -176,12 +195,15 @@ def run_check(
         )
         log.info("check: question %d of %d (%d prompt tokens)", number + 1, len(asked), prompt_tokens)
     table = method_table(cases, [run.label for run in runs])
-    rows = [_row(run.label, run.spec.ratio, table[run.label]) for run in runs]
-    lowest, note = _lowest_meeting(rows[1:], target_agreement)
-    return CheckReport(rows, asked, sampled, target_agreement, lowest, note, max_new_tokens, cases)
+    rows = [_row(run.label, run.spec.ratio, table[run.label], cases) for run in runs]
+    lowest, note, needed = verdict(rows[1:], target_agreement)
+    return CheckReport(rows, asked, sampled, target_agreement, lowest, note, max_new_tokens, cases, needed)
 
 
-def _row(label: str, ratio: float | None, entry: dict[str, Any]) -> CheckRow:
+def _row(label: str, ratio: float | None, entry: dict[str, Any], cases: Sequence[dict[str, Any]]) -> CheckRow:
+    records = [c["methods"][label] for c in cases if label in c["methods"]]
+    agreeing = sum(bool(r["first_token_agreement"]) for r in records)
+    low, high = wilson_interval(agreeing, len(records))
     return CheckRow(
         label=label,
         ratio=ratio,
@@ -192,23 +214,82 @@ def _row(label: str, ratio: float | None, entry: dict[str, Any]) -> CheckRow:
         speedup_median=entry["speedup_median"],
         chunk_recompute_ratio=entry["chunk_recompute_ratio"],
         compute_fraction=entry["compute_fraction"],
+        questions=len(records),
+        agreeing=agreeing,
+        agreement_low=low,
+        agreement_high=high,
+        decisive_questions=entry.get("decisive_cases", 0),
+        decisive_agreeing=entry.get("decisive_agreeing", 0),
     )
 
 
-def _lowest_meeting(rows: Sequence[CheckRow], target: float | None) -> tuple[float | None, str]:
+def wilson_interval(successes: int, trials: int, z: float = CONFIDENCE_Z) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (``successes`` of ``trials``): unlike the normal
+    approximation it stays inside [0, 1] and is honest at 0 and n successes, where checks mostly are."""
+    if trials <= 0:
+        return 0.0, 1.0
+    p = successes / trials
+    denominator = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denominator
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def more_questions_needed(successes: int, trials: int, target: float) -> int | None:
+    """About how many more questions, answered at the same agreement rate, would put the whole interval
+    on one side of ``target``; None when the rate is the target itself (no number of questions would)."""
+    rate = successes / trials if trials else 0.0
+    if trials == 0 or rate == target:
+        return None
+
+    def settled(n: int) -> bool:
+        low, high = wilson_interval(round(rate * n), n)
+        return low >= target if rate > target else high < target
+
+    extra = 1
+    while not settled(trials + extra):  # doubling, then bisection: the interval narrows monotonically
+        extra *= 2
+        if extra > _MAX_QUESTIONS_NEEDED:
+            return None
+    lo, hi = extra // 2, extra
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if settled(trials + mid) else (mid, hi)
+    return hi
+
+
+def verdict(rows: Sequence[CheckRow], target: float | None) -> tuple[float | None, str, int | None]:
+    """The lowest ratio whose agreement interval lies wholly at or above ``target``, with the reason,
+    or None with the reason; and, when more questions would settle a cheaper ratio whose interval
+    straddles the target, about how many. Among equally good rows the cheaper (lower ratio) is named."""
     if target is None:
-        return None, "no target agreement given"
+        return None, "no target agreement given", None
     with_ratio = sorted((r for r in rows if r.ratio is not None), key=lambda r: r.ratio)
     if not with_ratio:
-        return None, "the method was run without a recompute ratio"
-    for row in with_ratio:
-        if row.first_token_agreement >= target:
-            return (
-                row.ratio,
-                f"{row.label}: first-token agreement {row.first_token_agreement:.3f} >= {target}",
-            )
-    best = max(with_ratio, key=lambda r: r.first_token_agreement)
-    return None, (
-        f"no ratio tried reaches first-token agreement {target} (best: {best.label} at "
-        f"{best.first_token_agreement:.3f}); try higher ratios"
+        return None, "the method was run without a recompute ratio", None
+    meeting = next((r for r in with_ratio if r.agreement_low >= target), None)
+    cheaper = [r for r in with_ratio if meeting is None or r.ratio < meeting.ratio]
+    undecided = next((r for r in cheaper if r.agreement_high >= target), None)
+    needed = None
+    if undecided is not None:
+        needed = more_questions_needed(undecided.agreeing, undecided.questions, target)
+        more = f"about {needed} more needed to tell" if needed is not None else "its agreement is the target"
+        open_question = f"{undecided.label} ({_evidence(undecided)}): {more}"
+    if meeting is not None:
+        note = f"{meeting.label}: {_evidence(meeting)}, the whole interval >= {target}"
+        if undecided is not None:
+            note += f"; the cheaper {open_question}"
+        return meeting.ratio, note, needed
+    if undecided is not None:
+        return None, f"not enough questions for a verdict on {target}: {open_question}", needed
+    # ties on the evidence go to the cheaper ratio: max keeps the first of equals, in ascending ratio order
+    best = max(with_ratio, key=lambda r: (r.agreement_high, r.first_token_agreement))
+    note = f"no ratio tried reaches first-token agreement {target} (best: {best.label}, {_evidence(best)})"
+    return None, note + "; try higher ratios", None
+
+
+def _evidence(row: CheckRow) -> str:
+    return (
+        f"{row.agreeing}/{row.questions} first tokens agree, 95% CI "
+        f"{row.agreement_low:.2f}-{row.agreement_high:.2f}"
     )

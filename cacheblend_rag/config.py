@@ -26,6 +26,19 @@ DEFAULT_CHUNK_CONTEXT = "neutral"
 DEFAULT_ENGINE = "torch"
 DEFAULT_INDEX_TYPE = "flat"
 DEFAULT_EMBEDDER = "all-MiniLM-L6-v2"
+# The answer length when a caller names none, at every entry point (CacheBlendRAG, the CLI, the
+# LangChain and LlamaIndex models, the server); the ``max_tokens`` setting overrides it.
+DEFAULT_MAX_TOKENS = 256
+# ``check`` compares answers with full prefill's mostly on their first tokens: a few dozen tokens show
+# the answers' drift without making a check of 20 questions take minutes
+DEFAULT_CHECK_MAX_TOKENS = 32
+# A question's first token is decisive when full prefill's top log-probability leads the runner-up's by at
+# least this many nats; below it full prefill is itself a near-tie, and a method that picks the runner-up
+# differs by less than any small change of the context could. eval and check report agreement on both.
+DECISIVE_MARGIN = 0.5
+# `serve` refuses a request body larger than this (413) before reading it: a prompt of a few MB is already
+# far beyond any model's context, and parsing a huge body would hold the server for a minute
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024**2
 DEFAULT_BATCH_MAX_REQUESTS = 8
 DEFAULT_BATCH_KV_BUDGET_BYTES = 1024**3
 DEFAULT_RAM_BUDGET_BYTES = 2 * 1024**3
@@ -125,6 +138,18 @@ class Config(BaseModel):
     )
     embedder: str = Field(
         DEFAULT_EMBEDDER, min_length=1, description="Embedding model name or local directory."
+    )
+    max_tokens: int = Field(
+        DEFAULT_MAX_TOKENS,
+        ge=1,
+        le=1_000_000,
+        description="Most tokens per answer when a call names none: CacheBlendRAG, `query`, `serve`, the "
+        "LangChain and LlamaIndex models.",
+    )
+    max_request_bytes: int = Field(
+        DEFAULT_MAX_REQUEST_BYTES,
+        ge=1024,
+        description="`serve`: the largest request body accepted; a larger one is refused with 413.",
     )
 
     @property

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .blend.spec import MethodSpec
-from .config import Config
+from .config import DEFAULT_CHECK_MAX_TOKENS, Config
 from .corpus.corpus import Corpus, RetrievedChunk
 from .engine import (
     BatchRequest,
@@ -156,9 +156,13 @@ class CacheBlendRAG:
         ratio: float | None = None,
         chunk_ids: Sequence[str] | None = None,
         sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
     ) -> QueryResult:
-        """Answer ``question`` from the top-k retrieved chunks (or from explicit ``chunk_ids``)."""
-        return self.stream(question, top_k, method, ratio, chunk_ids, sampling).result()
+        """Answer ``question`` from the top-k retrieved chunks (or from explicit ``chunk_ids``: an empty
+        list is refused, it would answer from no passage at all). ``max_tokens``: most tokens of the
+        answer (default: the ``max_tokens`` setting, 256 unless set; it overrides ``sampling``'s
+        ``max_new_tokens`` when both are given)."""
+        return self.stream(question, top_k, method, ratio, chunk_ids, sampling, max_tokens).result()
 
     def stream(
         self,
@@ -168,11 +172,12 @@ class CacheBlendRAG:
         ratio: float | None = None,
         chunk_ids: Sequence[str] | None = None,
         sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
     ) -> TokenStream[QueryResult]:
         """Like :meth:`query`; iterate the handle for tokens as they come, then ``.result()``."""
         spec = self._spec(method, ratio, question, top_k)
         prepared = self._prepare(question, top_k, chunk_ids, spec)
-        handle = self.engine.stream(prepared.segments, spec, sampling)
+        handle = self.engine.stream(prepared.segments, spec, self._sampling(sampling, max_tokens))
 
         def events() -> Generator[TokenEvent, None, QueryResult]:
             yield from handle
@@ -188,12 +193,14 @@ class CacheBlendRAG:
         ratio: float | None = None,
         chunk_ids: Sequence[str] | None = None,
         sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
     ) -> list[QueryResult]:
         """Retrieve for every question, then answer them all together through the engine's
         ``generate_batch``; results in question order. Questions admitted together whose chunks are the
         same share one blend of them (a round, the ``batch_rounds`` setting); the others' greedy answers
         equal :meth:`query`'s."""
         spec = self._checked(method, ratio, top_k, questions)
+        sampling = self._sampling(sampling, max_tokens)
         return self._answer_together(questions, top_k, chunk_ids, spec, sampling, self.engine.generate_batch)
 
     def query_round(
@@ -204,6 +211,7 @@ class CacheBlendRAG:
         ratio: float | None = None,
         chunk_ids: Sequence[str] | None = None,
         sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
     ) -> list[QueryResult]:
         """Answer ``questions`` (agents of one round) over the same chunks, blended once for all of them:
         ``chunk_ids``, or the top-k chunks retrieved once for the questions together. Results in
@@ -211,10 +219,18 @@ class CacheBlendRAG:
         if not questions:
             return []
         spec = self._checked(method, ratio, top_k, questions)
+        _check_chunk_ids(chunk_ids)
         shared = list(chunk_ids) if chunk_ids is not None else None
         if shared is None:
             shared = [c.chunk_id for c in self.retrieve("\n".join(questions), top_k)]
+        sampling = self._sampling(sampling, max_tokens)
         return self._answer_together(questions, top_k, shared, spec, sampling, self.engine.generate_round)
+
+    def _sampling(self, sampling: SamplingParams | None, max_tokens: int | None) -> SamplingParams:
+        """``sampling`` with ``max_tokens`` when given; without either, the ``max_tokens`` setting."""
+        if sampling is None:
+            return SamplingParams(max_new_tokens=self.config.max_tokens if max_tokens is None else max_tokens)
+        return sampling if max_tokens is None else replace(sampling, max_new_tokens=max_tokens)
 
     def _spec(
         self, method: str | None, ratio: float | None, question: str | None, top_k: int | None
@@ -239,9 +255,11 @@ class CacheBlendRAG:
         ratios: Sequence[float | None] | None = None,
         method: str | None = None,
         target_agreement: float | None = None,
-        max_new_tokens: int = 32,
+        max_new_tokens: int = DEFAULT_CHECK_MAX_TOKENS,
         sample: int = 20,
         top_k: int | None = None,
+        *,
+        max_tokens: int | None = None,
     ) -> CheckReport:
         """Evidence on this model and corpus before turning KV reuse on: answer each question (retrieved
         for as :meth:`query` does) by full prefill and by ``method`` (default: the settings') at each of
@@ -249,15 +267,17 @@ class CacheBlendRAG:
         agreement, mean first-token KL and agreement F1 against full prefill (``eval``'s metrics), median
         TTFT and the median speed-up, and the lowest ratio whose first-token agreement reaches
         ``target_agreement``. Without ``questions``, ``sample`` questions are derived from the corpus's
-        chunks (:func:`~cacheblend_rag.check.sample_questions` gives the rule). Needs the PyTorch
-        engine."""
+        chunks (:func:`~cacheblend_rag.check.sample_questions` gives the rule). ``max_tokens`` is
+        ``max_new_tokens`` under the name every other entry point uses. Needs the PyTorch engine."""
         from .check import run_check
 
-        return run_check(self, questions, ratios, method, target_agreement, max_new_tokens, sample, top_k)
+        budget = max_new_tokens if max_tokens is None else max_tokens
+        return run_check(self, questions, ratios, method, target_agreement, budget, sample, top_k)
 
     def _prepare(
         self, question: str, top_k: int | None, chunk_ids: Sequence[str] | None, method: MethodSpec
     ) -> _Prepared:
+        _check_chunk_ids(chunk_ids)
         started = time.perf_counter()
         chunks = (
             self.corpus.get_chunks(chunk_ids) if chunk_ids is not None else self.retrieve(question, top_k)
@@ -265,3 +285,12 @@ class CacheBlendRAG:
         retrieval_s = time.perf_counter() - started
         refs = [ChunkRef(c.token_ids, c.chunk_id) for c in chunks]
         return _Prepared(chunks, self.engine.rag_segments(question, refs, method), retrieval_s)
+
+
+def _check_chunk_ids(chunk_ids: Sequence[str] | None) -> None:
+    """Refuse an empty ``chunk_ids``: None means "retrieve", and an empty list is more likely a caller's
+    empty selection than a wish for an answer from no passage at all."""
+    if chunk_ids is not None and len(chunk_ids) == 0:
+        raise ValueError(
+            "chunk_ids is empty: pass at least one chunk id, or leave chunk_ids out (None) to retrieve"
+        )

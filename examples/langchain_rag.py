@@ -57,7 +57,13 @@ def main() -> None:
         | PROMPT
         | llm.bind(method="full_recompute")
     )
-    llm.invoke("Hi", max_tokens=1)  # one-time start-up costs (loads the model)
+    # one-time start-up costs (loads the model), through the chain with one token: a bare prompt such as
+    # "Hi" holds no stored chunk, and the model would rightly warn that it reuses nothing
+    (
+        {"context": retriever | format_documents, "question": RunnablePassthrough()}
+        | PROMPT
+        | llm.bind(max_tokens=1)
+    ).invoke("warm-up")
 
     questions = json.loads((DATA / "questions.json").read_text())[: args.questions]
     for item in questions:
@@ -75,7 +81,7 @@ def main() -> None:
     print(f"\nStreaming (explicit chain): {questions[0]['question']}\n  ", end="")
     for part in rag_chain.stream(questions[0]["question"]):
         if "answer" in part:
-            print(part["answer"].content, end="", flush=True)
+            print(part["answer"], end="", flush=True)  # the answer streams as text
     print()
     llm.close()  # waits for the scheduler to finish (a worker thread cut off at exit can abort the process)
 

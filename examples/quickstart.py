@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from cacheblend_rag import CacheBlendRAG, Engine, SamplingParams, get_settings
+from cacheblend_rag import CacheBlendRAG, Engine, get_settings
 from cacheblend_rag.ingest import ingest
 
 DATA = Path(__file__).parent / "data"
@@ -41,14 +41,13 @@ def main() -> None:
     )
 
     rag = CacheBlendRAG(args.corpus, engine=engine)
-    sampling = SamplingParams(max_new_tokens=args.max_tokens)
-    rag.query("warm-up", top_k=1, sampling=SamplingParams(max_new_tokens=1))  # one-time start-up costs
+    rag.query("warm-up", top_k=1, max_tokens=1)  # one-time start-up costs
 
     questions = json.loads((DATA / "questions.json").read_text())[: args.questions]
     for item in questions:
         print(f"\nQ: {item['question']}  (gold: {', '.join(item['answers'])})")
         for method in ("full_recompute", "cacheblend"):
-            result = rag.query(item["question"], top_k=args.top_k, method=method, sampling=sampling)
+            result = rag.query(item["question"], top_k=args.top_k, method=method, max_tokens=args.max_tokens)
             print(
                 f"  {method:<15} TTFT {result.ttft_s * 1000:6.0f} ms, "
                 f"{result.reused_tokens}/{result.prompt_tokens} prompt tokens reused: {result.answer}"

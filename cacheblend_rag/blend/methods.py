@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from importlib.metadata import entry_points
@@ -510,25 +510,38 @@ def _entry(name: str) -> _Entry:
         ) from None
 
 
-def options_help(cls: type[RecomputeMethod]) -> str:
+def options_help(cls: type[RecomputeMethod], about: Sequence[str] = ()) -> str:
+    """The method's options for an error message: the ``about`` ones described (an option given a bad
+    value: what it means and its default), else every option's name and default. Short on purpose: every
+    option's whole description is a screenful, which hid the one line that mattered."""
     fields = cls.model_fields
     if not fields:
         return "it takes no options"
-    described = [
-        f"{name} (default {json.dumps(jsonable(f.default))}: {f.description})" for name, f in fields.items()
-    ]
-    return "its options: " + "; ".join(described)
+    if about:
+        return "; ".join(
+            f"about {name}: {fields[name].description} (default {json.dumps(jsonable(fields[name].default))})"
+            for name in about
+        )
+    return "its options: " + ", ".join(
+        f"{name} (default {json.dumps(jsonable(f.default))})" for name, f in fields.items()
+    )
 
 
 def _option_error(cls: type[RecomputeMethod], exc: ValidationError) -> MethodOptionError:
-    problems = []
+    problems, about = [], []
     for error in exc.errors():
         where = ".".join(str(part) for part in error["loc"]) or "options"
         if error["type"] == "extra_forbidden":
             problems.append(f"no option {where!r}")
         else:
             problems.append(f"{where}: {error['msg']} (got {error['input']!r})")
-    return MethodOptionError(f"method {cls.name!r}: {'; '.join(problems)}; {options_help(cls)}")
+            if where in cls.model_fields and where not in about:
+                about.append(where)
+    # an unknown option lists the method's options; a bad value explains only the options it concerns
+    unknown = len(about) < len(problems)
+    return MethodOptionError(
+        f"method {cls.name!r}: {'; '.join(problems)}; {options_help(cls, () if unknown else about)}"
+    )
 
 
 def jsonable(value: Any) -> Any:

@@ -83,7 +83,7 @@ def query_batch_command(
     ttfts = sorted(r.ttft_s * 1000 for r in results)
     table = Table(show_header=False, box=None)
     table.add_row("questions", str(len(results)))
-    table.add_row("method", results[0].method)
+    table.add_row("method", escape(results[0].method))
     table.add_row("total", f"{seconds:.2f} s ({len(results) / seconds:.2f} questions/s)")
     table.add_row("TTFT", f"{ttfts[0]:.0f}–{ttfts[-1]:.0f} ms (queueing included)")
     err_console.print(table)

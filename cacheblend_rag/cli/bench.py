@@ -12,7 +12,7 @@ from rich.console import Console
 
 from ..errors import CacheBlendError
 from .eval import parse_list, settings_prefix
-from .output import print_error
+from .output import print_error, shown
 
 err_console = Console(stderr=True)
 
@@ -119,4 +119,4 @@ def bench_command(
             # drawn by the run that measured it (`--only vllm` runs where matplotlib is not installed)
             plots[name] = path
     update_markdown(markdown, "bench", render_bench(results, markdown, plots))
-    err_console.print(f"results: {results_path}; report: {markdown}")
+    err_console.print(f"results: {shown(results_path)}; report: {shown(markdown)}")

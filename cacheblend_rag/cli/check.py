@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from ..config import DECISIVE_MARGIN, DEFAULT_CHECK_MAX_TOKENS
 from ..errors import CacheBlendError
 from .eval import parse_list
-from .output import print_error
+from .output import print_error, shown
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
+
+if TYPE_CHECKING:
+    from ..check import CheckReport
 
 console = Console()
 err_console = Console(stderr=True)
@@ -53,10 +58,13 @@ def check_command(
         float | None,
         typer.Option(
             "--target-agreement",
-            help="Report the lowest ratio whose first-token agreement with full prefill reaches this.",
+            help="Name the lowest ratio whose first-token agreement with full prefill surely reaches this "
+            "(its whole 95% interval); with too few questions, how many more are needed.",
         ),
     ] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per answer.")] = 32,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Most tokens per answer (first tokens decide agreement).")
+    ] = DEFAULT_CHECK_MAX_TOKENS,
     sample: Annotated[
         int, typer.Option(help="Questions to derive from the corpus when no --questions file is given.")
     ] = 20,
@@ -89,16 +97,26 @@ def check_command(
     if as_json:
         print(json.dumps(report.to_dict(), indent=1))
         return
-    source = "derived from the corpus" if report.sampled else f"from {questions}"
-    table = Table(title=f"{corpus}: {len(report.questions)} questions {source}, {max_tokens} tokens")
-    table.add_column("method", no_wrap=True)
-    # short headers: the table fits an 80-column terminal
-    for column in ("1st-token agree", "1st-token KL", "agree F1", "TTFT ms", "speed-up", "recompute"):
-        table.add_column(column, justify="right")
+    print_report(report, f"from {questions}" if questions is not None else "derived from the corpus")
+
+
+def print_report(report: CheckReport, source: str) -> None:
+    """The report as a table that fits an 80-column terminal (short headers, explained below it), then
+    the verdict: a ratio only when the agreement's whole 95 % interval clears the target."""
+    n = len(report.questions)
+    console.print(
+        f"{n} question{'s' * (n != 1)} {shown(source)}, answers of at most {report.max_new_tokens} tokens",
+        highlight=False,
+    )
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("method", overflow="fold")
+    for column in ("agree", "95% CI", "KL", "F1", "TTFT ms", "speed-up", "recomp."):
+        table.add_column(column, justify="right", no_wrap=True)
     for row in report.rows:
         table.add_row(
-            row.label,
-            f"{row.first_token_agreement:.3f}",
+            shown(row.label),
+            f"{row.agreeing}/{row.questions}",
+            f"{row.agreement_low:.2f}-{row.agreement_high:.2f}",
             f"{row.kl_first_token:.4f}",
             f"{row.agreement_f1:.3f}",
             f"{row.ttft_median_s * 1000:.0f}",
@@ -106,7 +124,27 @@ def check_command(
             f"{row.chunk_recompute_ratio:.3f}",
         )
     console.print(table)
-    if report.target_agreement is not None:
-        found = report.lowest_ratio_meeting_target
-        head = f"lowest ratio meeting {report.target_agreement}: {found:g}" if found is not None else "none"
-        console.print(f"{head} ({report.target_note})", highlight=False)
+    console.print(
+        "agree: questions whose first token equals full prefill's, with its 95% Wilson interval; KL: mean "
+        "first-token KL; F1: answer agreement F1; TTFT, speed-up: medians; recomp.: share of chunk tokens "
+        "recomputed",
+        highlight=False,
+    )
+    reference = report.rows[0]
+    console.print(
+        f"decisive questions (full prefill's first token leads by >= {DECISIVE_MARGIN} nats): "
+        f"{reference.decisive_questions} of {reference.questions}; agreement on them: "
+        + ", ".join(
+            f"{shown(r.label)} {r.decisive_agreeing}/{r.decisive_questions}" for r in report.rows[1:]
+        ),
+        highlight=False,
+    )
+    if report.target_agreement is None:
+        return
+    found = report.lowest_ratio_meeting_target
+    head = (
+        f"verdict: ratio {found:g} meets first-token agreement {report.target_agreement}"
+        if found is not None
+        else "no verdict"
+    )
+    console.print(f"{head} ({shown(report.target_note)})", highlight=False)

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..config import DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
-from .output import print_error
+from .output import print_error, shown
 
 console = Console()
 err_console = Console(stderr=True)
@@ -190,7 +190,7 @@ def eval_command(
         def progress(done: int, total: int, record: dict) -> None:
             reference = record["methods"].get("full_recompute", {})
             err_console.print(
-                f"[{done}/{total}] case {record['id']}: {record['prompt_tokens']} prompt tokens, "
+                f"[{done}/{total}] case {shown(record['id'])}: {record['prompt_tokens']} prompt tokens, "
                 f"full_recompute TTFT {reference.get('ttft_s', float('nan')):.2f} s",
                 highlight=False,
             )
@@ -204,12 +204,12 @@ def eval_command(
         print_error(err_console, exc)
         raise typer.Exit(1) from exc
     _print_summary(results)
-    err_console.print(f"results: {json_path}")
+    err_console.print(f"results: {shown(json_path)}")
 
 
 def _print_summary(results: dict) -> None:
     summary = results["summary"]
-    table = Table(title=f"{results['config']['dataset']}: {summary['cases']} cases")
+    table = Table(title=f"{shown(results['config']['dataset'])}: {summary['cases']} cases")
     for column in (
         "method",
         "chunk recompute",
@@ -223,7 +223,7 @@ def _print_summary(results: dict) -> None:
         table.add_column(column, justify="right")
     for label, e in summary["methods"].items():
         table.add_row(
-            label,
+            shown(label),
             *(
                 f"{e[key]:.3f}" if e.get(key) is not None else "–"
                 for key in (

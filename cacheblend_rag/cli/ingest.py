@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from ..errors import CacheBlendError
-from .output import print_error
+from .output import print_error, shown
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 console = Console()
@@ -91,7 +91,7 @@ def ingest(
         err_console.print("interrupted: files committed so far are kept; run the command again to resume")
         raise typer.Exit(130) from None
 
-    table = Table(title=f"ingest into {summary.corpus_dir}", show_header=False)
+    table = Table(title=f"ingest into {shown(summary.corpus_dir)}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row(
@@ -115,7 +115,7 @@ def ingest(
         skipped.add_column("file", overflow="fold")
         skipped.add_column("why", overflow="fold")
         for path, why in summary.skipped:
-            skipped.add_row(path, why)
+            skipped.add_row(shown(path), shown(why))
         err_console.print(skipped)
         err_console.print("fix them and run the command again (--strict stops at the first instead)")
         raise typer.Exit(1)

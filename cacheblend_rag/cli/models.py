@@ -6,7 +6,7 @@ import typer
 from rich.console import Console
 
 from ..errors import CacheBlendError
-from .output import print_error
+from .output import print_error, shown
 
 models_app = typer.Typer(no_args_is_help=True, help="Provision and inspect models.")
 console = Console()
@@ -23,7 +23,7 @@ def pull(force: bool = typer.Option(False, help="Convert again even if cached.")
     except CacheBlendError as exc:
         print_error(console, exc)
         raise typer.Exit(1) from exc
-    console.print(f"default model ready at {path}")
+    console.print(f"default model ready at {shown(path)}")
 
 
 @models_app.command("info")

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import CacheBlendError
-from .output import print_error
+from .output import print_error, shown
 
 console = Console()
 CORPUS_OPTION = typer.Option(
@@ -60,7 +60,9 @@ def profile(
         raise typer.Exit(1) from exc
     path = result.save(output or profile_path(m.fingerprint, m.device, settings.home))
 
-    table = Table(title=f"{m.name} on {result.device} ({result.compute_dtype}, {result.threads} threads)")
+    table = Table(
+        title=f"{shown(m.name)} on {result.device} ({result.compute_dtype}, {result.threads} threads)"
+    )
     table.add_column("context tokens", justify="right")
     table.add_column("ms / layer (full prefill)", justify="right")
     for tokens, seconds in result.prefill:
@@ -75,4 +77,4 @@ def profile(
     console.print(
         f"example, 6 x {chunk_tokens} cached tokens from disk: r={example.ratio:.3f} ({example.reason})"
     )
-    console.print(f"profile saved to {path}")
+    console.print(f"profile saved to {shown(path)}")

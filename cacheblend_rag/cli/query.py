@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import CacheBlendError
-from .output import print_error
+from .output import print_error, shown
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 console = Console()
@@ -38,7 +38,10 @@ def query(
             "the ratio setting)."
         ),
     ] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 128,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option("--max-tokens", help="Most tokens to generate (default: the max_tokens setting, 256)."),
+    ] = None,
     temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
     chunk_id: Annotated[
         list[str] | None,
@@ -67,6 +70,7 @@ def query(
 
     try:
         settings = use_kv_remote(kv_remote)
+        max_tokens = settings.max_tokens if max_tokens is None else max_tokens
         # every bound before the model loads (seconds), worded as every other entry point words it
         check_request(
             method or settings.method,
@@ -123,7 +127,7 @@ def query(
     else:
         console.print(result.answer, markup=False, highlight=False)
     table = Table(show_header=False, box=None)
-    table.add_row("method", result.method)
+    table.add_row("method", shown(result.method))
     table.add_row("TTFT", f"{result.ttft_s * 1000:.0f} ms")
     table.add_row("total", f"{result.total_s:.2f} s")
     table.add_row(
@@ -133,5 +137,5 @@ def query(
     )
     table.add_row("recomputed", f"{result.computed_tokens} tokens")
     table.add_row("chunk KV computed now", f"{result.kv_computed_tokens} tokens")
-    table.add_row("chunks", ", ".join(result.chunk_ids))
+    table.add_row("chunks", shown(", ".join(result.chunk_ids)))
     err_console.print(table)

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from ..errors import CacheBlendError
-from .output import print_error
+from .output import print_error, shown
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 err_console = Console(stderr=True)
@@ -34,8 +34,11 @@ def serve(
         ),
     ] = None,
     max_tokens: Annotated[
-        int, typer.Option("--max-tokens", min=1, help="Tokens to generate when a request names no limit.")
-    ] = 256,
+        int | None,
+        typer.Option(
+            "--max-tokens", min=1, help="Tokens to generate when a request names no limit (default 256)."
+        ),
+    ] = None,
     drain_timeout: Annotated[
         float, typer.Option("--drain-timeout", min=0, help="Seconds SIGTERM waits for requests in flight.")
     ] = 60.0,
@@ -49,7 +52,7 @@ def serve(
     try:
         from ..server import EngineBackend, ServeState, create_app, serve_app
     except ImportError as exc:
-        print_error(err_console, f"{exc}: pip install 'cacheblend-rag\\[serve]'")
+        print_error(err_console, f"{exc}: pip install 'cacheblend-rag[serve]'")
         raise typer.Exit(1) from exc
 
     try:
@@ -63,9 +66,16 @@ def serve(
         print_error(err_console, exc)
         raise typer.Exit(1) from exc
     state = ServeState()
-    app = create_app(backend, state, api_key=api_key, default_max_tokens=max_tokens)
+    app = create_app(
+        backend,
+        state,
+        api_key=api_key,
+        default_max_tokens=max_tokens or settings.max_tokens,
+        max_request_bytes=settings.max_request_bytes,
+    )
     err_console.print(
-        f"serving {backend.model_id} ({backend.kind} engine) over {corpus} on http://{host}:{port}/v1",
+        f"serving {shown(backend.model_id)} ({backend.kind} engine) over {shown(corpus)} "
+        f"on http://{shown(host)}:{port}/v1",
         highlight=False,
     )
     drained = serve_app(app, state, host, port, drain_timeout)

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ..errors import CacheBlendError, StoreError
 from ..settings import Settings, get_settings
-from .output import print_error
+from .output import print_error, shown
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the chunk KV store (DIR/kv).")
@@ -97,8 +97,10 @@ def stats(
         table.add_row("remote", entries, f"{remote['bytes']:,}", budget)
     console.print(table)
     if remote is not None:
-        state = "" if remote["available"] else f"  [red]unreachable[/red]: {remote.get('error', '')}"
-        console.print(f"remote tier {remote['url']} prefix {remote['prefix']}{state}", highlight=False)
+        state = "" if remote["available"] else f"  [red]unreachable[/red]: {shown(remote.get('error', ''))}"
+        console.print(
+            f"remote tier {shown(remote['url'])} prefix {shown(remote['prefix'])}{state}", highlight=False
+        )
     read_only = "  [yellow](read-only)[/yellow]" if data["read_only"] else ""
     console.print(
         f"model {data['model_fingerprint'][:16]}…  codec {data['kv_dtype']}  "
@@ -140,7 +142,7 @@ def verify(
     else:
         console.print(f"checked {report.checked} files: {report.ok} ok, {len(report.corrupt)} corrupt")
         for bad in report.corrupt:
-            console.print(f"  [red]corrupt[/red] {bad['key'][:16]}…: {bad['reason']}")
+            console.print(f"  [red]corrupt[/red] {bad['key'][:16]}…: {shown(bad['reason'])}")
         for label, keys in (
             ("index rows without a file", report.missing_files),
             ("files without an index row", report.orphan_files),
@@ -154,7 +156,7 @@ def verify(
                 f"{len(remote.corrupt)} corrupt, {len(remote.stray_keys)} stray keys"
             )
             for bad in remote.corrupt:
-                console.print(f"  [red]corrupt[/red] remote {bad['key'][:16]}…: {bad['reason']}")
+                console.print(f"  [red]corrupt[/red] remote {bad['key'][:16]}…: {shown(bad['reason'])}")
         if not clean:
             console.print("repaired" if repair else "run again with --repair to fix")
     if not clean and not repair:

@@ -11,7 +11,7 @@ from rich.console import Console
 from ..config import DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
 from .eval import command_line
-from .output import print_error
+from .output import print_error, shown
 
 err_console = Console(stderr=True)
 
@@ -77,7 +77,7 @@ def tune_command(
         )
 
         def progress(done: int, total: int, record: dict) -> None:
-            err_console.print(f"[{done}/{total}] case {record['id']}", highlight=False)
+            err_console.print(f"[{done}/{total}] case {shown(record['id'])}", highlight=False)
 
         results = run_eval(config, on_case=progress)
         body = render_tune(results)
@@ -87,4 +87,4 @@ def tune_command(
         print_error(err_console, exc)
         raise typer.Exit(1) from exc
     print(body)
-    err_console.print(f"results: {json_path}")
+    err_console.print(f"results: {shown(json_path)}")

@@ -45,7 +45,7 @@ from . import index as vector_index
 from .chunkdb import DB_NAME, ChunkDB, ChunkRow, FileChanges
 from .context import new_chunk_context, upgrade_format
 from .documents import DocumentSet
-from .embedder import EmbedderLike, get_embedder, is_external
+from .embedder import EmbedderLike, embedder_sha256, get_embedder, loadable_name
 from .manifest import (
     FORMAT_VERSION,
     KV_DIR_NAME,
@@ -55,6 +55,7 @@ from .manifest import (
     check_new_corpus_dir,
     format_for,
     legacy_codec,
+    narrow_corpus_dir,
 )
 from .vectors import CorpusVectors
 
@@ -211,12 +212,14 @@ class Corpus:
                 corpus_dir.mkdir(parents=True, exist_ok=True, mode=_CORPUS_DIR_MODE)
             except OSError as exc:
                 raise StoreError(f"cannot create corpus directory {corpus_dir}: {exc}") from exc
+            narrow_corpus_dir(corpus_dir, _CORPUS_DIR_MODE)
             manifest = CorpusManifest(
                 model=model.name,
                 model_path=str(model.path),
                 model_fingerprint=model.fingerprint,
                 embedder=embedder.name,
                 embedding_dim=embedder.dim,
+                embedder_sha256=embedder_sha256(embedder),
                 chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS,
                 index_type=index_type or DEFAULT_INDEX_TYPE,
                 chunk_context=context.token_ids,
@@ -314,14 +317,15 @@ class Corpus:
         external embedder cannot be loaded by name: the caller gives it, see :meth:`use_embedder`)."""
         with self._lock:
             if self._embedder is None:
-                if is_external(self.manifest.embedder):
+                name = loadable_name(self.manifest.embedder)
+                if name is None:
                     raise StoreError(
                         f"corpus {self.corpus_dir} was built with the external embedder "
                         f"{self.manifest.embedder} ({self.manifest.embedding_dim}-dim vectors): give it "
                         "again to embed text (a CacheBlendVectorStore's embeddings, or "
                         "Corpus.open(DIR, embedder=...))"
                     )
-                embedder = get_embedder(self.manifest.embedder)
+                embedder = get_embedder(name)
                 check_embedder(self.corpus_dir, self.manifest, embedder)
                 self._embedder = embedder
             return self._embedder
@@ -329,7 +333,7 @@ class Corpus:
     @property
     def can_embed(self) -> bool:
         """Whether text can be embedded: an embedder was given, or the manifest's can be loaded by name."""
-        return self._embedder is not None or not is_external(self.manifest.embedder)
+        return self._embedder is not None or loadable_name(self.manifest.embedder) is not None
 
     def use_embedder(self, embedder: EmbedderLike) -> None:
         """Embed with ``embedder`` from now on; it must be the one the corpus was built with (same name

@@ -4,7 +4,9 @@ consistent with it: the same model, embedder (name and dimension) and chunk size
 from __future__ import annotations
 
 import json
+import logging
 import os
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,10 +15,13 @@ from typing import TYPE_CHECKING
 from ..errors import StoreError
 from ..store.codec import get_codec
 from ..store.index import folder_codec
+from .embedder import same_embedder
 
 if TYPE_CHECKING:
     from ..models.tokenizer import ModelTokenizer
     from .embedder import EmbedderLike
+
+log = logging.getLogger(__name__)
 
 # 2: chunk KV is precomputed behind the chunk context the manifest records (part of each KV key).
 # A format-1 corpus (chunks prefilled alone) is read as having no context, and upgraded by ingest.
@@ -48,6 +53,10 @@ class CorpusManifest:
     # the codec its chunk KV is stored in (part of every KV key; ``store recode`` changes it); '': made
     # before codecs were recorded, stored in whatever the kv_dtype setting says
     kv_dtype: str = ""
+    # SHA-256 of the embedder's weights (corpus/embedder.py: weights_sha256): with it the embedder is
+    # recognised by its weights wherever its folder is; '': a model known by name only, or a corpus made
+    # before embedders were recorded by identity (then by name, or by the path it recorded)
+    embedder_sha256: str = ""
 
     @classmethod
     def load(cls, corpus_dir: Path) -> CorpusManifest | None:
@@ -105,6 +114,18 @@ def check_new_corpus_dir(corpus_dir: Path) -> None:
         )
 
 
+def narrow_corpus_dir(corpus_dir: Path, mode: int) -> None:
+    """Give a folder becoming a corpus the corpus's ``mode`` at most: it may already exist, made by a KV
+    store opened under it first (``Engine(store=DIR / "kv")``, whose folders are 0755), and mkdir leaves
+    an existing folder's mode as it is. Only ever narrows; a folder of another owner is left as it is."""
+    try:
+        current = stat.S_IMODE(corpus_dir.stat().st_mode)
+        if current & ~mode:
+            corpus_dir.chmod(current & mode)
+    except OSError as exc:
+        log.debug("cannot narrow the mode of %s: %s", corpus_dir, exc)
+
+
 def check_compatible(
     corpus_dir: Path,
     manifest: CorpusManifest,
@@ -129,13 +150,14 @@ def check_compatible(
 
 
 def check_embedder(corpus_dir: Path, manifest: CorpusManifest, embedder: EmbedderLike) -> None:
-    """Raise StoreError unless ``embedder`` is the one the corpus's vectors came from (same name, same
-    dimension)."""
-    if embedder.name != manifest.embedder:
+    """Raise StoreError unless ``embedder`` is the one the corpus's vectors came from (the same weights,
+    or without a digest the same name; the same dimension)."""
+    if not same_embedder(manifest.embedder, manifest.embedder_sha256, embedder):
+        weights = f", weights sha256 {manifest.embedder_sha256[:12]}…" if manifest.embedder_sha256 else ""
         raise StoreError(
             f"corpus {corpus_dir} was built with embedder {manifest.embedder} "
-            f"({manifest.embedding_dim}-dim vectors), not {embedder.name}; give the same embedder again "
-            "or use another corpus directory"
+            f"({manifest.embedding_dim}-dim vectors{weights}), not {embedder.name}; give the same embedder "
+            "again or use another corpus directory"
         )
     if embedder.dim != manifest.embedding_dim:
         raise StoreError(

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import DEFAULT_MAX_TOKENS
+
 if TYPE_CHECKING:
     from .constraints import JsonConstraint
 
@@ -19,7 +21,7 @@ class SamplingParams:
     prompt that leaves less room is refused (:class:`~cacheblend_rag.errors.MaxTokensError`) rather than
     the answer cut at the context's end."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None

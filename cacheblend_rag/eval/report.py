@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..config import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
+from ..config import DECISIVE_MARGIN, DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
 from .markdown import checks_list, fmt, machine_line, relative_link, table
 from .plots import log_x, pyplot, save_figure
 
@@ -54,6 +54,8 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
             row.append(fmt(e.get("agreement_rouge_l")))
         row += [
             fmt(e.get("first_token_agreement"), 2),
+            split_cell(e, "decisive"),
+            split_cell(e, "near_tie"),
             fmt(e.get("kl_first_token")),
             fmt(e.get("nll_gold")),
             fmt(e.get("nll_reference")),
@@ -69,7 +71,14 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
     ]
     if summary_task:
         header.append("agreement Rouge-L")
-    header += ["first-token agreement", "KL first token", "NLL gold", "NLL full_recompute answer"]
+    header += [
+        "first-token agreement",
+        "decisive (n)",
+        "near ties (n)",
+        "KL first token",
+        "NLL gold",
+        "NLL full_recompute answer",
+    ]
     curve = [
         (e["options"]["ratio"], e)
         for label, e in summary["methods"].items()
@@ -96,7 +105,9 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
         f"`{selection(config)}`; chunk KV precomputed behind the {config.get('chunk_context', 'none')} chunk "
         "context unless a method's label names another (`none:`). Means over cases; TTFT is the median, "
         "and the speed-up is the median over cases of full_recompute's TTFT over the method's. Agreement and "
-        "first-token agreement compare each answer with the full_recompute answer; KL is "
+        "first-token agreement compare each answer with the full_recompute answer (first-token agreement "
+        f"split into decisive cases, where full prefill's top log-probability leads by >= {DECISIVE_MARGIN} "
+        "nats, and near-ties, each with its count); KL is "
         "KL(full prefill || method) of the first-token distribution; NLL is per token, teacher-forced "
         "under the method's fused cache. Raw per-case numbers: the `--json` file.",
         "",
@@ -129,6 +140,15 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
     if plot is not None:
         parts += ["", f"![quality vs TTFT, {config['dataset']}]({relative_link(plot, markdown)})"]
     return "\n".join(parts)
+
+
+def split_cell(entry: dict[str, Any], kind: str) -> str:
+    """First-token agreement on one kind of case (decisive, near-tie) with the case count, e.g.
+    ``0.97 (82)``; ``-`` where the results carry no split."""
+    cases = entry.get(f"{kind}_cases")
+    if cases is None:
+        return "-"
+    return f"{fmt(entry.get(f'first_token_agreement_{kind}'), 2)} ({cases})"
 
 
 def codec_deltas(methods: dict[str, Any], codecs: list[str]) -> list[str]:

@@ -21,7 +21,7 @@ from ..config import DEFAULTS, Config
 from ..corpus.chunkdb import FileChanges, StoredDocument
 from ..corpus.corpus import Corpus
 from ..corpus.documents import DocumentHit
-from ..corpus.embedder import EmbedderLike, get_embedder, is_external
+from ..corpus.embedder import EmbedderLike, get_embedder
 from ..corpus.filters import Filter
 from ..corpus.manifest import CorpusManifest, check_compatible
 from ..engine.session import Session
@@ -102,7 +102,7 @@ class DocumentCollection:
         ensure_corpus(self.corpus_dir, self.model, embedder, chunk_tokens, index_type, config)
         self.corpus: Corpus = acquire_corpus(self.corpus_dir, embedder, config)  # released by close()
         self._holds_corpus = True
-        if embedder is None and is_external(self.corpus.manifest.embedder):
+        if embedder is None and not self.corpus.can_embed:
             self._holds_corpus = False
             release_corpus(self.corpus)
             raise StoreError(
@@ -153,7 +153,9 @@ class DocumentCollection:
         vectors: Sequence[Sequence[float] | None] | None = None,
     ) -> FileChanges:
         """Add (or replace, by id) documents; then precompute the KV of their new chunks, unless the
-        collection computes KV lazily. The KV of chunks a replacement left unused is deleted."""
+        collection computes KV lazily. The KV of chunks a replacement left unused is deleted. A text
+        holding a NUL character is refused (ValueError), nothing of the batch stored."""
+        _refuse_nul(texts, ids)
         changes = self.corpus.documents.put(texts, ids, metadatas, vectors)
         if self.precompute_kv and changes.new_chunks:
             precompute_pending(self.corpus, self.frontend.engine, only=changes.new_chunks)
@@ -190,3 +192,16 @@ class DocumentCollection:
         """The ``k`` chunks (or ``whole_documents``) nearest to ``query`` (text or vector) among the
         documents matching ``where``."""
         return self.corpus.documents.search(query, k, where, whole_documents)
+
+
+def _refuse_nul(texts: Sequence[str], ids: Sequence[str]) -> None:
+    """Refuse texts holding NUL (U+0000): binary read as text, never a document. The tokenizer and the
+    prompt would carry it into the model's input unseen, and a chunk's text could no longer be found
+    verbatim in a prompt, where C string handling on the way (a terminal, an HTTP client) cuts it short."""
+    for position, text in enumerate(texts):
+        if isinstance(text, str) and "\x00" in text:
+            key = ids[position] if position < len(ids) else position
+            raise ValueError(
+                f"document {key!r} holds a NUL character (\\x00) at offset {text.index(chr(0))}: binary "
+                "data is not a document; decode or clean the text before adding it"
+            )

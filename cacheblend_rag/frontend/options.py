@@ -104,7 +104,11 @@ class GenerationOptions(BaseModel):
         le=1.0,
         description="Recompute ratio of a method that has one (default: the loading controller's choice).",
     )
-    max_tokens: int = Field(default=256, ge=1, description="Most tokens to generate.")
+    max_tokens: int = Field(
+        default_factory=lambda: get_settings().max_tokens,
+        ge=1,
+        description="Most tokens to generate (default: the max_tokens setting, CACHEBLEND_MAX_TOKENS).",
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0 is greedy decoding.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, description="Sampling seed (with temperature > 0).")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from ..blend.segments import Segment
 from ..blend.spec import MethodSpec
-from ..config import DEFAULT_METHOD, DEFAULTS, Config
+from ..config import DEFAULT_MAX_TOKENS, DEFAULT_METHOD, DEFAULTS, Config
 from ..corpus.corpus import Corpus
 from ..engine import (
     ENGINE_KINDS,
@@ -93,7 +93,7 @@ def text_request(
     *,
     method: str | None = None,
     ratio: float | None = None,
-    max_tokens: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..config import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from .backend import EngineBackend, RunningRequest
 from .errors import APIError, draining_error, install_handlers
 from .protocol import Answer, ChatCompletionRequest, CompletionRequest, ResponseFrame, model_card
@@ -29,8 +30,9 @@ from .relay import ClientGone, collect, relay, sse
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's default, "to the end of the context", would
-# size every decode row for the whole context and leave the batch scheduler room for few requests)
+# A request that names no max_tokens gets the max_tokens setting (config.DEFAULT_MAX_TOKENS by default),
+# not OpenAI's "to the end of the context", which would size every decode row for the whole context and
+# leave the batch scheduler room for few requests.
 
 
 @dataclass
@@ -69,15 +71,66 @@ class DrainGate:
             self.state.in_flight -= 1
 
 
+class BodyLimit:
+    """ASGI middleware: refuses a request body over ``limit`` bytes with 413 before the app parses any
+    of it: at once from its Content-Length, or, for a body sent without one (chunked), as soon as what
+    arrived passes the limit (such a body is read here, up to the limit, and handed on)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.limit:
+                await self._refuse(scope, receive, send, int(length) if length.isdigit() else None)
+                return
+            await self.app(scope, receive, send)
+            return
+        messages: list[dict[str, Any]] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._refuse(scope, receive, send, None)
+                return
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                break
+
+        async def replay() -> dict[str, Any]:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int | None) -> None:
+        told = f"{size:,}-byte" if size is not None else "larger"
+        error = APIError(
+            413,
+            f"request body too large: a {told} body, the limit is {self.limit:,} bytes "
+            "(the max_request_bytes setting, CACHEBLEND_MAX_REQUEST_BYTES)",
+            param=None,
+            code="request_too_large",
+        )
+        headers = {"Connection": "close"}  # the rest of the body is not read
+        await JSONResponse(error.body(), status_code=413, headers=headers)(scope, receive, send)
+
+
 def create_app(
     backend: EngineBackend,
     state: ServeState | None = None,
     api_key: str | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The API over ``backend``. ``state``: shared with the runner that drains on SIGTERM. ``api_key``:
-    when set, ``/v1`` requests must carry ``Authorization: Bearer <api_key>``. The backend is closed when
-    the app shuts down."""
+    when set, ``/v1`` requests must carry ``Authorization: Bearer <api_key>``. ``max_request_bytes``: a
+    larger request body is refused with 413 unread. The backend is closed when the app shuts down."""
     state = state or ServeState()
 
     @asynccontextmanager
@@ -86,7 +139,8 @@ def create_app(
         await run_in_threadpool(backend.close)  # requests already submitted are finished first
 
     app = FastAPI(title="cacheblend-rag", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(DrainGate, state=state)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(DrainGate, state=state)  # added last, so it runs first: a draining server says so
     install_handlers(app)
     authorized = Depends(_authorization(api_key))
 

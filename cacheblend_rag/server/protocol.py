@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..config import DEFAULT_MAX_TOKENS
 from .errors import APIError
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # what OpenAI uses when a request names none
@@ -92,6 +93,12 @@ class _GenerationBody(_Body):
 
     def _spec(self, max_tokens: int | None, default_max_tokens: int, **prompt: Any) -> GenerationSpec:
         self._refuse_unsupported()
+        if self.chunk_ids is not None and not self.chunk_ids:
+            raise APIError.bad_request(
+                "chunk_ids is empty: name at least one stored chunk, or leave chunk_ids out to have the "
+                "prompt's stored chunks found in its text",
+                "chunk_ids",
+            )
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         documents = [(d, None) if isinstance(d, str) else (d.text, d.chunk_id) for d in self.documents or []]
         return GenerationSpec(
@@ -185,7 +192,7 @@ class GenerationSpec:
     chunk_ids: list[str] = field(default_factory=list)
     method: str | None = None
     ratio: float | None = None
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     max_tokens_given: bool = False  # asked for outright: more than fits is a 400, not cut short
     temperature: float = OPENAI_DEFAULT_TEMPERATURE
     top_p: float = 1.0

@@ -9,12 +9,20 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from cacheblend_rag.check import sample_questions
+from cacheblend_rag.check import (
+    CheckRow,
+    more_questions_needed,
+    sample_questions,
+    verdict,
+    wilson_interval,
+)
 from cacheblend_rag.cli import app
 from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.engine import Engine
+from cacheblend_rag.engine.fidelity import method_table
 from cacheblend_rag.eval.datasets import load_dataset
 from cacheblend_rag.eval.harness import EvalConfig, evaluate_case, setup_run
+from cacheblend_rag.eval.report import split_cell
 from cacheblend_rag.eval.summary import summarize
 from cacheblend_rag.rag import CacheBlendRAG
 
@@ -92,8 +100,11 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
         assert checked["prompt_tokens"] == evaluated.prompt_tokens
         for label in ("full_recompute", "cacheblend@0.15"):
             ours, theirs = checked["methods"][label], evaluated.methods[label].to_dict()
-            for key in ("answer", "first_token", "first_token_agreement", "agreement_f1", "kl_first_token"):
+            keys = ("answer", "first_token", "first_token_agreement", "agreement_f1", "kl_first_token")
+            for key in (*keys, "reference_margin"):
                 assert ours[key] == theirs[key], (label, key)
+            # every method of a case carries full prefill's margin, which decides decisive vs near-tie
+            assert ours["reference_margin"] == checked["methods"]["full_recompute"]["reference_margin"] > 0
             assert ours["chunk_recompute_ratio"] == theirs["chunk_recompute_ratio"]
     summary = summarize({"cases": [c.to_dict() for c in eval_cases], "config": {"task": "qa"}})["methods"]
     for row in report.rows:
@@ -101,6 +112,9 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
         assert row.first_token_agreement == entry["first_token_agreement"]
         assert row.kl_first_token == entry["kl_first_token"]
         assert row.agreement_f1 == entry["agreement_f1"]
+        assert row.decisive_questions == entry["decisive_cases"] <= row.questions
+        assert row.decisive_agreeing == entry["decisive_agreeing"]
+        assert entry["decisive_cases"] + entry["near_tie_cases"] == row.questions
     reference = report.row("full_recompute")
     assert reference.first_token_agreement == 1.0 and reference.kl_first_token == 0.0
     assert reference.speedup_median == 1.0
@@ -109,13 +123,58 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
     assert math.isfinite(blend.speedup_median) and blend.speedup_median > 0
 
 
-def test_target_picks_the_lowest_ratio_meeting_it(rag):
-    report = rag.check(QUESTIONS[:1], ratios=(1.0, 0.0), target_agreement=1.0, max_new_tokens=2, top_k=TOP_K)
+def test_one_question_gives_no_verdict_but_how_many_more_are_needed(rag):
+    report = rag.check(QUESTIONS[:1], ratios=(1.0, 0.0), target_agreement=0.9, max_new_tokens=2, top_k=TOP_K)
     assert [r.ratio for r in report.rows] == [None, 1.0, 0.0]
-    # ratio 1.0 recomputes every token: it agrees with full prefill, so the lowest is 1.0 or 0.0
-    meeting = sorted(r.ratio for r in report.rows[1:] if r.first_token_agreement >= 1.0)
-    assert report.row("cacheblend@1").first_token_agreement == 1.0
-    assert report.lowest_ratio_meeting_target == meeting[0]
+    full_ratio = report.row("cacheblend@1")  # recomputes every token: agrees with full prefill
+    assert (full_ratio.agreeing, full_ratio.questions) == (1, 1)
+    assert full_ratio.agreement_low == pytest.approx(wilson_interval(1, 1)[0])
+    assert full_ratio.agreement_low < 0.9
+    # one agreeing question is no evidence of 90 % agreement: no ratio is named, the count that would be is
+    assert report.lowest_ratio_meeting_target is None
+    assert "not enough questions" in report.target_note and report.more_questions_needed > 20
+
+
+def _row(ratio: float, agreeing: int, questions: int) -> CheckRow:
+    low, high = wilson_interval(agreeing, questions)
+    return CheckRow(
+        f"cacheblend@{ratio:g}", ratio, agreeing / questions, 0.0, 1.0, 1.0, 2.0, ratio, ratio,
+        questions, agreeing, low, high,
+    )  # fmt: skip
+
+
+def test_wilson_interval_matches_the_textbook_values():
+    assert wilson_interval(20, 20) == pytest.approx((0.8389, 1.0), abs=1e-4)
+    assert wilson_interval(19, 20) == pytest.approx((0.7639, 0.9911), abs=1e-4)
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+
+
+def test_the_verdict_does_not_flip_with_one_question_more_or_less():
+    # 19 of 20 agree (0.95): the old rule (the mean >= the target) said yes; one disagreement more said no
+    for agreeing, questions in ((19, 20), (19, 21), (20, 20), (20, 21)):
+        lowest, note, needed = verdict([_row(0.15, agreeing, questions)], 0.9)
+        assert lowest is None and "not enough questions" in note and needed > 0, (agreeing, questions)
+    lowest, note, needed = verdict([_row(0.15, 200, 200)], 0.95)
+    assert lowest == 0.15 and needed is None and "200/200" in note
+    # below the target for sure: no ratio, and advice to go higher
+    lowest, note, _ = verdict([_row(0.05, 5, 100)], 0.9)
+    assert lowest is None and "try higher ratios" in note
+
+
+def test_how_many_more_questions_brings_the_interval_over_the_target():
+    needed = more_questions_needed(20, 20, 0.95)
+    assert wilson_interval(20 + needed, 20 + needed)[0] >= 0.95
+    assert wilson_interval(20 + needed - 1, 20 + needed - 1)[0] < 0.95
+
+
+def test_ties_go_to_the_cheaper_ratio():
+    rows = [_row(0.3, 150, 150), _row(0.05, 150, 150), _row(0.15, 150, 150)]
+    assert verdict(rows, 0.95)[0] == 0.05
+    failing = [_row(0.3, 10, 100), _row(0.05, 10, 100), _row(0.15, 10, 100)]
+    assert "best: cacheblend@0.05" in verdict(failing, 0.95)[1]
+    # a dearer ratio that surely meets the target is named; the cheaper undecided one is reported too
+    lowest, note, needed = verdict([_row(0.05, 30, 30), _row(0.3, 200, 200)], 0.95)
+    assert lowest == 0.3 and "cacheblend@0.05" in note and needed > 0
 
 
 def test_sampled_questions_are_distinct_chunk_derived_and_deterministic(corpus_dir):
@@ -142,7 +201,27 @@ def test_cli_prints_the_table_for_a_questions_file(corpus_dir, tmp_path):
     assert result.exit_code == 0, result.output
     for text in ("3 questions", "full_recompute", "cacheblend@0.15", "cacheblend@0.5", "speed-up", "KL"):
         assert text in result.output
-    assert "lowest ratio meeting 0.5" in result.output
+    assert "3/3" in result.output  # the counts behind the agreement
+    assert "decisive questions (full prefill's first token leads by >= 0.5 nats)" in " ".join(
+        result.output.split()
+    )
+    assert "no verdict (not enough questions for a verdict on 0.5" in " ".join(result.output.split())
+
+
+def test_cli_table_reads_at_80_columns(corpus_dir, tmp_path):
+    questions = tmp_path / "questions.txt"
+    questions.write_text("\n".join(QUESTIONS[:2]) + "\n")
+    command = ["check", "--corpus", str(corpus_dir), "--questions", str(questions), "--ratios", "0.15"]
+    command += ["--max-tokens", "2", "--top-k", str(TOP_K), "--target-agreement", "0.9"]
+    result = CliRunner().invoke(app, command, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    header = next(line for line in lines if "method" in line)
+    for column in ("agree", "95% CI", "KL", "F1", "TTFT ms", "speed-up", "recomp."):
+        assert column in header  # whole, on one line
+    assert any("cacheblend@0.15" in line and "/2" in line for line in lines)
+    assert "more needed to tell" in " ".join(result.stdout.split())
 
 
 def test_cli_json_with_sampled_questions(corpus_dir):
@@ -200,3 +279,21 @@ def test_api_refuses_bad_input(rag):
         rag.check([])
     with pytest.raises(ValueError, match="reference"):
         rag.check(QUESTIONS[:1], method="full_recompute")
+
+
+def test_agreement_is_split_into_decisive_cases_and_near_ties():
+    def case(margin, agree):
+        record = {"first_token_agreement": agree, "reference_margin": margin, "ttft_s": 1.0}
+        return {"methods": {"full_recompute": {**record, "first_token_agreement": True}, "m": record}}
+
+    cases = [case(2.0, True), case(0.9, False), case(0.5, True), case(0.1, False), case(0.49, True)]
+    entry = method_table(cases, ["full_recompute", "m"])["m"]
+    assert (entry["decisive_cases"], entry["decisive_agreeing"]) == (3, 2)
+    assert (entry["near_tie_cases"], entry["near_tie_agreeing"]) == (2, 1)
+    assert entry["first_token_agreement_decisive"] == pytest.approx(2 / 3)
+    assert entry["first_token_agreement_near_tie"] == 0.5
+    assert entry["first_token_agreement"] == pytest.approx(3 / 5)
+    # results recorded before the split carry no margin: no split, not a zero
+    old = [{"methods": {"m": {"first_token_agreement": True, "ttft_s": 1.0}}}]
+    assert "decisive_cases" not in method_table(old, ["m"])["m"]
+    assert split_cell({}, "decisive") == "-" and split_cell(entry, "decisive") == "0.67 (3)"

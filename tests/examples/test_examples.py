@@ -40,6 +40,8 @@ def test_example_runs_and_reuses_chunk_kv(script, shared_rag_store):
         [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    # the examples show the library used as intended: none of them sets off its own advice
+    assert "no stored chunk" not in done.stderr, done.stderr[-3000:]
     out = done.stdout
     for label, reuses in CASES[script]:
         found = re.search(LINE.format(label=label), out)

@@ -17,7 +17,7 @@ from langchain_cacheblend import (
     create_cacheblend_rag_chain,
     format_documents,
 )
-from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.callbacks import BaseCallbackHandler, get_usage_metadata_callback
 from langchain_core.documents import Document
 from langchain_core.messages import HumanMessage
 from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
@@ -48,6 +48,16 @@ def retriever(corpus_dir) -> CacheBlendRetriever:
 def drop_in_chain(retriever, llm):
     """The standard LangChain RAG chain, nothing CacheBlend-specific but the model."""
     return {"context": retriever | format_documents, "question": RunnablePassthrough()} | PROMPT | llm
+
+
+class MessageRecorder(BaseCallbackHandler):
+    """The model's whole messages, as any callback sees them at the end of each call."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+
+    def on_llm_end(self, response: Any, **kwargs: Any) -> None:
+        self.messages.append(response.generations[0][0].message)
 
 
 class TokenRecorder(BaseCallbackHandler):
@@ -117,10 +127,18 @@ def test_cacheblend_at_ratio_one_equals_full_prefill(retriever, corpus_dir, ques
 
 def test_explicit_chain_answers_as_the_core_api(retriever, corpus_dir, question):
     llm = ChatCacheBlend(corpus_dir=corpus_dir, max_tokens=MAX_TOKENS)
-    out = create_cacheblend_rag_chain(retriever, llm).invoke(question)
+    recorder = MessageRecorder()
+    with get_usage_metadata_callback() as usage:
+        out = create_cacheblend_rag_chain(retriever, llm).invoke(question, {"callbacks": [recorder]})
     ids = [d.id for d in out["context"]]
-    answer = out["answer"]
-    assert answer.response_metadata["chunk_ids"] == ids and cache_read(answer) > 0
+    # the answer is a string, as LangChain's own retrieval chains return it
+    assert isinstance(out["answer"], str) and out["answer"]
+    # the usage is reachable the way LangChain offers it for any chat model; the message, by callback
+    (totals,) = usage.usage_metadata.values()
+    (answer,) = recorder.messages
+    assert totals["input_token_details"]["cache_read"] == cache_read(answer) > 0
+    assert totals["output_tokens"] == answer.usage_metadata["output_tokens"]
+    assert answer.content == out["answer"] and answer.response_metadata["chunk_ids"] == ids
     # The default prompt is the engine's: same token ids, same segments, same answer as the core API.
     core = get_frontend(corpus_dir, config=get_settings()).rag.query(
         question, chunk_ids=ids, sampling=SamplingParams(MAX_TOKENS)
@@ -157,7 +175,9 @@ def test_documents_from_another_retriever_are_cached_on_first_sight(sample_store
     shutil.copytree(sample_store, store)
     other = FixedRetriever(documents=[Document(page_content=t) for t in FOREIGN])
     llm = ChatCacheBlend(corpus_dir=str(store), max_tokens=6)
-    first = create_cacheblend_rag_chain(other, llm).invoke("Who wrote The Lamp Room?")["answer"]
+    recorder = MessageRecorder()
+    create_cacheblend_rag_chain(other, llm).invoke("Who wrote The Lamp Room?", {"callbacks": [recorder]})
+    (first,) = recorder.messages
     # computed on first sight (cache_creation, not cache_read), then blended like any chunk
     assert first.response_metadata["cache_read_blended_tokens"] == 0 and cache_creation(first) > 0
     frontend = get_frontend(store, config=get_settings())

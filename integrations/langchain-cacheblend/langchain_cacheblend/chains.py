@@ -7,6 +7,7 @@ from operator import itemgetter
 from typing import Any
 
 from langchain_core.documents import Document
+from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import BasePromptTemplate, ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableLambda, RunnablePassthrough
@@ -40,9 +41,22 @@ def create_cacheblend_rag_chain(
     with the prompt so each becomes a cached segment: stored chunks by id, documents from any other
     retriever added to the store and KV-cached on first sight.
 
-    The input is the question, as a string or as ``{"input": question}``. ``answer`` is what ``llm``
-    returns (an ``AIMessage`` for :class:`ChatCacheBlend`, with usage and fusion metadata). Streaming
-    the chain streams the answer token by token.
+    The input is the question, as a string or as ``{"input": question}``. ``answer`` is the answer's
+    text, a string, as in LangChain's own retrieval chains (an output parser ends the answer's runnable).
+    The model's usage reaches callbacks as any chat model's does: token counts with the reused ones in
+    ``input_token_details["cache_read"]`` through
+    ``langchain_core.callbacks.get_usage_metadata_callback()``, and the whole message (its
+    ``response_metadata``: chunk ids, TTFT, recompute ratio) in a callback's ``on_llm_end``. Streaming
+    the chain streams the answer's text token by token.
+
+    Example:
+        .. code-block:: python
+
+            from langchain_core.callbacks import get_usage_metadata_callback
+
+            with get_usage_metadata_callback() as usage:
+                answer = chain.invoke("Who wrote Emilia Galotti?")["answer"]  # a str
+            usage.usage_metadata  # {model name: {"input_tokens", ..., "input_token_details"}}
     """
     if not isinstance(llm, ChatCacheBlend | CacheBlendLLM):
         raise TypeError(
@@ -59,7 +73,7 @@ def create_cacheblend_rag_chain(
     def answer(inputs: dict[str, Any]) -> Runnable:
         documents = inputs["context"]
         fill = RunnableLambda(lambda x: {"context": format_documents(x["context"]), "question": x["input"]})
-        return fill | prompt | llm.bind(documents=documents)
+        return fill | prompt | llm.bind(documents=documents) | StrOutputParser()
 
     return (
         RunnableLambda(_as_inputs)

@@ -17,6 +17,7 @@ from langchain_core.vectorstores.utils import maximal_marginal_relevance
 
 from cacheblend_rag.check import CheckReport
 from cacheblend_rag.corpus import DocumentHit, ExternalEmbedder
+from cacheblend_rag.corpus.embedder import identity_of_folder
 from cacheblend_rag.engine.session import Session
 from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
 from cacheblend_rag.settings import get_settings
@@ -36,8 +37,10 @@ class CacheBlendVectorStore(VectorStore):
     ``ChatCacheBlend(corpus_dir=...)`` recognises it in any prompt (no special chain needed) and reports
     the reused tokens in ``usage_metadata["input_token_details"]["cache_read"]``.
 
-    ``embedding``: any LangChain ``Embeddings`` (recorded by name and dimension; reopening the corpus
-    needs the same one again), or None for cacheblend-rag's default sentence embedder. Scores are cosine
+    ``embedding``: any LangChain ``Embeddings`` (recorded by name and dimension, and by a digest of its
+    weights when it reads a local folder; reopening the corpus needs the same model again), or None for
+    cacheblend-rag's default sentence embedder (offline; a corpus built by ``cacheblend-rag ingest``
+    opens this way, wherever the virtual environment holding the model is now). Scores are cosine
     similarities. ``filter=`` takes ``{"key": value}``, ``{"key": {"$in": [...]}}`` and the other
     operators of :mod:`cacheblend_rag.corpus.filters`, applied inside the search. ``precompute_kv=False``
     computes chunk KV on first use instead of when documents are added. ``close()`` gives back the
@@ -66,8 +69,13 @@ class CacheBlendVectorStore(VectorStore):
         self._embedding = embedding
         embedder = None
         if embedding is not None:
-            name = embedding_name or embeddings_name(embedding)
-            embedder = ExternalEmbedder(name, embedding.embed_documents, embedding.embed_query)
+            name, sha = embedding_name or embeddings_name(embedding), ""
+            folder = _local_folder(embedding) if embedding_name is None else None
+            if folder is not None:  # recorded by its weights, not its path (see ExternalEmbedder)
+                name, sha = identity_of_folder(
+                    f"{type(embedding).__module__}.{type(embedding).__qualname__}", folder
+                )
+            embedder = ExternalEmbedder(name, embedding.embed_documents, embedding.embed_query, sha256=sha)
         self._documents = DocumentCollection(corpus_dir, embedder, config=get_settings(), **options)
 
     @property
@@ -234,6 +242,16 @@ def embeddings_name(embedding: Embeddings) -> str:
         if isinstance(value, str) and value:
             return f"{name}:{value}"
     return name
+
+
+def _local_folder(embedding: Embeddings) -> Path | None:
+    """The local folder an ``Embeddings`` reads its model from (``model_name`` or ``model`` naming a
+    folder, as ``HuggingFaceEmbeddings`` does), or None."""
+    for attribute in ("model_name", "model"):
+        value = getattr(embedding, attribute, None)
+        if isinstance(value, str) and value and Path(value).expanduser().is_dir():
+            return Path(value).expanduser()
+    return None
 
 
 def _document(hit: DocumentHit) -> Document:

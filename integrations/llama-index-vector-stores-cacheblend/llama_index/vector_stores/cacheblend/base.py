@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Unpack
 
 from llama_index.core import Settings
@@ -25,9 +26,12 @@ from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_
 
 from cacheblend_rag.check import CheckReport
 from cacheblend_rag.corpus import AllOf, AnyOf, Condition, ExternalEmbedder, Filter, KeyIn, Not
+from cacheblend_rag.corpus.embedder import identity_of_folder
 from cacheblend_rag.engine.session import Session
 from cacheblend_rag.frontend import CollectionOptions, DocumentCollection
 from cacheblend_rag.settings import get_settings
+
+from .embedding import CacheBlendEmbedding
 
 _OPERATORS = {
     FilterOperator.EQ: "eq",
@@ -49,10 +53,16 @@ class CacheBlendVectorStore(BasePydanticVectorStore):
     ``corpus_dir`` may be empty or missing: it becomes a corpus. Each node is stored under its node id
     with its metadata and cut into token-exact chunks of at most ``chunk_tokens`` of the model's tokens
     (a node that fits stays one chunk); queries return nodes whole, with their exact text, so the LLM
-    recognises their chunks in the prompt a synthesizer writes. Vectors are the nodes' embeddings (from
-    ``embed_model``, the model the index embeds with: pass the same one to ``VectorStoreIndex``; default
-    ``Settings.embed_model``), recorded by name and dimension; reopening needs the same model. Scores are
-    cosine similarities. ``MetadataFilters`` (EQ, NE, GT, GTE, LT, LTE, IN, NIN, CONTAINS, ANY, ALL; AND,
+    recognises their chunks in the prompt a synthesizer writes. Vectors are the nodes' embeddings from
+    ``embed_model``, the model the index embeds with (pass the store's ``embed_model`` to
+    ``VectorStoreIndex`` too). Its default is ``Settings.embed_model`` when you set one, else the
+    corpus's own embedder as a :class:`CacheBlendEmbedding` (all-MiniLM-L6-v2, shipped with
+    cacheblend-rag: offline, no API key), which also opens a corpus built by ``cacheblend-rag ingest``.
+    The model is recorded by identity: its name, dimension and, for a model read from a local folder
+    (``HuggingFaceEmbedding(model_name=FOLDER)``), a digest of its weights, so the corpus reopens with the
+    same weights wherever they lie now (a moved virtual environment) and from every front end with that
+    model; a model known only by name needs that name again. Scores are cosine similarities.
+    ``MetadataFilters`` (EQ, NE, GT, GTE, LT, LTE, IN, NIN, CONTAINS, ANY, ALL; AND,
     OR, NOT) are applied inside the search. ``precompute_kv=False`` computes chunk KV on first use.
     ``close()`` gives back the shared model.
     """
@@ -77,12 +87,18 @@ class CacheBlendVectorStore(BasePydanticVectorStore):
         """``options``: ``model``, ``chunk_tokens``, ``index_type``, ``precompute_kv`` (see
         :class:`~cacheblend_rag.frontend.DocumentCollection`)."""
         super().__init__(corpus_dir=os.fspath(corpus_dir), precompute_kv=options.get("precompute_kv", True))
-        self._embed_model = embed_model or Settings.embed_model
-        name = embedding_name or f"{self._embed_model.class_name()}:{self._embed_model.model_name}"
-        embedder = ExternalEmbedder(
-            name, self._embed_model.get_text_embedding_batch, self._embed_model.get_query_embedding
+        # LlamaIndex's own default (Settings.embed_model unset) is OpenAI's API: only a model the user
+        # set is taken from Settings, else the corpus's own embedder, which needs no network
+        chosen = embed_model if embed_model is not None else getattr(Settings, "_embed_model", None)
+        if chosen is None or isinstance(chosen, CacheBlendEmbedding):
+            given = chosen.embedder if chosen is not None else None
+            self._documents = DocumentCollection(corpus_dir, given, config=get_settings(), **options)
+            self._embed_model = chosen or CacheBlendEmbedding(embedder=self._documents.corpus.embedder)
+            return
+        self._embed_model = chosen
+        self._documents = DocumentCollection(
+            corpus_dir, _external(chosen, embedding_name), config=get_settings(), **options
         )
-        self._documents = DocumentCollection(corpus_dir, embedder, config=get_settings(), **options)
 
     @classmethod
     def class_name(cls) -> str:
@@ -179,6 +195,19 @@ class CacheBlendVectorStore(BasePydanticVectorStore):
             similarities=[hit.score for hit in hits],
             ids=[hit.key for hit in hits],
         )
+
+
+def _external(embed_model: BaseEmbedding, embedding_name: str | None) -> ExternalEmbedder:
+    """``embed_model`` as the corpus's embedder, identified by ``embedding_name`` if given, else by its
+    weights when it reads a local folder (``model_name``), else by class and model name."""
+    label = embed_model.class_name()
+    name, sha = embedding_name or f"{label}:{embed_model.model_name}", ""
+    folder = Path(str(embed_model.model_name or "")).expanduser()
+    if embedding_name is None and embed_model.model_name and folder.is_dir():
+        name, sha = identity_of_folder(label, folder)
+    return ExternalEmbedder(
+        name, embed_model.get_text_embedding_batch, embed_model.get_query_embedding, sha256=sha
+    )
 
 
 def _node(key: str, text: str, metadata: dict[str, Any]) -> BaseNode:
