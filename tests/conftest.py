@@ -13,8 +13,9 @@ from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.models.runtime import LayerwiseModel
 
 DATA_DIR = Path(__file__).parent / "data"
-# helpers shared by test areas (op_counting.py): importable by name under --import-mode=importlib
-sys.path.insert(0, str(Path(__file__).parent))
+# helpers shared by test areas (support/op_counting.py): importable by name under --import-mode=importlib;
+# their own folder, since tests/ itself holds folders named like packages (tests/vllm would shadow vllm)
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 
 def _share_the_cores_among_xdist_workers() -> None:

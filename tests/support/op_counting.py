@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-DATA = Path(__file__).parent / "data" / "musique_24.json"
+DATA = Path(__file__).parents[1] / "data" / "musique_24.json"
 
 # operations that wait for the device's answer, or whose output size does
 SYNCING = {
