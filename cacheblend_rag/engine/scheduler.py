@@ -46,6 +46,7 @@ from ..store.keys import kv_bytes_per_token
 from .base import BatchRequest, GenerationResult, Method, generation_budget
 from .batch_kv import DecodeCache, SharedChunk, fusion_batches, share_chunks
 from .decode import DecodeRow, decode_step
+from .exit_hooks import stop_at_exit
 from .handles import RequestHandle
 from .sampling import SamplingParams
 
@@ -155,9 +156,11 @@ class BatchScheduler:
         self._cache = DecodeCache(self.model)
         self._cond = threading.Condition()
         self._closing = False
+        self._abandoned = False  # at exit: every request is cancelled, the one being fused included
         self._next_id = 0
         self._thread = threading.Thread(target=self._run, name="batch-scheduler", daemon=True)
         self._thread.start()
+        stop_at_exit(self)  # the worker is a daemon: joined at exit if never closed
 
     @classmethod
     def of(cls, engine: FusingEngine, config: Config, **options: Any) -> BatchScheduler:
@@ -259,7 +262,11 @@ class BatchScheduler:
 
     def _drop_cancelled(self) -> None:
         """Worker: end every active row whose request was cancelled, freeing its slot."""
-        slots = [slot for slot, pending in enumerate(self._rows) if pending.handle.cancel_requested]
+        slots = [
+            slot
+            for slot, pending in enumerate(self._rows)
+            if pending.handle.cancel_requested or self._abandoned
+        ]
         cancelled = [self._rows[slot] for slot in slots]
         self._free_slots(slots)  # first, so that a handle that has ended holds no slot
         for pending in cancelled:
@@ -280,6 +287,16 @@ class BatchScheduler:
             self._closing = True
             self._cond.notify_all()
         self._thread.join()
+
+    def stop_at_exit(self) -> None:
+        """At interpreter exit (:mod:`.exit_hooks`): cancel every request, the one being fused included,
+        and join the worker before the interpreter finalizes."""
+        with self._cond:
+            self._closing = self._abandoned = True
+            while self._waiting:
+                self._end_cancelled(self._waiting.popleft())
+            self._cond.notify_all()
+        self._thread.join()  # it finishes the step it is in: one decode step or one group's fusion
 
     def __enter__(self) -> BatchScheduler:
         return self
