@@ -72,9 +72,13 @@ class FusionStats:
     @classmethod
     def of(cls, fusion: FusionResult) -> FusionStats:
         share = fusion.round
+        # a round member's chunks come blended from the round, whose recomputed tokens are recomputed for
+        # this request too (once for all members): counted as computed, never as kept or read from cache,
+        # so a request reports the same counts in a round as alone
+        shared = share.round_recomputed_tokens if share else 0
         return cls(
-            fusion.reused_tokens,
-            fusion.computed_tokens,
+            fusion.reused_tokens - shared,
+            fusion.computed_tokens + shared,
             fusion.recompute_ratio,
             fusion.load_wait_s,
             fusion.kept_per_segment,
@@ -109,7 +113,8 @@ class CacheAccounting:
                 exact += kept
             else:
                 blended += kept
-        return cls(exact, blended, computed)
+        # a round recomputed some of the chunks' tokens for every member: not read and kept (FusionStats.of)
+        return cls(exact, max(0, blended - fusion.round_recomputed_tokens), computed)
 
 
 @dataclass(kw_only=True)

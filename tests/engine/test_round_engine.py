@@ -60,14 +60,21 @@ def test_the_scheduler_blends_shared_chunks_once_by_default(engine, refs):
     batch = requests(engine, refs, "cacheblend")
     head = batch[0].segments[0]  # the template's opening, exact KV (no method recomputes it)
     assert head.exact
-    results = engine.generate_batch(batch)
-    for result in results:
+    engine.generate_batch(batch)  # the chunks' KV computed and stored: the next batch reads it
+    results = engine.generate_batch(requests(engine, refs, "cacheblend"))
+    for question, result in zip(QUESTIONS, results, strict=True):
         assert result.round_requests == 3 and result.round_shared_tokens == 400
         # the default ratio of the round's 400 cached tokens, once
-        assert result.round_recomputed_tokens == math.floor(DEFAULT_RATIO * 400 + 1e-9)
-        # the agent computed only its own text; the chunks' KV was read (blended by the round)
-        assert result.reused_tokens == 400 + len(head)
-        assert result.computed_tokens == result.prompt_tokens - 400 - len(head)
+        shared = math.floor(DEFAULT_RATIO * 400 + 1e-9)
+        assert result.round_recomputed_tokens == shared
+        # the round's recomputed tokens were recomputed for this agent too: not kept, not read from cache
+        assert result.reused_tokens == 400 + len(head) - shared
+        assert result.computed_tokens == result.prompt_tokens - 400 - len(head) + shared
+        assert result.kv_computed_tokens == 0
+        assert result.cached_tokens + result.computed_tokens == result.prompt_tokens
+        # the same counts as the same request answered alone
+        alone = engine.generate(engine.rag_segments(question, refs, "cacheblend"), "cacheblend", SAMPLING)
+        assert (result.cached_tokens, result.computed_tokens) == (alone.cached_tokens, alone.computed_tokens)
     off = engine.generate_batch(requests(engine, refs, "cacheblend"), rounds=False)
     assert all(r.round_requests == 0 for r in off)
 

@@ -143,8 +143,8 @@ def _timed(engine: Engine, requests: list[BatchRequest], rounds: bool) -> dict[s
         "peak_kv_bytes": peak,
         "round_requests": results[0].round_requests,
         # what was computed: each agent's own (its text; per request also its chunks' recompute) and the
-        # round's one recompute of the shared chunks
-        "agent_computed_tokens": sum(r.computed_tokens for r in results),
+        # round's one recompute of the shared chunks (which each member's computed_tokens counts too)
+        "agent_computed_tokens": sum(r.computed_tokens - r.round_recomputed_tokens for r in results),
         "round_recomputed_tokens": results[0].round_recomputed_tokens,
     }
 
