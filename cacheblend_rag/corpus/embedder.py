@@ -238,11 +238,16 @@ class Embedder:
 def get_embedder(name: str | Path | None = None) -> Embedder:
     """A process-wide shared :class:`Embedder` per model (loading one takes seconds)."""
     spec = str(name or DEFAULT_EMBEDDER)
-    if _moved_default(spec):
-        spec = DEFAULT_EMBEDDER
-    return _shared_embedder(
-        DEFAULT_EMBEDDER if spec in _DEFAULT_ALIASES else str(Path(spec).expanduser().resolve())
-    )
+    if _moved_default(spec) or spec in _DEFAULT_ALIASES:
+        return _default_embedder()
+    return _shared_embedder(str(Path(spec).expanduser().resolve()))
+
+
+@lru_cache(maxsize=1)
+def _default_embedder() -> Embedder:
+    # kept apart from the others: however many other models a process loads (or drops from
+    # _shared_embedder's cache), every front end shares the one default
+    return Embedder(DEFAULT_EMBEDDER)
 
 
 @lru_cache(maxsize=2)
