@@ -206,8 +206,8 @@ def recode(
     as_json: bool = JSON_OPTION,
     kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
 ) -> None:
-    """Convert the corpus's chunk KV to another codec in place (crash-safe: run it again after a crash
-    to finish); with a remote tier, its values too."""
+    """Convert the corpus's chunk KV to a coarser codec in place (crash-safe: run it again after a crash
+    to finish); with a remote tier, its values too. A finer codec is refused: re-ingest for it."""
     from ..corpus.recode import recode_corpus
 
     try:

@@ -12,6 +12,10 @@ Order of work, so that a kill at any point leaves every chunk readable in one co
 Until step 2 the corpus reads the old files, which are still all there; after it, the new ones, which are
 all there. Running the same command again after a crash finishes the job. A chunk whose old KV is
 unreadable is marked not computed (ingest precomputes it again) rather than carried over.
+
+A recode may only lose precision, never gain it: the new codec must rank below the one the KV is stored in
+(float32 > float16 = bfloat16 > int8 > int4), or be the same. Every allowed recode goes down, so the
+codec a corpus records is the coarsest its KV ever passed through, and that is enough to decide.
 """
 
 from __future__ import annotations
@@ -29,6 +33,23 @@ from .chunkdb import DB_NAME, ChunkDB
 from .manifest import KV_DIR_NAME, CorpusManifest, format_for, legacy_codec
 
 log = logging.getLogger(__name__)
+
+# Decoding int4 and encoding the result as int8 would store int4's precision under int8's keys: bytes a
+# fresh ingest never makes, so a copy of the key in another tier or node would differ from a recomputed
+# one. float16 and bfloat16 share a rank because neither holds the other's values (mantissa vs range).
+PRECISION = {"float32": 3, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0}
+
+
+def check_recode(old: str, target: str) -> None:
+    """Raise :class:`StoreError` when KV stored in ``old`` cannot be recoded to ``target`` because
+    ``target`` is not coarser (see the module docstring)."""
+    if target == old or PRECISION[target] < PRECISION[old]:
+        return
+    raise StoreError(
+        f"cannot recode chunk KV from {old} to {target}: {target} is not coarser than {old}, and "
+        f"{old}'s values re-encoded in {target} would differ from {target} KV computed from the model; "
+        f"re-ingest the documents into a new corpus with CACHEBLEND_KV_DTYPE={target} instead"
+    )
 
 
 @dataclass
@@ -66,6 +87,7 @@ def recode_corpus(
     old = resolve_codec(
         manifest.kv_dtype or legacy_codec(corpus_dir / KV_DIR_NAME, manifest, fallback_codec)
     ).name
+    check_recode(old, target)  # before anything is opened: a refused recode changes nothing
     report = RecodeReport(str(corpus_dir), old, target, remote=bool(remote))
     context = ChunkContext(manifest.chunk_context).key
     root = corpus_dir / KV_DIR_NAME

@@ -114,12 +114,36 @@ def test_recode_converts_in_place_and_stats_show_the_codec(corpus):
     assert invoke("store", "verify", "--corpus", corpus).exit_code == 0
     again = json.loads(invoke("store", "recode", "--kv-dtype", "int8", "--corpus", corpus, "--json").output)
     assert again["converted"] == 0
-    back = json.loads(invoke("store", "recode", "--kv-dtype", "float16", "--corpus", corpus, "--json").output)
-    assert back["converted"] == len(before) and back["old_files_removed"] == len(before)
-    assert (CorpusManifest.load(corpus).kv_dtype, CorpusManifest.load(corpus).format_version) == (
-        "float16",
-        2,
-    )
+    back = invoke("store", "recode", "--kv-dtype", "float16", "--corpus", corpus)
+    assert back.exit_code == 1 and "re-ingest" in back.output  # int8's values under float16's keys
+    assert (CorpusManifest.load(corpus).kv_dtype, CorpusManifest.load(corpus).format_version) == ("int8", 3)
+
+
+def snapshot(corpus: Path, client) -> dict:
+    """Every byte a recode could change: each file of the corpus, and each value on the Redis server."""
+    files = {str(p.relative_to(corpus)): p.read_bytes() for p in sorted(corpus.rglob("*")) if p.is_file()}
+    return {"files": files, "remote": {name: client.dump(name) for name in client.keys("*")}}
+
+
+def test_recode_to_a_finer_codec_is_refused_and_changes_nothing(corpus, redis_server):
+    client = redis_server.client()
+    remote = ("--kv-remote", redis_server.url)
+    assert invoke("store", "recode", "--kv-dtype", "int8", "--corpus", corpus).exit_code == 0
+    coarser = invoke("store", "recode", "--kv-dtype", "int4", "--corpus", corpus, *remote, "--json")
+    assert coarser.exit_code == 0, coarser.output
+    assert json.loads(coarser.output)["converted"] == len(rows(corpus))
+    before = snapshot(corpus, client)
+    stored = [name for name in before["remote"] if client.type(name) == b"hash"]
+    assert len(stored) == len(rows(corpus)), before["remote"].keys()  # the int4 KV is in both tiers
+
+    refused = invoke("store", "recode", "--kv-dtype", "int8", "--corpus", corpus, *remote)
+    assert refused.exit_code == 1
+    message = " ".join(refused.output.split())
+    assert "from int4 to int8" in message and "re-ingest" in message, refused.output
+    assert snapshot(corpus, client) == before  # no file, key or remote value touched
+    assert CorpusManifest.load(corpus).kv_dtype == "int4"
+    verify = invoke("store", "verify", "--corpus", corpus, *remote, "--json")
+    assert verify.exit_code == 0 and json.loads(verify.output)["clean"], verify.output
 
 
 def store_context(corpus: Path) -> str:
