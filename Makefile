@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: install test lint demo bench eval pareto check-sample tune clean
+.PHONY: install test lint demo bench eval pareto check-sample tune clean bench-structured profile-vllm
 
 install: $(STAMP)
 	$(VENV)/bin/cacheblend-rag models pull
@@ -104,9 +104,8 @@ bench: install
 # The quality runs behind BENCHMARKS.md (about 4 hours on 2 quiet cores, `pareto` 1.5 of them); each
 # resumes from its --json file when interrupted. The held-out MuSiQue cases were never used to choose a
 # default (`make tune` chose them on the 60-case development split, docs/fusor.md).
-# The results files of earlier rounds were made before the chunk-shift correction (methods revision 1);
-# eval refuses to resume them (a label like cacheblend@0.15 computes something else now): move them away
-# to rerun a target.
+# Each run resumes its --json file; eval refuses to resume one written under another methods revision (a
+# label like cacheblend@0.15 computes something else then). Superseded files live in docs/notes/results/.
 EVAL := $(VENV)/bin/cacheblend-rag eval --methods full_recompute,full_reuse,epic,cacheblend
 eval: install
 	$(EVAL) --data musique-heldout --ratios 0,0.05,0.15,0.3,0.5,1 --json docs/results/eval-musique-heldout.json \
@@ -129,21 +128,21 @@ eval: install
 AUTO_SPEC := cacheblend@ratio=0.5,budget=auto,target=
 AUTO := $(AUTO_SPEC)0.5,$(AUTO_SPEC)0.7,$(AUTO_SPEC)0.85
 # budget=margin (the whole ratio where full reuse's first token leads by less than `confident`), three rules
-# chosen on the development split at 128 tokens (docs/fusor.md, scripts/margin_budget.py)
+# chosen on the development split at 128 tokens (docs/fusor.md, tools/margin_budget.py)
 MARGIN_SPEC := cacheblend@ratio=0.3,budget=margin,min_ratio=0.05,confident=
 MARGIN := $(MARGIN_SPEC)0.05,$(MARGIN_SPEC)0.1,cacheblend@ratio=0.5,budget=margin,min_ratio=0.15,confident=0.1
 FIXED := full_recompute,cacheblend@0.05,cacheblend@0.1,cacheblend@0.15,cacheblend@0.3
 pareto: install
 	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --limit 90 --methods $(FIXED),$(AUTO),$(MARGIN) \
 		--json docs/results/eval-musique-heldout-512-budget.json
-	$(PY) scripts/budget_pareto.py docs/results/eval-musique-heldout-512-budget.json --markdown BENCHMARKS.md
+	$(PY) tools/budget_pareto.py docs/results/eval-musique-heldout-512-budget.json --markdown BENCHMARKS.md
 	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --chunk-tokens 128 --limit 30 \
 		--methods full_recompute,cacheblend@0.1,$(AUTO),$(MARGIN) \
 		--json docs/results/eval-musique-heldout-128-budget.json
 	$(VENV)/bin/cacheblend-rag eval --data musique-heldout --chunk-tokens 128 --limit 30 \
 		--methods full_recompute,full_reuse,epic,cacheblend@0.05,cacheblend@0.15,cacheblend@0.3,cacheblend@0.5 \
 		--json docs/results/eval-musique-heldout-128-fixed.json
-	$(PY) scripts/budget_pareto.py docs/results/eval-musique-heldout-128-budget.json \
+	$(PY) tools/budget_pareto.py docs/results/eval-musique-heldout-128-budget.json \
 		docs/results/eval-musique-heldout-128-fixed.json --markdown BENCHMARKS.md
 
 # `check` as a new user runs it first (issue 23: under 5 minutes on two cores): the sample corpus ingested
@@ -164,8 +163,17 @@ tune: install
 	$(VENV)/bin/cacheblend-rag tune --json docs/results/tune-musique-512.json --markdown docs/fusor.md
 	$(VENV)/bin/cacheblend-rag tune full_reuse cacheblend@0.05 cacheblend@0.15 cacheblend@0.3 cacheblend@0.5 \
 		--chunk-tokens 128 --json docs/results/tune-musique-128-grid.json
-	$(PY) scripts/margin_budget.py docs/results/tune-musique-128-grid.json --confident 0.05,0.1,0.2 \
+	$(PY) tools/margin_budget.py docs/results/tune-musique-128-grid.json --confident 0.05,0.1,0.2 \
 		--lows 0,0.05,0.15 --highs 0.3,0.5 --markdown docs/fusor.md
+
+# Measurements run by hand on a quiet machine, outside `bench`: grammar-constrained decoding libraries on the
+# default tokenizer (docs/structured_output.md), and where a request's time goes on the vLLM path.
+# (scripts/profile_fusion.py and profile_round.py: tests/tools runs them small; run them large by hand.)
+bench-structured: install
+	CACHEBLEND_THREADS=1 $(PY) tools/bench_structured_output.py
+
+profile-vllm: install-vllm
+	$(VLLM_PY) scripts/profile_vllm.py
 
 # scripts/gpu_check.py on a GPU machine without network (Python 3.12, torch and numpy there): the wheels
 # of the pure-Python packages our blend/models layers import, and pydantic-core's manylinux build, into

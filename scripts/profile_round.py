@@ -38,7 +38,7 @@ from cacheblend_rag.blend.spec import parse_method
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.engine.fidelity import store_in_ram
 from cacheblend_rag.engine.prompt import ChunkRef
-from cacheblend_rag.eval.bench.round import _timed, agent_requests
+from cacheblend_rag.eval.bench.round import agent_requests, timed_round
 from cacheblend_rag.eval.datasets import load_dataset
 from cacheblend_rag.models.loader import load_model
 from cacheblend_rag.models.runtime import LayerwiseModel
@@ -229,7 +229,7 @@ def main() -> None:
             TOTALS.clear()
             COUNTS.clear()
             built, _ = jobs()
-            timing = _timed(engine, built, rounds=True)
+            timing = timed_round(engine, built, rounds=True)
             report(f"scheduler, all first tokens {timing['all_first_tokens_s']:.3f} s", 0.0)
             print(f"  {timing}")
 

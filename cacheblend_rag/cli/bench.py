@@ -67,6 +67,7 @@ def bench_command(
     from ..eval.bench import RESULTS_NAME, SECTIONS, BenchConfig, load_previous, render_bench, run_bench
     from ..eval.bench.plots import PLOT_NAMES, plot_deviation, plot_ttft_sweeps
     from ..eval.bench.results import save_results
+    from ..eval.headline import HEADLINE_SECTION, render_headline
     from ..eval.markdown import update_markdown
 
     out = out or Path("bench-tmp" if quick else "docs")
@@ -119,4 +120,5 @@ def bench_command(
             # drawn by the run that measured it (`--only vllm` runs where matplotlib is not installed)
             plots[name] = path
     update_markdown(markdown, "bench", render_bench(results, markdown, plots))
+    update_markdown(markdown, HEADLINE_SECTION, render_headline(results_path.parent))
     err_console.print(f"results: {shown(results_path)}; report: {shown(markdown)}")

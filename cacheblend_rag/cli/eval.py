@@ -129,6 +129,7 @@ def eval_command(
     from ..engine import ENGINE_KINDS
     from ..eval.datasets import load_dataset
     from ..eval.harness import EvalConfig, run_eval
+    from ..eval.headline import HEADLINE_SECTION, render_headline
     from ..eval.markdown import update_markdown
     from ..eval.report import eval_section_name, plot_quality_vs_ttft, render_eval
     from ..eval.variants import CHUNK_CONTEXTS
@@ -200,6 +201,7 @@ def eval_command(
             plot_quality_vs_ttft(results, plot)
         if markdown is not None:
             update_markdown(markdown, eval_section_name(results), render_eval(results, markdown, plot))
+            update_markdown(markdown, HEADLINE_SECTION, render_headline(json_path.parent))
     except (CacheBlendError, ValueError) as exc:
         print_error(err_console, exc)
         raise typer.Exit(1) from exc

@@ -86,6 +86,7 @@ def test_bench_quick_runs_every_section(tmp_path):
 
     markdown = (out / "BENCHMARKS.md").read_text()
     assert "<!-- BEGIN bench -->" in markdown and "<!-- END bench -->" in markdown
+    assert "<!-- BEGIN headline -->" in markdown and "CPU TTFT, full prefill / default" in markdown
     for title in (
         "Time to first token",
         "Full prefill: ours vs transformers",
@@ -135,7 +136,7 @@ def test_bench_codec_section_compares_codecs(tmp_path, monkeypatch):
 
 
 def test_round_growth_check_allows_only_the_agents_own_tokens_share():
-    from cacheblend_rag.eval.bench.round import RoundFidelity, RoundTiming, _checks
+    from cacheblend_rag.eval.bench.round import RoundFidelity, RoundTiming, round_checks
 
     def timing(t8, t16):
         row = {"round_recomputed_tokens": 460, "round_requests": 8, "requests_per_s": 1.0}
@@ -151,8 +152,8 @@ def test_round_growth_check_allows_only_the_agents_own_tokens_share():
 
     fidelity = RoundFidelity(cases=0)
     # 800 -> 1,140 computed tokens: +42.5 % (printed as 43 %)
-    (within,) = _checks(timing(5.0, 7.0), fidelity)
-    (beyond,) = _checks(timing(5.0, 7.5), fidelity)
+    (within,) = round_checks(timing(5.0, 7.0), fidelity)
+    (beyond,) = round_checks(timing(5.0, 7.5), fidelity)
     assert within.passed and abs(within.value - 0.4) < 1e-9
     assert not beyond.passed and "+43% computed tokens" in beyond.claim
 

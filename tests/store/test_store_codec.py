@@ -198,13 +198,13 @@ def test_fusion_runs_unchanged_on_a_quantized_store(tmp_path, model, real_chunks
 def test_the_codec_bench_reads_a_chunk_through_a_real_redis(redis_server, model, real_chunks, monkeypatch):
     from types import SimpleNamespace
 
-    from cacheblend_rag.eval.bench.codec import _remote_read
+    from cacheblend_rag.eval.bench.codec import remote_read
     from cacheblend_rag.settings import get_settings
 
     monkeypatch.setenv("CACHEBLEND_KV_REMOTE", redis_server.url)
     get_settings.cache_clear()
     ids, _ = real_chunks[0]
-    measured = _remote_read(SimpleNamespace(model=model, config=SimpleNamespace(repeats=2)), tuple(ids))
+    measured = remote_read(SimpleNamespace(model=model, config=SimpleNamespace(repeats=2)), tuple(ids))
     codecs = measured["codecs"]
     assert codecs["float16"]["bytes"] == len(ids) * 23_040  # every layer's K and V, nothing cached locally
     assert codecs["int4"]["bytes"] < codecs["int8"]["bytes"] < codecs["float16"]["bytes"]

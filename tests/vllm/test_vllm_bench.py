@@ -11,10 +11,10 @@ from cacheblend_rag.eval.bench.vllm import (
     BLEND,
     FULL,
     VllmResult,
-    _vllm_sizes,
     first_token_agreement,
     rag_prompt,
     ttft_pair,
+    vllm_sizes,
 )
 
 pytestmark = pytest.mark.vllm
@@ -47,6 +47,6 @@ def test_the_vllm_section_times_sizes_and_compares_first_tokens(vllm_engine):
         chunk_precompute_s=0.0,
     )
     assert VllmResult.from_dict(result.to_dict()) == result
-    text = "\n".join(_vllm_sizes(result))
+    text = "\n".join(vllm_sizes(result))
     assert f"5 x 64 ({pair.prompt_tokens} tokens)" in text
     assert f"on {agreement['same']} of 2 MuSiQue prompts" in text and "SIMD: avx2" in text

@@ -60,7 +60,7 @@ class CodecTtft(Record):
 @dataclass(frozen=True)
 class CodecResult(Record):
     """The codecs side by side: bytes per token per set of chunks (the sample corpus, N-token chunks),
-    ingest, TTFT, and the remote read (:func:`_remote_read`: ``skipped`` saying why, or per codec)."""
+    ingest, TTFT, and the remote read (:func:`remote_read`: ``skipped`` saying why, or per codec)."""
 
     codecs: list[str]
     params: dict[str, Any]
@@ -100,7 +100,7 @@ def section_codec(ctx: BenchContext) -> CodecResult:
             sample_corpus={"chunks": len(sample), "tokens": sum(map(len, sample))},
             ingest=_ingest_rate(ctx, sample),
             ttft=_ttft(ctx, stores, long_chunks),
-            remote=_remote_read(ctx, long_chunks[0]),
+            remote=remote_read(ctx, long_chunks[0]),
         )
     finally:
         for store in stores.values():
@@ -190,7 +190,7 @@ def _ttft(ctx: BenchContext, stores: dict[str, KVStore], chunks: list[tuple[int,
     )
 
 
-def _remote_read(ctx: BenchContext, ids: tuple[int, ...]) -> dict[str, Any]:
+def remote_read(ctx: BenchContext, ids: tuple[int, ...]) -> dict[str, Any]:
     """Bytes and seconds to read one chunk, every layer, from the remote tier (no local layer cache),
     codecs interleaved, median of the repeats. Its values go under a prefix of their own, removed after."""
     url = get_settings().kv_remote

@@ -126,7 +126,7 @@ def agent_requests(
     return requests
 
 
-def _timed(engine: Engine, requests: list[BatchRequest], rounds: bool) -> dict[str, float]:
+def timed_round(engine: Engine, requests: list[BatchRequest], rounds: bool) -> dict[str, float]:
     """All ``requests`` submitted at once to a scheduler admitting all of them."""
     capacity = max(sum(len(s) for s in r.segments) for r in requests) + 64
     budget = 2 * len(requests) * capacity * kv_bytes_per_token(engine.model.shape, engine.model.dtype)
@@ -195,7 +195,7 @@ def section_round(ctx: BenchContext) -> RoundResult:
             samples: dict[str, list[dict[str, Any]]] = {label: [] for label in batches}
             for _ in range(config.repeats):
                 for label, (batch, rounds) in batches.items():
-                    samples[label].append(_timed(engine, batch, rounds))
+                    samples[label].append(timed_round(engine, batch, rounds))
             for label, runs in samples.items():
                 timing.setdefault(label, {})[str(n)] = _median(runs)
                 logger.info("round: %s at N=%d: %s", label, n, timing[label][str(n)].all_first_tokens_s)
@@ -211,7 +211,7 @@ def section_round(ctx: BenchContext) -> RoundResult:
         max_new_tokens=config.throughput_max_new_tokens,
         timing=timing,
         fidelity=fidelity,
-        checks=_checks(timing, fidelity),
+        checks=round_checks(timing, fidelity),
         probe_questions=PROBE_QUESTIONS,
     )
 
@@ -250,7 +250,7 @@ def _fidelity(engine: Engine, config, blend) -> RoundFidelity:
     )
 
 
-def _checks(timing: dict[str, dict[str, RoundTiming]], fidelity: RoundFidelity) -> list[Check]:
+def round_checks(timing: dict[str, dict[str, RoundTiming]], fidelity: RoundFidelity) -> list[Check]:
     checks = []
     at8 = {label: rows.get("8") for label, rows in timing.items()}
     if at8["round"] and at8["per_request"]:

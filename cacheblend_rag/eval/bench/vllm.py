@@ -267,12 +267,12 @@ def render_vllm(page: Page, vllm: VllmResult) -> list[str]:
         f"externally), {blend['reused_tokens']} reused, recompute ratio {fmt(blend['recompute_ratio'], 3)}; "
         f"same first token: {fmt(main.same_first_token)}; "
         f"engine start {fmt(vllm.engine_startup_s, 1)} s.",
-        *_vllm_sizes(vllm),
+        *vllm_sizes(vllm),
         *_vllm_memory(vllm.worker_memory),
     ]
 
 
-def _vllm_sizes(vllm: VllmResult) -> list[str]:
+def vllm_sizes(vllm: VllmResult) -> list[str]:
     """TTFT per prompt size, first-token agreement over many prompts and the processor (older results
     have none of them)."""
     lines = []

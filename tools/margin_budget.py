@@ -1,6 +1,6 @@
 """Choose ``budget=margin``'s options on a development run: simulate the step rule from fixed ratios.
 
-    .venv/bin/python scripts/margin_budget.py RESULTS.json [--confident 0.05,0.1,...] [--lows 0,0.05]
+    .venv/bin/python tools/margin_budget.py RESULTS.json [--confident 0.05,0.1,...] [--lows 0,0.05]
         [--highs 0.3,0.5] [--markdown FILE]
 
 ``RESULTS.json`` is a ``tune`` or ``eval`` results file with ``full_reuse`` and ``cacheblend@R`` columns at
@@ -108,7 +108,7 @@ def render(
             "",
             "```bash",
             *dict.fromkeys(results.get("commands") or []),
-            "python scripts/margin_budget.py " + " ".join(command),
+            "python tools/margin_budget.py " + " ".join(command),
             "```",
             "",
             f"Full reuse's first-token lead over its runner-up: median {statistics.median(margins):.3f}, "

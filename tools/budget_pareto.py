@@ -1,6 +1,6 @@
 """The per-request budget against fixed ratios (issue 23): fidelity against compute on the same cases.
 
-    .venv/bin/python scripts/budget_pareto.py RESULTS.json [RESULTS.json ...] [--markdown BENCHMARKS.md]
+    .venv/bin/python tools/budget_pareto.py RESULTS.json [RESULTS.json ...] [--markdown BENCHMARKS.md]
 
 Reads ``eval`` results files of one data set and chunk size (e.g. the plain held-out run and a run of the
 budget variants on its first cases), keeps the cases every file holds, and prints one row per method:
@@ -118,7 +118,7 @@ def render(paths: list[Path], markdown: Path | None = None) -> str:
         "fixed r: first-token agreement",
         "budget",
     ]
-    command = "python scripts/budget_pareto.py " + " ".join(str(p) for p in paths)
+    command = "python tools/budget_pareto.py " + " ".join(str(p) for p in paths)
     if markdown is not None:
         command += f" --markdown {markdown}"
     lines = [

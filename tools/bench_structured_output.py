@@ -6,7 +6,7 @@ JSON answer the time to compute the next-token mask and to advance the matcher; 
 of the library and the dependencies it would add to this project, and its licence. Then the cost of this
 project's own layer (cacheblend_rag.engine.constraints, on llguidance) per request and per token.
 
-    CACHEBLEND_THREADS=1 python scripts/bench_structured_output.py [--lib-path DIR ...] [--json OUT]
+    CACHEBLEND_THREADS=1 python tools/bench_structured_output.py [--lib-path DIR ...] [--json OUT]
 
 ``--lib-path`` puts a directory first on sys.path: candidates can be measured from ``pip install
 --target DIR`` without installing them into the project's environment. The numbers in

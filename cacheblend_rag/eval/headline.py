@@ -1,0 +1,169 @@
+"""BENCHMARKS.md's headline: the current default in one table, generated from the results files.
+
+Read from a results folder (``docs/results``): the bench's ``bench.json`` (CPU TTFT at its headline size,
+chunk KV bytes per token, scheduler throughput), the GPU check's file when one was measured, and every
+eval results file run with the current methods revision that holds the default method beside full prefill
+(per data set, chunk size and top-k, the file with the most cases). ``bench`` and ``eval --markdown``
+rewrite it after their own sections, so it never shows a number no results file holds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..blend.methods import METHODS_REVISION
+from ..config import DEFAULT_KV_DTYPE, DEFAULT_METHOD, DEFAULT_RATIO
+from .markdown import fmt, table
+
+HEADLINE_SECTION = "headline"
+BENCH_FILE = "bench.json"
+# The GPU check's results the headline quotes (BENCHMARKS.md's gpu section has the command).
+GPU_FILE = "gpu-check-h200.json"
+GPU_SHAPE = ("llama-3.1-8b", "6x512")
+DEFAULT_LABEL = f"{DEFAULT_METHOD}@{DEFAULT_RATIO:g}"
+
+
+def render_headline(results_dir: Path) -> str:
+    """The headline section's markdown for the results files in ``results_dir``."""
+    bench = _read(results_dir / BENCH_FILE)
+    speed = _speed_rows(bench, _read(results_dir / GPU_FILE))
+    fidelity = _fidelity_rows(results_dir)
+    lines = [
+        f"## Headline: the default (`{DEFAULT_LABEL}`, {DEFAULT_KV_DTYPE} chunk KV)",
+        "",
+        "Generated from the results files under `docs/results/` by `make bench` and `make eval` (each row "
+        "names its source; the sections below have the commands and machines).",
+        "",
+        table(["measure", "value", "source"], speed) if speed else "No bench results yet: run `make bench`.",
+        "",
+    ]
+    if fidelity:
+        lines += [
+            f"Fidelity to full prefill on held-out cases (methods revision {METHODS_REVISION}; means over "
+            "cases; TTFT speed-up: median over cases of full prefill's TTFT over the default's, CPU):",
+            "",
+            table(
+                [
+                    "set",
+                    "cases",
+                    "cached tokens recomputed",
+                    "first-token KL",
+                    "first-token agreement",
+                    "agreement F1",
+                    "TTFT speed-up",
+                    "source",
+                ],
+                fidelity,
+            ),
+        ]
+    else:
+        lines.append("No eval results of the current methods revision yet: run `make eval`.")
+    return "\n".join(lines)
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _speed_rows(bench: dict[str, Any] | None, gpu: dict[str, Any] | None) -> list[list[str]]:
+    rows: list[list[str]] = []
+    sections = (bench or {}).get("sections") or {}
+    ttft = sections.get("ttft")
+    if ttft:
+        point = ttft.get("headline")  # the bench's own size, when its sweep holds it
+        if point is not None:
+            times, when = point["ttft_s"], _when(ttft)
+            size = f"{point['num_chunks']} × {point['chunk_tokens']} tokens"
+            rows.append(
+                [f"CPU TTFT, full prefill / default, {size}, RAM tier", _times(times, "cacheblend_ram"), when]
+            )
+            if "cacheblend_disk" in times:
+                rows.append(
+                    [
+                        "CPU TTFT, the same, disk tier (cold page cache)",
+                        _times(times, "cacheblend_disk"),
+                        when,
+                    ]
+                )
+    if gpu:
+        row = next((r for r in gpu["rows"] if (r["config"], r["workload"]) == GPU_SHAPE), None)
+        if row is not None and row.get("cacheblend_hbm_speedup") is not None:
+            fusion = row.get("fusion", "layers")
+            rows.append(
+                [
+                    f"GPU TTFT, full prefill / default, {GPU_SHAPE[1].replace('x', ' × ')} tokens, "
+                    f"{GPU_SHAPE[0]} shape, chunk KV in HBM ({fusion} fusion)",
+                    f"{row['cacheblend_hbm_speedup']:.2f}×",
+                    f"`{GPU_FILE}`, {gpu['device']}, torch {gpu['torch']}",
+                ]
+            )
+    codec = sections.get("codec")
+    if codec:
+        sizes = codec["bytes_per_token"].get("512_token_chunks") or next(
+            iter(codec["bytes_per_token"].values())
+        )
+        if DEFAULT_KV_DTYPE in sizes:
+            own = sizes[DEFAULT_KV_DTYPE]
+            rows.append(
+                [
+                    f"chunk KV bytes per token ({DEFAULT_KV_DTYPE})",
+                    f"{own['bytes_per_token']:,.0f} ({own['vs_float16']:.2f} of float16)",
+                    _when(codec),
+                ]
+            )
+    throughput = sections.get("throughput")
+    if throughput:
+        check = next((c for c in throughput["checks"] if c["claim"].startswith("scheduler throughput")), None)
+        if check is not None and check.get("value") is not None:
+            rows.append(
+                [
+                    f"requests/s through the scheduler, default / full prefill, {throughput['requests']} "
+                    f"requests of {throughput['chunks_per_request']} × {throughput['chunk_tokens']} tokens",
+                    f"{check['value']:.2f}×",
+                    _when(throughput),
+                ]
+            )
+    return rows
+
+
+def _times(times: dict[str, float], method: str) -> str:
+    full, own = times["full_prefill"], times[method]
+    return f"{full / own:.2f}× ({full:.2f} s vs {own:.2f} s)"
+
+
+def _when(section: dict[str, Any]) -> str:
+    machine = section.get("machine") or {}
+    day = str(machine.get("timestamp", "?"))[:10]
+    return f"`{BENCH_FILE}`, {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {day}"
+
+
+def _fidelity_rows(results_dir: Path) -> list[list[str]]:
+    best: dict[tuple[str, int, int], tuple[int, str, dict[str, Any]]] = {}
+    for path in sorted(results_dir.glob("eval-*.json")):
+        results = json.loads(path.read_text())
+        config, methods = results.get("config") or {}, (results.get("summary") or {}).get("methods") or {}
+        if config.get("methods_revision") != METHODS_REVISION or config.get("kv_dtype") != DEFAULT_KV_DTYPE:
+            continue
+        if DEFAULT_LABEL not in methods or "full_recompute" not in methods:
+            continue
+        key = (config["dataset"], int(config["chunk_tokens"]), int(config["top_k"]))
+        cases = int(methods[DEFAULT_LABEL]["cases"])
+        if key not in best or cases > best[key][0]:
+            best[key] = (cases, path.name, methods[DEFAULT_LABEL])
+    rows = []
+    for (dataset, tokens, top_k), (cases, name, row) in sorted(best.items()):
+        rows.append(
+            [
+                f"{dataset}, chunks ≤ {tokens} tokens, top {top_k}",
+                str(cases),
+                fmt(row.get("chunk_recompute_ratio")),
+                fmt(row.get("kl_first_token")),
+                fmt(row.get("first_token_agreement")),
+                fmt(row.get("agreement_f1")),
+                f"{row['speedup_median']:.2f}×" if row.get("speedup_median") else "–",
+                f"`{name}`",
+            ]
+        )
+    return rows
