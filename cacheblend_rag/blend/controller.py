@@ -220,53 +220,6 @@ class LoadingController:
             profiled=True,
         )
 
-    def cheapest_tier(
-        self, ratio: float, num_cached_tokens: int, total_tokens: int, tiers: Sequence[str] | None = None
-    ) -> Decision:
-        """For a fixed ``ratio``, the cheapest tier (by storage cost) whose load stays hidden behind the
-        recompute; if none does, the fastest one."""
-        _check_tokens(num_cached_tokens, total_tokens)
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"ratio must lie in [0, 1], got {ratio}")
-        if self.profile is None:
-            tier = (list(tiers) if tiers else sorted(DEFAULT_TIER_COST, key=DEFAULT_TIER_COST.get))[-1]
-            return Decision(
-                ratio=ratio, tier=tier, r_floor=self.r_floor, reason="no profile: fastest tier assumed hidden"
-            )
-        names = list(tiers) if tiers is not None else list(self.profile.tier_bytes_per_s)
-        unknown = [t for t in names if t not in self.profile.tier_bytes_per_s]
-        if unknown or not names:
-            raise ValueError(
-                f"tiers {unknown or names} are not profiled; profiled: {list(self.profile.tier_bytes_per_s)}"
-            )
-        cost = self.profile.tier_cost
-        recompute, full = self._recompute_seconds(ratio, num_cached_tokens, total_tokens)
-        options = []
-        for name in sorted(names, key=lambda t: (cost.get(t, math.inf), t)):
-            load = self.profile.layer_load_seconds(name, num_cached_tokens)
-            options.append(
-                {"tier": name, "cost": cost.get(name), "load_s_per_layer": load, "hidden": load <= recompute}
-            )
-        hidden = [o for o in options if o["hidden"]]
-        if hidden:
-            best, reason = hidden[0], f"cheapest tier whose load hides behind recompute at r={ratio:.3f}"
-        else:
-            best = min(options, key=lambda o: o["load_s_per_layer"])
-            reason = f"no tier's load hides behind recompute at r={ratio:.3f}: fastest tier"
-        return Decision(
-            ratio=ratio,
-            tier=best["tier"],
-            reason=reason,
-            r_floor=self.r_floor,
-            load_s_per_layer=best["load_s_per_layer"],
-            recompute_s_per_layer=recompute,
-            full_prefill_s_per_layer=full,
-            load_hidden=best["hidden"],
-            prefer_full_prefill=best["load_s_per_layer"] > full,
-            profiled=True,
-            alternatives=tuple(options),
-        )
-
 
 def _check_tokens(num_cached_tokens: int, total_tokens: int) -> None:
     if total_tokens <= 0 or not 0 <= num_cached_tokens <= total_tokens:

@@ -44,7 +44,7 @@ from ..text.document import Document
 from . import index as vector_index
 from .chunkdb import DB_NAME, ChunkDB, ChunkRow, FileChanges
 from .context import new_chunk_context, upgrade_format
-from .documents import DocumentSet
+from .documents import MAX_TOP_K, DocumentSet
 from .embedder import EmbedderLike, embedder_sha256, get_embedder, loadable_name
 from .manifest import (
     FORMAT_VERSION,
@@ -63,7 +63,6 @@ log = logging.getLogger(__name__)
 
 # importable from here, where ingest has always found them
 __all__ = ["Corpus", "CorpusStats", "RetrievedChunk", "check_compatible", "check_new_corpus_dir"]
-MAX_TOP_K = 1000
 
 
 def check_top_k(top_k: object) -> int:

@@ -72,16 +72,6 @@ def test_ratio_is_never_below_the_floor_nor_above_one():
         assert floor <= decision.ratio <= 1.0
 
 
-def test_cheapest_tier_whose_load_stays_hidden():
-    fast_disk = LoadingController(make_profile(disk=1e9)).cheapest_tier(0.15, 3072, 3136)
-    assert fast_disk.tier == "disk" and fast_disk.load_hidden
-    assert [a["tier"] for a in fast_disk.alternatives] == ["disk", "ram"]  # cheapest first
-    slow_disk = LoadingController(make_profile(disk=0.05e9)).cheapest_tier(0.15, 3072, 3136)
-    assert slow_disk.tier == "ram" and slow_disk.load_hidden
-    nothing_hides = LoadingController(make_profile(ram=1e7, disk=1e6)).cheapest_tier(0.15, 3072, 3136)
-    assert nothing_hides.tier == "ram" and not nothing_hides.load_hidden and "fastest" in nothing_hides.reason
-
-
 def test_without_a_profile_the_floor_is_used():
     decision = LoadingController(None, r_floor=0.2).choose(100, 120, "disk")
     assert decision.ratio == 0.2 and not decision.profiled and "cacheblend-rag profile" in decision.reason
@@ -89,7 +79,7 @@ def test_without_a_profile_the_floor_is_used():
 
 def test_decisions_serialise():
     controller = LoadingController(make_profile())
-    for decision in (controller.choose(3072, 3136, "disk"), controller.cheapest_tier(0.15, 3072, 3136)):
+    for decision in (controller.choose(3072, 3136, "disk"), controller.choose(3072, 3136, "ram")):
         data = decision.to_dict()
         assert json.loads(json.dumps(data)) == data and data["ratio"] == decision.ratio
 
@@ -135,4 +125,3 @@ def test_profile_of_the_real_model_drives_the_controller(model, tmp_path):
     assert controller.profile == Profile.load(path)
     decision = controller.choose(6 * 512, 6 * 512 + 50, "disk")
     assert decision.profiled and decision.ratio >= controller.r_floor and decision.tier == "disk"
-    assert controller.cheapest_tier(decision.ratio, 6 * 512, 6 * 512 + 50).tier in {"ram", "disk"}
