@@ -51,7 +51,7 @@ test: install
 	$(MAKE) test-vllm
 
 # Every Python snippet of README.md and the integrations' READMEs in its own process, offline, checking a
-# clean exit (tests/docs/test_snippets.py; about 5 minutes a run). Kept out of `make test` for time; CI runs
+# clean exit, and every example (tests/docs/test_snippets.py; about 8 minutes a run). Kept out of `make test` for time; CI runs
 # each once after it (.ci/run), SNIPPET_RUNS=5 here since a crash at exit may show in only some runs.
 SNIPPET_RUNS ?= 5
 test-snippets: install

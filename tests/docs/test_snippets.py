@@ -1,6 +1,7 @@
-"""Every Python snippet of README.md and the integrations' READMEs runs as a user runs it: in its own
-process, offline, from a folder holding what the snippet names (`my-documents/`, a `my-corpus` built by
-`cacheblend-rag ingest`), and exits cleanly: status 0, and nothing on stderr from a crash at shutdown.
+"""Every Python snippet of README.md and the integrations' READMEs, and every example, runs as a user runs
+it: in its own process, offline, from a folder holding what the snippet names (`my-documents/`, a
+`my-corpus` built by `cacheblend-rag ingest`), and exits cleanly: status 0, and nothing on stderr from a
+crash at shutdown.
 
 A snippet that continues another (the structured-output one continues the LangChain one) or names a
 variable the README leaves to the reader (`questions`, `splits`, `documents`) runs after the short
@@ -56,6 +57,17 @@ def snippets() -> dict[str, str]:
 
 
 SNIPPETS = snippets()
+# Each example with the smallest arguments that go through its whole path (tests/examples checks what they
+# print); the demo as `make demo` runs it.
+SMALL = ["--questions", "1", "--max-tokens", "8"]
+EXAMPLES = {
+    "demo.py": [],
+    "quickstart.py": ["--corpus", "my-corpus", "--lazy-kv", "--top-k", "2", *SMALL],
+    "langchain_rag.py": ["--corpus", "my-corpus", "--lazy-kv", "--top-k", "2", *SMALL],
+    "llamaindex_rag.py": ["--corpus", "my-corpus", "--lazy-kv", "--top-k", "2", *SMALL],
+    "langchain_vectorstore.py": ["--corpus", "new-corpus", "--files", "1", *SMALL],
+    "llamaindex_vectorstore.py": ["--corpus", "new-corpus", "--files", "1", *SMALL],
+}
 
 
 def prelude(block: str) -> str:
@@ -71,10 +83,11 @@ def prelude(block: str) -> str:
     return ""
 
 
-def test_every_readme_block_is_found():
+def test_every_readme_block_and_example_is_found():
     # README.md: quickstart, LangChain, LlamaIndex, structured output, a custom method, check
     assert sum(key.startswith("README.md#") for key in SNIPPETS) == 6
     assert len(SNIPPETS) >= 11
+    assert sorted(EXAMPLES) == sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +101,9 @@ def workdir_source(tmp_path_factory, sample_store) -> Path:
     return base
 
 
-@pytest.mark.snippets
-@pytest.mark.parametrize("name", list(SNIPPETS))
-def test_snippet_runs_offline_and_exits_cleanly(name, workdir_source, tmp_path):
-    block = SNIPPETS[name]
+def run_clean(name: str, argv: list[str], workdir_source: Path, tmp_path: Path, write=None) -> None:
+    """Run ``argv`` ``RUNS`` times, each in a fresh copy of the work folder (``write(folder)`` first),
+    offline, and check each exits 0 with no crash on stderr."""
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -102,13 +114,30 @@ def test_snippet_runs_offline_and_exits_cleanly(name, workdir_source, tmp_path):
     for run in range(RUNS):
         folder = tmp_path / f"run{run}"
         shutil.copytree(workdir_source, folder, symlinks=True)
-        # the quickstart writes to /tmp/corpus: here, its own folder
-        code = prelude(block) + "\n" + block.replace('"/tmp/corpus"', repr(str(folder / "corpus")))
-        (folder / "snippet.py").write_text(code)
-        done = subprocess.run(
-            [sys.executable, "snippet.py"], cwd=folder, env=env, capture_output=True, text=True, timeout=900
-        )
+        if write is not None:
+            write(folder)
+        done = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=900)
         where = f"{name}, run {run + 1} of {RUNS}"
         assert done.returncode == 0, f"{where}: exit {done.returncode}\n{done.stderr[-3000:]}"
         noise = [line for line in done.stderr.splitlines() if any(n in line for n in SHUTDOWN_NOISE)]
         assert noise == [], f"{where}:\n{done.stderr[-3000:]}"
+
+
+@pytest.mark.snippets
+@pytest.mark.parametrize("name", list(SNIPPETS))
+def test_snippet_runs_offline_and_exits_cleanly(name, workdir_source, tmp_path):
+    block = SNIPPETS[name]
+
+    def write(folder: Path) -> None:
+        # the quickstart writes to /tmp/corpus: here, its own folder
+        code = prelude(block) + "\n" + block.replace('"/tmp/corpus"', repr(str(folder / "corpus")))
+        (folder / "snippet.py").write_text(code)
+
+    run_clean(name, [sys.executable, "snippet.py"], workdir_source, tmp_path, write)
+
+
+@pytest.mark.snippets
+@pytest.mark.parametrize("script", list(EXAMPLES))
+def test_example_runs_offline_and_exits_cleanly(script, workdir_source, tmp_path):
+    argv = [sys.executable, str(ROOT / "examples" / script), *EXAMPLES[script]]
+    run_clean(f"examples/{script}", argv, workdir_source, tmp_path)
