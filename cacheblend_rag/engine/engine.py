@@ -10,6 +10,8 @@ from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionRequest, FusionResult, Fusor
 from ..blend.methods import RecomputeMethod, Reuse
@@ -30,6 +32,7 @@ from ..errors import ContextLengthError, CorruptKVError, StoreError
 from ..models.runtime import KVCache, LayerwiseModel
 from ..models.shared import acquire_model, release_model
 from ..models.tokenizer import chunk_context_ids
+from ..store.exact import ExactKVFiles
 from ..store.index import folder_codec
 from ..store.joined import JoinedLayerKV
 from ..store.kvstore import KVStore
@@ -48,6 +51,7 @@ from .decode import DecodeRow, decode_alone
 from .prompt import PromptBuilder, PromptPart, layout_segments
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler
+from .single_flight import flights_of
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,17 @@ class Engine(PromptSegments):
             options = KVStoreOptions.of(config).store_kwargs()
             store = acquire_store(root, self.model.fingerprint, self.model.shape, codec, **options)
         self.store = store
+        # concurrent requests missing the same KV compute it once (shared by the engines over this store)
+        self._flights = flights_of(store)
+        # openings' exact KV, kept beside the chunks in full precision (a chunk codec would round it)
+        self.exact_files = ExactKVFiles(
+            store.root,
+            self.model.fingerprint,
+            self.model.shape,
+            self.model.dtype,
+            torch.device(self.model.device).type,
+            writable=not store.read_only,
+        )
         static = {"auto": None, "static": True, "layers": False}[config.fusion]
         self.fusor = Fusor(self.model, static=static)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
@@ -169,8 +184,20 @@ class Engine(PromptSegments):
         return self._stored_kv(token_ids, NO_CONTEXT)
 
     def _stored_kv(self, token_ids: Sequence[int], context: ChunkContext) -> tuple[ChunkKVSource, bool]:
-        """The KV from the store, and whether it was computed here because no tier held it."""
+        """The KV from the store, and whether it was computed here because no tier held it. Concurrent
+        requests missing the same key compute it once: the others wait and read what it computed (for
+        them, KV read, not computed)."""
         key = self.store.chunk_key(token_ids, context.key)
+        found = self.store.get(key)
+        if found is not None:
+            return found, False
+        (kv, computed), led = self._flights.run(key, lambda: self._compute_kv(key, token_ids, context))
+        return kv, computed and led
+
+    def _compute_kv(
+        self, key: str, token_ids: Sequence[int], context: ChunkContext
+    ) -> tuple[ChunkKVSource, bool]:
+        # a computation that finished between our miss and this flight's start has stored it already
         found = self.store.get(key)
         if found is not None:
             return found, False
@@ -206,7 +233,8 @@ class Engine(PromptSegments):
     def exact_head(self, segments: list[Segment], reuses: Reuse) -> list[Segment]:
         """The fresh text before the first chunk (a template's opening: system prompt, "Passages:") is the
         same in every prompt of the template, and its KV does not depend on what follows. Computed once
-        from position 0 and kept in memory in the compute dtype, it is exactly what a full prefill
+        from position 0 and kept in the compute dtype (in memory, and on disk beside the store's chunks
+        for the next process: :mod:`~cacheblend_rag.store.exact`), it is exactly what a full prefill
         computes there, so a method that reuses chunks (``reuses``) reuses it as an exact segment (as
         vLLM's prefix caching would); any other method gets ``segments`` back. vLLM's worker applies the
         same rule to the prompts it blends (engine/vllm/worker.py)."""
@@ -216,16 +244,41 @@ class Engine(PromptSegments):
             return segments
         ids = segments[0].token_ids
         with self._heads_lock:
-            kv = self._heads.pop(ids, None)
-        computed = kv is None
+            kv = self._heads.get(ids)
+            if kv is not None:
+                self._heads.move_to_end(ids)
+        computed = False
         if kv is None:
-            with self.forward_lock:
-                kv = prefill_chunk_kv(self.model, ids)
+            flight_key = self.exact_files.key(ids)
+            (kv, computed), led = self._flights.run(flight_key, lambda: self._head_kv(ids))
+            computed = computed and led
+        return [Segment.cached(ids, kv, exact=True, computed=computed), *segments[1:]]
+
+    def _head_kv(self, ids: tuple[int, ...]) -> tuple[ChunkKV, bool]:
+        """An opening's exact KV: kept in memory, else read from the store's exact files (another process
+        or engine computed it), else computed and written there; and whether it was computed."""
+        with self._heads_lock:
+            kv = self._heads.get(ids)  # a concurrent computation may have just finished
+        computed = False
+        if kv is None:
+            stored = self.exact_files.get(ids)
+            if stored is not None:
+                kv = ChunkKV(
+                    [k.to(self.model.device) for k in stored.keys],
+                    [v.to(self.model.device) for v in stored.values],
+                    stored.fingerprint,
+                )
+            else:
+                with self.forward_lock:
+                    kv = prefill_chunk_kv(self.model, ids)
+                self.exact_files.put(ids, kv)
+                computed = True
         with self._heads_lock:
             self._heads[ids] = kv
+            self._heads.move_to_end(ids)
             while len(self._heads) > MAX_EXACT_HEADS:
                 self._heads.popitem(last=False)
-        return [Segment.cached(ids, kv, exact=True, computed=computed), *segments[1:]]
+        return kv, computed
 
     # -- fusion and generation -----------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from ..errors import CorruptKVError, StoreError
 from ..models.runtime import ModelShape
 from . import maintenance
 from .disk import LOCK_TIMEOUT_S, DiskChunkKV, DiskTier, make_dirs
+from .exact import clear_exact_files
 from .fileformat import EncodedChunk, encode
 from .index import KV_INDEX_NAME, KVIndex, stored_models
 from .keys import check_key, chunk_key, dtype_name, resolve_codec
@@ -347,6 +348,7 @@ class KVStore:
         tier, which other nodes use: see its :meth:`~RedisKVTier.gc`). Returns files removed."""
         self.disk.require_writable("clear it")
         self.evict_ram()
+        clear_exact_files(self.root)  # openings' exact KV, kept beside the chunks (store/exact.py)
         return self.disk.clear()
 
     # -- maintenance ---------------------------------------------------------------------------------
