@@ -183,7 +183,7 @@ TIERS = {True: ["hbm", "host", "int8_hbm", "int8_host"], False: ["ram", "int8_ra
 # label -> (method, options): the defaults, and HKVD at the default's ratio
 METHODS: dict[str, tuple[str, dict]] = {
     "cacheblend": ("cacheblend", {}),
-    "cacheblend_hkvd": ("cacheblend", {"selection": "hkvd", "shift": False}),  # the paper's rule
+    "cacheblend_hkvd": ("cacheblend_hkvd", {"shift": False}),  # the paper's rule
     "full_reuse": ("full_reuse", {}),
     "epic": ("epic", {}),
 }

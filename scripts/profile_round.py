@@ -130,14 +130,14 @@ def probe_pass_timer(run_cls) -> None:
 def old_round():
     """The round as it was: every member fused as a request of its own (an observer sends it there) and
     the probe's scores in fresh tensors at every layer."""
-    original = probe_module._probabilities
-    probe_module._probabilities = lambda q, keys, mask, scaling, buffers=None: original(
+    original = probe_module.query_probabilities
+    probe_module.query_probabilities = lambda q, keys, mask, scaling, buffers=None: original(
         q, keys, mask, scaling
     )
     try:
         yield
     finally:
-        probe_module._probabilities = original
+        probe_module.query_probabilities = original
 
 
 def old_requests(engine, work) -> list[FusionRequest]:

@@ -1,9 +1,10 @@
 """Position-independent caching: PIC methods, the fusor and the loading controller."""
 
+from .budget import CoverBudget, FixedBudget, MarginBudget
+from .cacheblend import CacheBlend, CacheBlendHKVD
 from .controller import Decision, LoadingController, Profile
 from .fusor import FusionResult, Fusor
 from .methods import (
-    CacheBlend,
     Epic,
     FullRecompute,
     FullReuse,
@@ -21,11 +22,14 @@ from .spec import MethodSpec, ResolvedMethod, parse_method, resolve_method, reus
 
 __all__ = [
     "CacheBlend",
+    "CacheBlendHKVD",
     "ChunkKV",
     "ChunkKVSource",
+    "CoverBudget",
     "Decision",
     "DirectLayerKV",
     "Epic",
+    "FixedBudget",
     "FullRecompute",
     "FullReuse",
     "FusionPlan",
@@ -34,6 +38,7 @@ __all__ = [
     "LayerKVProvider",
     "LayerState",
     "LoadingController",
+    "MarginBudget",
     "MethodSpec",
     "PrefixCache",
     "Profile",

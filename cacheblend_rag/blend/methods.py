@@ -8,9 +8,10 @@ token are always computed, whatever the method.
 A method owns itself: its options are typed, validated and bounded fields of its class (a pydantic
 model, so adding an option is one line), it declares what KV it reuses (:class:`Reuse`) and which option,
 if any, the loading controller may choose. Callers name a method with a :class:`MethodSpec`
-(``cacheblend``, ``cacheblend@0.15``, ``cacheblend@ratio=0.15,signal=v``) and turn a request into a
-method with :func:`~.spec.resolve_method` (both in :mod:`.spec`); nothing outside this package looks
-at a method's name.
+(``cacheblend``, ``cacheblend@0.15``, ``cacheblend_hkvd@ratio=0.15,signal=v``) and turn a request
+into a method with :func:`~.spec.resolve_method` (both in :mod:`.spec`); nothing outside this package
+looks at a method's name. This module holds the interface, the simple methods and the registry;
+CacheBlend's two methods and their budgets are in :mod:`.cacheblend` and :mod:`.budget`.
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from importlib.metadata import entry_points
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..config import DEFAULT_RATIO
 from ..errors import MethodOptionError
 from .plan import FusionPlan, LayerState
-from .static_layout import DeviationNarrowing, HostRows, QueryTopK, StaticSelection
+from .static_layout import HostRows, StaticSelection
 
 # What a method label computes changes when a default option does: results recorded under one revision are
 # not resumed under another (eval's results files). 2: cacheblend's chunk-shift correction on by default.
@@ -59,7 +59,8 @@ class RoundSharing(StrEnum):
 
 class RecomputeMethod(BaseModel, ABC):
     """The PIC-method interface the fusor applies. Subclass it, declare options as fields and
-    :func:`register_method` the class to add one (see :class:`CacheBlend` for an example)."""
+    :func:`register_method` the class to add one (see :class:`Epic` or :mod:`.cacheblend` for
+    examples)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -67,12 +68,32 @@ class RecomputeMethod(BaseModel, ABC):
     reuses: ClassVar[Reuse] = Reuse.CHUNKS
     shorthand: ClassVar[str | None] = None  # the option ``name@value`` sets
     ratio_option: ClassVar[str | None] = None  # the option the loading controller chooses when not given
+    # options a spec may name besides the fields: older spellings a validator folds into a field
+    spelled_options: ClassVar[frozenset[str]] = frozenset()
+    # options of another method (option -> that method's name), refused with a pointer to it
+    options_elsewhere: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, **options: Any) -> None:
         try:
             super().__init__(**options)
         except ValidationError as exc:
             raise _option_error(type(self), exc) from None
+
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """Every option a spec or :func:`get_method` may name for this method."""
+        return frozenset(cls.model_fields) | cls.spelled_options
+
+    @classmethod
+    def respelled(cls, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """The registered method name and options that ``options`` given to this method are an older
+        spelling of (another method's, or fewer options), or None where they are its own."""
+        return None
+
+    def spec_options(self, given: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+        """The options a spec ``given`` (as parsed) names, with their checked values, as its label shows
+        them."""
+        return tuple((key, getattr(self, key)) for key in given)
 
     @abstractmethod
     def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
@@ -182,226 +203,6 @@ class Epic(RecomputeMethod):
         return keep.nonzero().squeeze(1)
 
 
-# Check layers and the share of cached tokens kept at each, as multiples of the final ratio r (the last
-# entry is r itself), for HKVD selection. See docs/fusor.md.
-DEFAULT_SCHEDULE: tuple[tuple[int, float], ...] = ((1, 1.0),)
-
-
-class CacheBlend(RecomputeMethod):
-    """CacheBlend: reuse every cached chunk's KV except the ``ratio`` share of cached tokens that matter
-    most, which are recomputed at every layer (fresh text is always computed).
-
-    Which tokens matter is the ``selection`` rule:
-
-    - ``query`` (default): the tokens the question attends to most. A probe pass computes only the fresh
-      text over the cached KV and records where the question's tokens look, summed over layers and heads
-      (blend/probe.py); the top ``ratio`` of cached tokens are then recomputed from layer 0.
-    - ``hkvd``: the paper's rule. Layer 0 computes every token; at each check layer of ``schedule`` the
-      cached tokens whose fresh K (or V, ``signal``) deviates most from the cached one are kept.
-
-    With ``shift`` (default on) every chunk's kept K/V then move, at each layer, by the mean change its
-    recomputed tokens show there (blend/shift.py): the recomputed tokens measure what the chunk missed by
-    being precomputed alone, for all of it.
-    """
-
-    name = "cacheblend"
-    shorthand = "ratio"
-    ratio_option = "ratio"
-
-    ratio: float = Field(
-        DEFAULT_RATIO, ge=0.0, le=1.0, description="share of cached tokens recomputed, in [0, 1]"
-    )
-    selection: Literal["query", "hkvd"] = Field(
-        "query", description="which cached tokens to recompute: 'query' (question attention) or 'hkvd'"
-    )
-    score: Literal["attention", "contribution"] = Field(
-        "contribution",
-        description="query only: rank by the attention the question pays a token, or by that attention "
-        "times the token's value norm (its contribution to the attention output)",
-    )
-    budget: Literal["fixed", "auto", "margin"] = Field(
-        "fixed",
-        description="query only: 'fixed' recomputes the ratio share of cached tokens; 'auto' the fewest "
-        "tokens whose contribution covers 'target' of the question's attention to the cached tokens, "
-        "between min_ratio and ratio of them; 'margin' ratio where the next token over the cached "
-        "chunks as they are could flip (see 'confident'), min_ratio where it is sure",
-    )
-    target: float = Field(
-        0.5, gt=0.0, le=1.0, description="budget=auto: share of the question's attention to cover"
-    )
-    min_ratio: float = Field(
-        0.02, ge=0.0, le=1.0, description="budget=auto/margin: fewest cached tokens recomputed, as a share"
-    )
-    confident: float = Field(
-        0.5,
-        gt=0.0,
-        le=1.0,
-        description="budget=margin: the lead of full reuse's next token (its probability minus the "
-        "second's, from the probe) under which ratio is recomputed; at or above it, min_ratio",
-    )
-    probe_depth: int = Field(
-        0,
-        ge=0,
-        le=4096,
-        description="query only: score the question's attention over the first N layers only (a cheaper "
-        "probe, a different selection); 0 (default) scores every layer",
-    )
-    shift: bool = Field(
-        True,
-        description="correct every chunk's kept cached K/V by the mean change its recomputed tokens show "
-        "at the same layer (keys in their unrotated frame): the chunk-shift correction; false: off",
-    )
-    chunk_rows: int = Field(
-        0,
-        ge=0,
-        le=4096,
-        description="query with shift only: each chunk's best N tokens by the question's reading are "
-        "recomputed first, out of the same budget, so that every chunk has rows to measure its shift by; "
-        "0 (default): the budget's best tokens wherever they are",
-    )
-    signal: Literal["k", "v", "kv"] = Field(
-        "k", description="hkvd only: deviation of K, V or both (each normalised)"
-    )
-    schedule: tuple[tuple[int, float], ...] = Field(
-        DEFAULT_SCHEDULE,
-        description="hkvd only: check layers and their share as multiples of ratio: [[layer, x], ...]",
-    )
-
-    @model_validator(mode="after")
-    def _check_schedule(self) -> CacheBlend:
-        layers = [layer for layer, _ in self.schedule]
-        if not layers or layers != sorted(set(layers)):
-            raise ValueError("schedule needs at least one check layer, in increasing layer order")
-        if layers[0] < 1:
-            raise ValueError("the first check layer must be >= 1 (layer 0 is always computed in full)")
-        if self.budget == "margin" and (self.selection != "query" or self.probe_depth):
-            raise ValueError(
-                "budget='margin' needs selection='query' and a probe of every layer (probe_depth 0)"
-            )
-        return self
-
-    def uses_query_attention(self, plan: FusionPlan) -> bool:
-        return self.selection == "query"
-
-    def probe_layers(self, num_layers: int) -> int:
-        return min(self.probe_depth, num_layers) if self.probe_depth else num_layers
-
-    def probe_logits(self) -> bool:
-        return self.budget == "margin"
-
-    def shifts_chunks(self) -> bool:
-        return self.shift
-
-    def round_sharing(self) -> RoundSharing:
-        # r = 1 promises each request its own full prefill: a shared blend keeps it only for requests
-        # whose text before the chunks is the round's own; with the chunk-shift correction the blend holds
-        # for the round's chunk order only (tests/blend/test_round.py: an agent with its own order read
-        # the shifted blend with 2x full reuse's first-token KL)
-        if self.ratio >= 1.0:
-            return RoundSharing.SAME_PREFIX
-        return RoundSharing.SAME_ORDER if self.shift else RoundSharing.ANY
-
-    def layer0_positions(self, plan: FusionPlan) -> torch.Tensor:
-        if self.selection == "hkvd":
-            return (~plan.exact_mask).nonzero().squeeze(1)
-        keep = plan.must_compute.clone()
-        cached = plan.candidate_mask.nonzero().squeeze(1)
-        budget = min(share_budget(self.ratio, plan), cached.numel())
-        score = plan.query_attention if self.score == "attention" else plan.query_contribution
-        if budget and score is not None:
-            ranked = torch.sort(score[cached], descending=True)
-            if self.budget == "auto":
-                budget = self._covering(ranked.values, budget, plan)
-            elif self.budget == "margin" and plan.probe_logits is not None:
-                budget = min(budget, share_budget(self.margin_share(plan.probe_logits), plan))
-            floor = self._chunk_floor(score, budget, plan) if self.shift and self.chunk_rows else None
-            if floor is None:
-                keep[cached[ranked.indices[:budget]]] = True
-            else:  # the floor first, then the best of the rest up to the budget
-                keep[floor] = True
-                rest = ranked.indices[~keep[cached[ranked.indices]]]
-                keep[cached[rest[: budget - floor.numel()]]] = True
-        elif budget:  # no probe ran (nothing cached to look at): every candidate is recomputed
-            keep[cached] = True
-        return keep.nonzero().squeeze(1)
-
-    def _chunk_floor(self, score: torch.Tensor, budget: int, plan: FusionPlan) -> torch.Tensor | None:
-        """The chunk floor: each chunk's best ``chunk_rows`` cached tokens by ``score`` (fewer when the
-        budget cannot give every chunk as many). A chunk with fewer than 2 recomputed tokens keeps its
-        cached K/V unshifted (blend/shift.py); a chunk the question reads little would otherwise get
-        none, while its error moves what every query pays it. Where every chunk already has that many
-        among the budget's best tokens, the selection is the same as without the floor."""
-        spans = plan.chunk_spans()
-        per_chunk = min(self.chunk_rows, budget // max(len(spans), 1))
-        if not spans or per_chunk <= 0:
-            return None
-        picks = []
-        for start, end in spans:
-            span = torch.arange(start, end)[plan.candidate_mask[start:end]]
-            if span.numel():
-                best = torch.topk(score[span], min(per_chunk, span.numel())).indices
-                picks.append(span[best])
-        return torch.cat(picks) if picks else None
-
-    def margin_share(self, logits: torch.Tensor) -> float:
-        """budget=margin: the share of cached tokens to recompute when the cached chunks as they are give
-        the next token ``logits``: ``ratio`` when its top probability leads the second by less than
-        ``confident`` (an answer that could flip gets the budget), else ``min_ratio`` (one that will not,
-        little). A step, so each request gets exactly what a fixed ratio of either value would give."""
-        sure = next_token_lead(logits) >= self.confident
-        return min(self.min_ratio, self.ratio) if sure else self.ratio
-
-    def _covering(self, ranked: torch.Tensor, most: int, plan: FusionPlan) -> int:
-        """budget=auto: how many of the best-ranked cached tokens cover ``target`` of the question's
-        attention to all of them, within min_ratio and ``most`` (ratio's budget)."""
-        least = min(most, math.floor(self.min_ratio * plan.num_cached + 1e-9))
-        return max(least, min(most, tokens_covering(ranked, self.target)))
-
-    def static_selection(self, plan: FusionPlan, num_layers: int) -> StaticSelection | None:
-        if self.selection == "query":
-            if self.budget != "fixed" or self.chunk_rows:
-                return None  # sizes read from the probe's scores or spread by chunk
-            budget = min(share_budget(self.ratio, plan), plan.num_cached)
-            if budget == 0:
-                return HostRows(plan.must_compute.nonzero().squeeze(1))
-            if budget == plan.num_cached:  # every candidate: no probe needed to choose among them
-                return HostRows((plan.must_compute | plan.candidate_mask).nonzero().squeeze(1))
-            return QueryTopK(budget, self.score, self.probe_layers(num_layers))
-        if self.signal == "kv":
-            return None  # normalised by the candidates' mean norms: not worth a static form yet
-        checks, kept = [], plan.num_cached
-        for layer, multiple in self.schedule:
-            if layer >= num_layers - 1:
-                return None
-            share = self.ratio if layer == self.schedule[-1][0] else min(1.0, self.ratio * multiple)
-            budget = share_budget(share, plan)
-            if budget < kept:  # (select() keeps every candidate otherwise)
-                checks.append((layer, budget))
-                kept = budget
-        return DeviationNarrowing(self.layer0_positions(plan), tuple(checks), self.signal)
-
-    def check_layers(self, plan: FusionPlan) -> tuple[int, ...]:
-        if self.selection == "query":
-            return ()
-        return tuple(layer for layer, _ in self.schedule)
-
-    def select(self, state: LayerState) -> torch.Tensor:
-        multiple = dict(self.schedule)[state.layer]
-        is_last = state.layer == self.schedule[-1][0]
-        share = self.ratio if is_last else min(1.0, self.ratio * multiple)
-        must = state.plan.must_compute[state.candidates]
-        budget = share_budget(share, state.plan)
-        cached_candidates = (~must).nonzero().squeeze(1)
-        if budget >= cached_candidates.numel():
-            return state.candidates
-        deviation = state.deviation(self.signal)[cached_candidates]
-        top = (
-            cached_candidates[torch.topk(deviation, budget).indices] if budget > 0 else cached_candidates[:0]
-        )
-        keep = torch.cat([must.nonzero().squeeze(1), top])
-        return state.candidates[keep.sort().values]
-
-
 def next_token_lead(logits: torch.Tensor) -> float:
     """How sure a next-token distribution is: its top probability minus the runner-up's, from logits or
     log-probabilities ([V])."""
@@ -415,17 +216,6 @@ def share_budget(share: float, plan: FusionPlan) -> int:
     if share <= 0:
         return 0
     return max(1, math.floor(share * plan.num_cached + 1e-9))
-
-
-def tokens_covering(ranked: torch.Tensor, target: float) -> int:
-    """How many of the first scores of ``ranked`` (non-negative, best first) sum to at least ``target`` of
-    their total; 0 when they are all zero."""
-    total = float(ranked.sum())
-    if total <= 0:
-        return 0
-    covered = torch.cumsum(ranked, 0) / total
-    first_covering = int(torch.searchsorted(covered, torch.tensor(target, dtype=covered.dtype)))
-    return min(ranked.numel(), first_covering + 1)
 
 
 # -- the registry ------------------------------------------------------------------------------------
@@ -490,13 +280,37 @@ def method_class(name: str) -> type[RecomputeMethod]:
 def get_method(name: str, **options: Any) -> RecomputeMethod:
     """Instantiate a registered method, e.g. ``get_method("cacheblend", ratio=0.2)``. Unknown or invalid
     options raise :class:`MethodOptionError`, naming the method and its options."""
+    name, options = canonical_options(name, options)
     entry = _entry(name)
-    unknown = sorted(set(options) - set(entry.cls.model_fields))
+    unknown = sorted(set(options) - entry.cls.option_names())
     if unknown:
+        where = _elsewhere(entry.cls, {key: options[key] for key in unknown})
         raise MethodOptionError(
-            f"method {name!r} has no option {', '.join(map(repr, unknown))}; {options_help(entry.cls)}"
+            f"method {name!r} has no option {', '.join(map(repr, unknown))}{where}; {options_help(entry.cls)}"
         )
     return entry.factory(**options)
+
+
+def canonical_options(name: str, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The method name and options that ``name`` with ``options`` stand for, an older spelling respelled
+    (``cacheblend`` with ``selection="hkvd"`` is ``cacheblend_hkvd``, with a deprecation warning)."""
+    respelled = _entry(name).cls.respelled(options)
+    return respelled if respelled is not None else (name, dict(options))
+
+
+def _elsewhere(cls: type[RecomputeMethod], options: Mapping[str, Any]) -> str:
+    """Where options this method does not take belong, for its error message ('' when nowhere known)."""
+    hints = [
+        f"{key!r} is an option of {cls.options_elsewhere[key]!r}: "
+        f"name that method, e.g. {cls.options_elsewhere[key]}@{key}={_spelled(value)}"
+        for key, value in options.items()
+        if key in cls.options_elsewhere
+    ]
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
+def _spelled(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(jsonable(value), separators=(",", ":"))
 
 
 def _entry(name: str) -> _Entry:
@@ -530,13 +344,24 @@ def options_help(cls: type[RecomputeMethod], about: Sequence[str] = ()) -> str:
 def _option_error(cls: type[RecomputeMethod], exc: ValidationError) -> MethodOptionError:
     problems, about = [], []
     for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "options"
-        if error["type"] == "extra_forbidden":
-            problems.append(f"no option {where!r}")
+        loc = [str(part) for part in error["loc"]]
+        # an option that is itself typed (a budget): its field, its kind, then the kind's own option
+        typed = len(loc) == 3 and isinstance(error["loc"][1], str)
+        field, inner = (loc[0], f"{loc[0]} {loc[1]!r} ") if typed else (".".join(loc), "")
+        if error["type"] == "extra_forbidden" and inner:
+            problems.append(f"{inner}has no option {loc[2]!r}")
+        elif error["type"] == "extra_forbidden":
+            problems.append(f"no option {field!r}{_elsewhere(cls, {field: error['input']})}")
+            continue
+        elif inner:
+            problems.append(f"{inner}{loc[2]}: {error['msg']} (got {error['input']!r})")
+        elif not loc:  # the whole model's check: its message says what is wrong
+            problems.append(error["msg"].removeprefix("Value error, "))
+            continue
         else:
-            problems.append(f"{where}: {error['msg']} (got {error['input']!r})")
-            if where in cls.model_fields and where not in about:
-                about.append(where)
+            problems.append(f"{field}: {error['msg']} (got {error['input']!r})")
+        if field in cls.model_fields and field not in about:
+            about.append(field)
     # an unknown option lists the method's options; a bad value explains only the options it concerns
     unknown = len(about) < len(problems)
     return MethodOptionError(
@@ -547,8 +372,20 @@ def _option_error(cls: type[RecomputeMethod], exc: ValidationError) -> MethodOpt
 def jsonable(value: Any) -> Any:
     if isinstance(value, tuple):
         return [jsonable(v) for v in value]
+    if isinstance(value, BaseModel):  # a typed option (a budget): a small dict
+        return value.model_dump()
     return value
 
 
-for _method in (FullRecompute, FullReuse, PrefixCache, Epic, CacheBlend):
+for _method in (FullRecompute, FullReuse, PrefixCache, Epic):
     register_method(_method)
+
+
+def __getattr__(name: str) -> Any:
+    # CacheBlend's two methods live in .cacheblend, which builds on this module (and registers them when
+    # the package is imported); still importable from here
+    if name in ("CacheBlend", "CacheBlendHKVD"):
+        from . import cacheblend
+
+        return getattr(cacheblend, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

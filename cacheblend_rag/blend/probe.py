@@ -93,7 +93,7 @@ class ProbePass:
         self.mask = AttentionMask.for_positions(self.positions, n)
         # the query rows are the fresh rows' suffix (query_positions), so one slice of the probabilities
         self.query_start = int(torch.searchsorted(self.positions, self.queries[:1]))
-        self.grouped_mask = _grouped_causal_mask(self.positions, n, model.shape)
+        self.grouped_mask = grouped_causal_mask(self.positions, n, model.shape)
         self.probabilities: torch.Tensor | None = None
         # the scores and probabilities of every layer have one shape: kept across layers, not allocated at
         # each (a round's probe of many questions makes them tens of MB, each fresh one page-faulted)
@@ -115,7 +115,8 @@ class ProbePass:
         if self.buffers is None:
             shape = (keys.shape[1], q.shape[1] // keys.shape[1] * q.shape[2], n)
             self.buffers = (torch.empty(shape, device=q.device), torch.empty(shape, device=q.device))
-        probabilities = _probabilities(q[0], keys[0], self.grouped_mask, self.model.scaling, self.buffers)
+        mask, scaling = self.grouped_mask, self.model.scaling
+        probabilities = query_probabilities(q[0], keys[0], mask, scaling, self.buffers)
         # [Hkv, T]; rows, then heads (one reduction over both strided dims is ~8x slower on CPU)
         mass = probabilities[:, :, self.query_start :].sum(dim=2).sum(dim=1)
         self.attention += mass.sum(dim=0)
@@ -130,7 +131,7 @@ class ProbePass:
         """The fresh rows' attention output [1, m, H * d] from this layer's probabilities."""
         probabilities, self.probabilities = self.probabilities, None
         self.model.attention_token_layers += q.shape[2]
-        return _attention_output(probabilities, values[0]).to(q.dtype)
+        return attention_output(probabilities, values[0]).to(q.dtype)
 
     def finishes(self, layer: int) -> bool:
         """Whether ``layer`` runs attention and MLP too (every layer but a scoring-only last one)."""
@@ -153,16 +154,16 @@ class ProbePass:
         )
 
 
-def _grouped_causal_mask(positions: torch.Tensor, n: int, shape: ModelShape) -> torch.Tensor:
+def grouped_causal_mask(positions: torch.Tensor, n: int, shape: ModelShape) -> torch.Tensor:
     """Additive float32 causal mask of rows at ``positions`` over keys 0..n-1, stacked once per head of a
-    KV group (the row order of :func:`_probabilities`): [1, g*m, n], built once for every layer."""
+    KV group (the row order of :func:`query_probabilities`): [1, g*m, n], built once for every layer."""
     visible = torch.arange(n, device=positions.device)[None, :] <= positions[:, None]  # [m, n]
     additive = torch.zeros(visible.shape, dtype=torch.float32, device=positions.device)
     additive.masked_fill_(~visible, float("-inf"))
     return additive.repeat(shape.num_heads // shape.num_kv_heads, 1)[None]
 
 
-def _probabilities(
+def query_probabilities(
     q: torch.Tensor,
     keys: torch.Tensor,
     grouped_mask: torch.Tensor,
@@ -170,7 +171,7 @@ def _probabilities(
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Softmax attention (float32) of ``q`` [H, m, d] over ``keys`` [Hkv, T, d] under ``grouped_mask``
-    (:func:`_grouped_causal_mask`): [Hkv, g, m, T], g heads per KV head (grouped-query heads of one KV
+    (:func:`grouped_causal_mask`): [Hkv, g, m, T], g heads per KV head (grouped-query heads of one KV
     head are adjacent). One batched matmul per layer, the scale and mask folded into it; scores and
     probabilities written into ``buffers`` (two float32 [Hkv, g * m, T]; new ones when None), the latter
     returned."""
@@ -187,8 +188,8 @@ def _probabilities(
     return probabilities.view(kv_heads, heads // kv_heads, m, -1)
 
 
-def _attention_output(probabilities: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Attention output of :func:`_probabilities` ([Hkv, g, m, T]) over ``values`` [Hkv, T, d], heads
+def attention_output(probabilities: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Attention output of :func:`query_probabilities` ([Hkv, g, m, T]) over ``values`` [Hkv, T, d], heads
     concatenated as the o-proj takes them: [1, m, H * d] in float32."""
     kv_heads, groups, m, n = probabilities.shape
     out = torch.bmm(probabilities.view(kv_heads, groups * m, n), values.float())  # [Hkv, g*m, d]

@@ -1,6 +1,6 @@
 """Naming a method and resolving a request's method: :class:`MethodSpec` (``cacheblend``,
-``cacheblend@0.15``, ``cacheblend@ratio=0.15,signal=v``) and :func:`resolve_method`, which applies the
-loading controller when a method's ratio is not given."""
+``cacheblend@0.15``, ``cacheblend_hkvd@ratio=0.15,signal=v``) and :func:`resolve_method`, which applies
+the loading controller when a method's ratio is not given."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from typing import Any
 
 from ..errors import MethodOptionError
 from .controller import Decision, LoadingController
-from .methods import RecomputeMethod, Reuse, get_method, jsonable, method_class, options_help
+from .methods import (
+    RecomputeMethod,
+    Reuse,
+    canonical_options,
+    get_method,
+    jsonable,
+    method_class,
+    options_help,
+)
 from .segments import Segment, kv_sources
 
 
@@ -40,17 +48,18 @@ class MethodSpec:
                     f"method {name!r} takes no @option (only methods with a shorthand option do, e.g. "
                     f"cacheblend@0.15); {options_help(method)}"
                 )
-            given = {method.shorthand: parts[0]}
+            given = {method.shorthand: _parse_value(parts[0])}
         else:
             given = {}
             for part in parts:
                 key, eq, value = part.partition("=")
                 if not eq or not key.strip():
                     raise MethodOptionError(f"{text!r}: expected option=value, got {part!r}")
-                given[key.strip()] = value.strip()
-        built = get_method(name, **{key: _parse_value(value) for key, value in given.items()})
-        options = tuple((key, getattr(built, key)) for key in given)
-        return cls(_label(method, options), name, options)
+                given[key.strip()] = _parse_value(value.strip())
+        # an older spelling (cacheblend@selection=hkvd) is labelled as the method it names
+        name, given = canonical_options(name, given)
+        options = get_method(name, **given).spec_options(given)
+        return cls(_label(method_class(name), options), name, options)
 
     def build(self) -> RecomputeMethod:
         return get_method(self.name, **dict(self.options))
@@ -91,7 +100,7 @@ def parse_method(text: str) -> MethodSpec:
 
 
 def split_specs(text: str) -> list[str]:
-    """A comma-separated list of method specs, e.g. ``full_recompute,cacheblend@ratio=0.3,signal=v,epic@32``:
+    """A comma-separated list of method specs, e.g. ``full_reuse,cacheblend@ratio=0.3,shift=false,epic@32``:
     an ``option=value`` item without ``@`` continues the spec before it."""
     specs: list[str] = []
     for part in _split_options(text):

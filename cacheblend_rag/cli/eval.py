@@ -58,8 +58,8 @@ def eval_command(
     methods: Annotated[
         str,
         typer.Option(
-            help="Comma-separated methods or specs (epic@32, cacheblend@ratio=0.3,signal=v); a method with a "
-            "ratio given without one (cacheblend) runs once per --ratios value."
+            help="Comma-separated methods or specs (epic@32, cacheblend_hkvd@ratio=0.3,signal=v); a method "
+            "with a ratio given without one (cacheblend) runs once per --ratios value."
         ),
     ] = "full_recompute,prefix_cache,full_reuse,cacheblend,epic",
     ratios: Annotated[str, typer.Option(help="CacheBlend recompute ratios.")] = "0,0.05,0.1,0.15,0.2,0.3,0.5",

@@ -27,7 +27,7 @@ def query(
         str | None,
         typer.Option(
             help="A method, with options if any: cacheblend (default), cacheblend@0.3, "
-            "cacheblend@ratio=0.3,signal=v, full_recompute, full_reuse, prefix_cache, epic, epic@k=32, "
+            "cacheblend_hkvd@ratio=0.3,signal=v, full_recompute, full_reuse, prefix_cache, epic, epic@k=32, "
             "or a registered method of your own."
         ),
     ] = None,

@@ -20,7 +20,7 @@ def tune_command(
     variants: Annotated[
         list[str] | None,
         typer.Argument(
-            help="Variants: \\[none:]SPEC, e.g. cacheblend@ratio=0.15,selection=hkvd (default: the "
+            help="Variants: \\[none:]SPEC, e.g. cacheblend_hkvd@ratio=0.15,signal=v (default: the "
             "sweep that chose the defaults)."
         ),
     ] = None,

@@ -29,7 +29,7 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """``[context:]spec``: ``cacheblend@ratio=0.15,selection=hkvd``, ``none:full_reuse``."""
+    """``[context:]spec``: ``cacheblend_hkvd@ratio=0.15,signal=v``, ``none:full_reuse``."""
     head, colon, rest = text.strip().partition(":")
     if colon and head in CHUNK_CONTEXTS:
         spec = parse_method(rest)

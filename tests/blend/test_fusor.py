@@ -12,6 +12,7 @@ import torch
 
 from cacheblend_rag.blend import (
     CacheBlend,
+    CacheBlendHKVD,
     ChunkKV,
     Epic,
     FullRecompute,
@@ -110,7 +111,7 @@ def test_full_reuse_of_single_leading_chunk_is_exact(model, cases):
 
 def test_recompute_work_matches_the_selection(model, prompt):
     segments, _ = prompt
-    method = CacheBlend(ratio=0.15, selection="hkvd", schedule=((1, 2.0), (2, 1.0)))
+    method = CacheBlendHKVD(ratio=0.15, schedule=((1, 2.0), (2, 1.0)))
     qkv_before, attn_before = model.qkv_token_layers, model.attention_token_layers
     fused = Fusor(model).fuse(segments, method)
     n, cached = fused.plan.num_tokens, fused.plan.num_cached
@@ -239,7 +240,7 @@ def test_fusing_several_prompts_together_equals_fusing_each_alone(model, cases):
     fusor = Fusor(model)
     jobs = [
         (case_segments(model, cases[1], 3, torch.float16), CacheBlend(ratio=0.15)),
-        (case_segments(model, cases[2], 2, torch.float16), CacheBlend(ratio=0.15, selection="hkvd")),
+        (case_segments(model, cases[2], 2, torch.float16), CacheBlendHKVD(ratio=0.15)),
         (case_segments(model, cases[3], 3, torch.float16), FullReuse()),
         (case_segments(model, cases[4], 2, torch.float16), Epic()),
     ]

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cacheblend_rag.blend import CacheBlend, FullReuse, Fusor, RecomputeMethod, Segment
+from cacheblend_rag.blend import CacheBlend, CacheBlendHKVD, FullReuse, Fusor, RecomputeMethod, Segment
 from cacheblend_rag.blend.probe import (
-    _attention_output,
-    _grouped_causal_mask,
-    _probabilities,
+    attention_output,
+    grouped_causal_mask,
     query_positions,
+    query_probabilities,
 )
 from cacheblend_rag.blend.segments import ChunkContext, prefill_chunk_kv
 from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
@@ -111,7 +111,7 @@ def test_query_selection_tracks_full_prefill_better_than_reuse_and_hkvd(model, p
     for segments, reference in prompts:
         for label, method in (
             ("query", CacheBlend(ratio=0.15)),
-            ("hkvd", CacheBlend(ratio=0.15, selection="hkvd")),
+            ("hkvd", CacheBlendHKVD(ratio=0.15)),
             ("full_reuse", FullReuse()),
         ):
             kl[label] += kl_divergence(reference, fusor.fuse(segments, method).logits) / len(prompts)
@@ -141,14 +141,14 @@ def test_probe_attention_comes_from_the_probabilities_it_records(model):
     q = torch.randn(1, heads, m, d, generator=generator)
     keys = torch.randn(1, kv_heads, n, d, generator=generator)
     values = torch.randn(1, kv_heads, n, d, generator=generator)
-    mask = _grouped_causal_mask(positions, n, model.shape)
-    probabilities = _probabilities(q[0], keys[0], mask, model.scaling)
+    mask = grouped_causal_mask(positions, n, model.shape)
+    probabilities = query_probabilities(q[0], keys[0], mask, model.scaling)
     assert probabilities.shape == (kv_heads, heads // kv_heads, m, n)
     visible = torch.arange(n)[None, :] <= positions[:, None]
     assert float(probabilities[..., ~visible].abs().max()) == 0.0
     assert (probabilities.sum(dim=-1) - 1).abs().max().item() <= 1e-5
     reference = model.attend(q, keys, values, AttentionMask.for_positions(positions, n))
-    assert (_attention_output(probabilities, values[0]) - reference).abs().max().item() <= 1e-5
+    assert (attention_output(probabilities, values[0]) - reference).abs().max().item() <= 1e-5
 
 
 class _Fixed(RecomputeMethod):
@@ -200,7 +200,7 @@ def test_no_cached_chunk_means_no_probe(model):
 
 
 def test_auto_budget_covers_the_target_share_within_its_bounds():
-    from cacheblend_rag.blend import get_method
+    from cacheblend_rag.blend import FixedBudget, get_method
     from cacheblend_rag.blend.plan import FusionPlan
 
     segments = [Segment.cached(range(1, 101), object()), Segment.fresh([7, 8, 9])]
@@ -221,7 +221,7 @@ def test_auto_budget_covers_the_target_share_within_its_bounds():
     # spread attention needs more tokens for the same target
     plan.query_attention = plan.query_contribution = torch.ones(plan.num_tokens)
     assert chosen(target=0.5, min_ratio=0.0, ratio=1.0) == 50
-    assert get_method("cacheblend").budget == "fixed"  # the default is unchanged
+    assert get_method("cacheblend").budget == FixedBudget()  # the default is unchanged
 
 
 def test_margin_budget_spends_on_answers_that_could_flip():
@@ -256,21 +256,24 @@ def test_margin_budget_spends_on_answers_that_could_flip():
 
 
 @pytest.mark.parametrize(
-    ("options", "needle"),
-    [({"selection": "hkvd"}, "selection='query'"), ({"probe_depth": 4}, "probe_depth 0")],
+    ("name", "options", "needle"),
+    [
+        ("cacheblend_hkvd", {}, "'budget' is an option of 'cacheblend'"),
+        ("cacheblend", {"probe_depth": 4}, "probe_depth 0"),
+    ],
 )
-def test_margin_budget_rejects_a_probe_that_cannot_give_logits(options, needle):
+def test_margin_budget_rejects_a_probe_that_cannot_give_logits(name, options, needle):
     from cacheblend_rag.blend import get_method
     from cacheblend_rag.errors import MethodOptionError
 
     with pytest.raises(MethodOptionError, match=needle):
-        get_method("cacheblend", budget="margin", **options)
+        get_method(name, budget="margin", **options)
 
 
 def test_margin_probe_gives_full_reuses_first_token_and_sets_the_budget(model, prompts):
     """The probe asked for logits finishes its last layer: its next-token logits are full reuse's (the
     same cached KV, the fresh text computed by the probe's own attention), and the fusion recomputes the
-    share margin_share reads from them."""
+    share the margin budget reads from them."""
     segments, _ = prompts[1]
     fusor = Fusor(model)
     reuse = fusor.fuse(segments, FullReuse())
@@ -281,7 +284,7 @@ def test_margin_probe_gives_full_reuses_first_token_and_sets_the_budget(model, p
     torch.testing.assert_close(probe_logits, reuse.logits.float(), atol=2e-4, rtol=1e-4)
     fresh = int(fused.plan.must_compute.sum())
     assert fused.probe_token_layers == model.num_layers * fresh  # the last layer finished too
-    assert method.margin_share(probe_logits) == 0.5
+    assert method.budget.share(method.ratio, probe_logits) == 0.5
     same = fusor.fuse(segments, CacheBlend(ratio=0.5))
     assert torch.equal(fused.selected, same.selected) and torch.equal(fused.logits, same.logits)
     sure = CacheBlend(ratio=0.5, budget="margin", min_ratio=0.05, confident=1e-6)  # always sure: 0.05

@@ -139,7 +139,7 @@ def test_with_the_chunk_shift_a_round_is_one_chunk_order(model, parts):
 def test_methods_that_share_rounds_and_one_that_cannot(model, parts):
     fusor = Fusor(model)
     agents = [prompt(parts, q, role) for q, role in zip(QUESTIONS, ROLES, strict=False)]
-    for method in [get_method("epic"), get_method("full_reuse"), get_method("cacheblend", selection="hkvd")]:
+    for method in [get_method("epic"), get_method("full_reuse"), get_method("cacheblend_hkvd")]:
         results = fuse_round(fusor, [FusionRequest(a, method) for a in agents])
         assert all(r.round is not None and r.round.requests == len(agents) for r in results), method.name
     full = get_method("full_recompute")

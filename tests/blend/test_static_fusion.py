@@ -9,7 +9,7 @@ import pytest
 import torch
 from op_counting import LayerOps, text_ids
 
-from cacheblend_rag.blend import ChunkKV, Fusor, Segment, get_method, static_steps
+from cacheblend_rag.blend import ChunkKV, Fusor, Segment, get_method, parse_method, static_steps
 from cacheblend_rag.blend.plan import FusionPlan
 from cacheblend_rag.blend.static import EAGER_STEPS, Steps
 from cacheblend_rag.blend.static_layout import StaticLayout
@@ -59,7 +59,14 @@ def counted(model, segments, method, **fusor_options) -> tuple[LayerOps, object]
     [
         "cacheblend",
         "cacheblend@ratio=0.15,shift=false",
-        "cacheblend@ratio=0.15,selection=hkvd",
+        "cacheblend_hkvd@0.15",
+        "cacheblend_hkvd@ratio=0.15,signal=v",
+        # two check layers: the static path selects the same rows but its logits differ (0.52 at most on
+        # this prompt, as before the HKVD rule was a method of its own); strict, so a fix shows
+        pytest.param(
+            "cacheblend_hkvd@ratio=0.15,schedule=[[1,2.0],[3,1.0]]",
+            marks=pytest.mark.xfail(strict=True, reason="static HKVD with two check layers differs"),
+        ),
         "cacheblend@ratio=0.3,probe_depth=6",
         "full_reuse",
         "epic",
@@ -67,8 +74,7 @@ def counted(model, segments, method, **fusor_options) -> tuple[LayerOps, object]
     ],
 )
 def test_the_static_fusion_equals_the_layer_passes(model, make_prompt, spec):
-    name, _, options = spec.partition("@")
-    method = get_method(name, **_options(options))
+    method = parse_method(spec).build()
     segments = make_prompt(4, 160)
     eager = Fusor(model, static=False).fuse(segments, method)
     static = Fusor(model, static=True).fuse(segments, method)
@@ -81,18 +87,6 @@ def test_the_static_fusion_equals_the_layer_passes(model, make_prompt, spec):
     assert static.qkv_tokens_per_layer == eager.qkv_tokens_per_layer
     assert static.attended_tokens_per_layer == eager.attended_tokens_per_layer
     assert static.reused_tokens == eager.reused_tokens
-
-
-def _options(text: str) -> dict:
-    if not text:
-        return {}
-    if "=" not in text:
-        return {"ratio": float(text)}
-    out = {}
-    for part in text.split(","):
-        key, value = part.split("=")
-        out[key] = {"true": True, "false": False}.get(value, value)
-    return out
 
 
 def test_full_recompute_takes_the_static_path_and_equals_full_prefill(model, make_prompt):
@@ -127,7 +121,7 @@ def test_the_operation_counts_do_not_depend_on_the_chunk_count(model, make_promp
 
 def test_hkvd_check_layer_and_full_reuse_stay_small(model, make_prompt):
     for chunks in (2, 12):
-        ops, _ = counted(model, make_prompt(chunks, 128), get_method("cacheblend", selection="hkvd"))
+        ops, _ = counted(model, make_prompt(chunks, 128), get_method("cacheblend_hkvd"))
         layers = ops.per_layer()
         assert layers[1] <= 60, layers  # the check layer (schedule: layer 1)
         assert max(layers[2:-1]) <= 50, layers
@@ -150,8 +144,8 @@ def test_nothing_is_read_back_between_the_first_layer_and_the_logits(model, make
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, guarded)
-    for spec in ("cacheblend", "hkvd", "epic"):
-        method = get_method("cacheblend", selection="hkvd") if spec == "hkvd" else get_method(spec)
+    for spec in ("cacheblend", "cacheblend_hkvd", "epic"):
+        method = get_method(spec)
         with ops:
             Fusor(model, static=True, layer_hook=ops.mark).fuse(make_prompt(6, 128), method)
     assert ops.syncs == []
@@ -184,7 +178,7 @@ def _recording(calls: dict) -> Steps:
 def test_the_steps_trace_without_a_graph_break(model, make_prompt):
     calls: dict = {}
     steps = _recording(calls)
-    for method in (get_method("cacheblend"), get_method("cacheblend", selection="hkvd")):
+    for method in (get_method("cacheblend"), get_method("cacheblend_hkvd")):
         fusor = Fusor(model, static=True)
         fusor.steps = steps
         fusor.fuse(make_prompt(6, 128), method)
@@ -204,7 +198,7 @@ def test_compiled_steps_do_not_recompile_for_other_layers_or_prompts_in_the_buck
         for q in others
         if _buckets(model, make_prompt(6, 128, q)) == _buckets(model, first)
     )
-    for method in (get_method("cacheblend"), get_method("cacheblend", selection="hkvd")):
+    for method in (get_method("cacheblend"), get_method("cacheblend_hkvd")):
         fusor = Fusor(model, static=True, compile_mode="eager")
         warm = fusor.fuse(first, method)
         with torch.compiler.set_stance("fail_on_recompile"):

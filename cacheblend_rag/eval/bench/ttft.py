@@ -36,7 +36,7 @@ TTFT_COLUMNS = {
     "full_reuse": ("full_reuse", "ram"),
     "cacheblend_ram": ("cacheblend", "ram"),
     "cacheblend_disk": ("cacheblend", "disk"),
-    "cacheblend_hkvd": ("cacheblend@selection=hkvd,shift=false", "ram"),
+    "cacheblend_hkvd": ("cacheblend_hkvd@shift=false", "ram"),
     "epic": ("epic", "ram"),
 }
 # The columns' names in BENCHMARKS.md and the TTFT plot.
