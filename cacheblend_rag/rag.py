@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,14 +18,13 @@ from .engine import (
     EngineProtocol,
     GenerationResult,
     SamplingParams,
-    TokenEvent,
-    TokenStream,
+    StreamHandle,
 )
 from .engine.base import PromptAccounting
 from .engine.bounds import check_request
+from .engine.handles import MappedStream
 from .engine.session import Session
 from .settings import get_settings
-from .store.shared import KVStoreOptions
 
 if TYPE_CHECKING:
     from .check import CheckReport
@@ -116,17 +115,7 @@ class CacheBlendRAG:
                 raise ValueError("a session brings its engine: pass no engine, engine_kind or model with it")
             self.session, self._owned_session = corpus_dir, False
             return
-        owned_corpus = not isinstance(corpus_dir, Corpus)
-        corpus = (
-            corpus_dir
-            if isinstance(corpus_dir, Corpus)
-            else Corpus.open(corpus_dir, kv_options=KVStoreOptions.of(self.config))
-        )
-        self.session = (
-            Session.open(corpus, engine_kind, model, self.config, owns_corpus=owned_corpus)
-            if engine is None
-            else Session(corpus, engine, owns_corpus=owned_corpus)
-        )
+        self.session = Session.open(corpus_dir, engine_kind, model, self.config, engine=engine)
         self._owned_session = True
 
     @property
@@ -173,17 +162,14 @@ class CacheBlendRAG:
         chunk_ids: Sequence[str] | None = None,
         sampling: SamplingParams | None = None,
         max_tokens: int | None = None,
-    ) -> TokenStream[QueryResult]:
-        """Like :meth:`query`; iterate the handle for tokens as they come, then ``.result()``."""
+    ) -> StreamHandle[QueryResult]:
+        """Like :meth:`query`; iterate the handle for tokens as they come, then ``.result()``;
+        ``.cancel()`` (from any thread) stops it. The request goes through the engine's ``submit``, so it
+        is batched with concurrent queries, batches and server requests on the same engine."""
         spec = self._spec(method, ratio, question, top_k)
         prepared = self._prepare(question, top_k, chunk_ids, spec)
-        handle = self.engine.stream(prepared.segments, spec, self._sampling(sampling, max_tokens))
-
-        def events() -> Generator[TokenEvent, None, QueryResult]:
-            yield from handle
-            return prepared.result(handle.result())
-
-        return TokenStream(events())
+        handle = self.engine.submit(prepared.segments, spec, self._sampling(sampling, max_tokens))
+        return MappedStream(handle, prepared.result)
 
     def query_batch(
         self,

@@ -15,10 +15,11 @@ connector's:
 - **generation**: ``generate`` (one answer), ``stream`` (a :class:`StreamHandle`: iterate it for
   :class:`TokenEvent` objects, then ``.result()``), ``generate_batch`` (several requests served together);
   every answer is a :class:`GenerationResult` built by :meth:`GenerationResult.build`. Concurrent callers:
-  the vLLM engine batches concurrent ``stream`` calls itself (``batches_requests``); the PyTorch engine's
-  ``stream`` runs one request, so a front end serving many callers puts it behind a
-  :class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (``frontend.PromptFrontend.scheduler``). A
-  stream handle's ``cancel()`` stops its request;
+  ``submit`` (a :class:`StreamHandle` too) serves a request batched with the others, the engine deciding
+  how: the PyTorch engine through its one :class:`~cacheblend_rag.engine.scheduler.BatchScheduler`
+  (``scheduler``), the vLLM engine by vLLM's own scheduling of concurrent streams (``scheduler`` is
+  None). Every caller serving requests goes through ``submit`` / ``generate_batch``. A stream handle's
+  ``cancel()`` stops its request;
 - **lifecycle**: ``close``.
 """
 
@@ -357,9 +358,12 @@ class EngineProtocol(Protocol):
     prompts: PromptBuilder
     controller: LoadingController
     eos_ids: set[int]
-    # whether concurrent ``stream`` calls are batched by the engine itself (vLLM); if not (the PyTorch
-    # engine decodes one request per ``stream``), serve concurrent callers through a BatchScheduler
+    # whether concurrent ``stream`` calls are batched by the engine itself (vLLM); the PyTorch engine's
+    # ``stream`` decodes one request alone. Either way ``submit`` batches: callers need not ask.
     batches_requests: bool
+    # the engine's BatchScheduler (PyTorch: started on first use), None where the engine batches itself;
+    # typed Any because the scheduler's module imports this one
+    scheduler: Any
 
     @property
     def context_window(self) -> int: ...
@@ -411,6 +415,16 @@ class EngineProtocol(Protocol):
         **options: Any,
     ) -> StreamHandle[GenerationResult]:
         """Like :meth:`generate`, handing tokens out as they are generated."""
+        ...
+
+    def submit(
+        self,
+        segments: list[Segment],
+        method: Method = ...,
+        sampling: SamplingParams | None = ...,
+        **options: Any,
+    ) -> StreamHandle[GenerationResult]:
+        """Like :meth:`stream`, batched with concurrent requests the way the engine batches them."""
         ...
 
     def generate_batch(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:

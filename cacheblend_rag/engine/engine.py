@@ -28,7 +28,7 @@ from ..blend.segments import (
 )
 from ..blend.spec import resolve_method, reuse_of
 from ..config import DEFAULT_METHOD, DEFAULTS, Config
-from ..errors import ContextLengthError, CorruptKVError, StoreError
+from ..errors import ContextLengthError, CorruptKVError, EngineClosedError, StoreError
 from ..models.runtime import KVCache, LayerwiseModel
 from ..models.shared import acquire_model, release_model
 from ..models.tokenizer import chunk_context_ids
@@ -48,6 +48,7 @@ from .base import (
     generation_budget,
 )
 from .decode import DecodeRow, decode_alone
+from .handles import RequestHandle
 from .prompt import PromptBuilder, PromptPart, layout_segments
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler
@@ -63,8 +64,9 @@ class Engine(PromptSegments):
     """Runs the model and the fusor over a chunk KV store (``store``: a corpus's, ``corpus.kv_store``, or
     a folder whose process-wide store it opens); implements
     :class:`~cacheblend_rag.engine.base.EngineProtocol`. Thread-safe: one forward at a time, under
-    :attr:`forward_lock`. Its :meth:`stream` decodes one request; concurrent callers share a
-    :class:`BatchScheduler` over it (hence ``batches_requests`` is False).
+    :attr:`forward_lock`. Its :meth:`stream` decodes one request alone; :meth:`submit` and
+    :meth:`generate_batch` serve requests through the engine's one :class:`BatchScheduler`
+    (:attr:`scheduler`), where concurrent callers are decoded together.
 
     ``config`` gives what the caller did not: how a model named is loaded (device, dtype, threads, cache
     directory), the default chunk context, the default store folder with its codec, budgets and remote
@@ -126,6 +128,9 @@ class Engine(PromptSegments):
             self.model.tokenizer, getattr(self.model.hf_model.generation_config, "eos_token_id", None)
         )
         self.controller = LoadingController.for_model(self.model, config.ratio, config.home)
+        self._scheduler: BatchScheduler | None = None
+        self._scheduler_lock = threading.Lock()
+        self._closed = False
 
     @property
     def context_window(self) -> int:
@@ -134,7 +139,12 @@ class Engine(PromptSegments):
     def close(self) -> None:
         """Give back the chunk KV store this engine opened (the last holder closes it, waiting for its
         background writes) and the shared model it loaded (the last engine to do so frees it). A store or
-        model passed in stays open: it is its owner's."""
+        model passed in stays open: it is its owner's. Requests already submitted are served first."""
+        with self._scheduler_lock:
+            self._closed = True
+            scheduler, self._scheduler = self._scheduler, None
+        if scheduler is not None:
+            scheduler.close()
         if self._owns_store:
             self._owns_store = False
             release_store(self.store)
@@ -388,6 +398,30 @@ class Engine(PromptSegments):
         """Fuse ``segments`` with ``method`` and generate an answer."""
         return self.stream(segments, method, sampling, **method_options).result()
 
+    @property
+    def scheduler(self) -> BatchScheduler:
+        """The batch scheduler every request served with others goes through (:meth:`submit`,
+        :meth:`generate_batch`), with ``config``'s batch limits; started on first use, closed by
+        :meth:`close`. One per engine, so that concurrent callers meet in one decode batch."""
+        with self._scheduler_lock:
+            if self._closed:
+                raise EngineClosedError("this engine is closed (its model was given back)")
+            if self._scheduler is None:
+                self._scheduler = BatchScheduler.of(self, self.config)
+            return self._scheduler
+
+    def submit(
+        self,
+        segments: list[Segment],
+        method: Method = DEFAULT_METHOD,
+        sampling: SamplingParams | None = None,
+        **method_options: Any,
+    ) -> RequestHandle:
+        """Queue one request in :attr:`scheduler`, decoded together with concurrent ones; returns its
+        handle at once (iterate it for tokens, then ``.result()``; ``.cancel()`` from any thread). Greedy
+        answers equal :meth:`generate`'s. Bad input raises here."""
+        return self.scheduler.submit(segments, method, sampling, **method_options)
+
     def generate_batch(
         self,
         requests: Sequence[BatchRequest],
@@ -395,10 +429,13 @@ class Engine(PromptSegments):
         rounds: bool | None = None,
         kv_budget_bytes: int | None = None,
     ) -> list[GenerationResult]:
-        """Serve ``requests`` together through a :class:`BatchScheduler` (``max_batch`` rows at most,
-        default: the engine's ``config.batch_max_requests``); results in order. Requests admitted
-        together that read the same chunks share one blend of them (``rounds``, default:
-        ``config.batch_rounds``); other greedy answers equal :meth:`generate`'s."""
+        """Serve ``requests`` together through a :class:`BatchScheduler`: :attr:`scheduler`, or, when
+        limits are given (``max_batch`` rows at most, ``rounds``, ``kv_budget_bytes``), one of their own
+        for these requests; results in order. Requests admitted together that read the same chunks share
+        one blend of them (``rounds``, default: ``config.batch_rounds``); other greedy answers equal
+        :meth:`generate`'s."""
+        if max_batch is None and rounds is None and kv_budget_bytes is None:
+            return self.scheduler.generate_batch(requests)
         with BatchScheduler.of(
             self, self.config, max_batch=max_batch, rounds=rounds, kv_budget_bytes=kv_budget_bytes
         ) as scheduler:

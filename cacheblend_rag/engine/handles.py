@@ -1,15 +1,20 @@
 """The handle of a request submitted to the :class:`~cacheblend_rag.engine.scheduler.BatchScheduler`: its
-tokens as they are generated, its final result, and whether it was cancelled."""
+tokens as they are generated, its final result, and whether it was cancelled; and :class:`MappedStream`,
+a stream handle whose result is turned into another (a RAG answer from an engine's)."""
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import Generic, TypeVar
 
 from ..errors import RequestCancelledError
-from .base import GenerationResult, TokenEvent
+from .base import GenerationResult, StreamHandle, TokenEvent
+
+R = TypeVar("R")
 
 _END = object()  # closes a handle's event queue
 
@@ -67,3 +72,29 @@ class RequestHandle:
         else:
             self.future.set_result(result)
         self._events.put(_END)
+
+
+class MappedStream(Generic[R]):
+    """``handle``'s tokens as they come, its result turned by ``convert`` (once, on first :meth:`result`),
+    and its :meth:`cancel` (from any thread): a :class:`StreamHandle` of the converted result."""
+
+    def __init__(
+        self, handle: StreamHandle[GenerationResult], convert: Callable[[GenerationResult], R]
+    ) -> None:
+        self.submitted_at = handle.submitted_at
+        self._handle = handle
+        self._convert = convert
+        self._lock = threading.Lock()
+        self._result: tuple[R] | None = None
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return iter(self._handle)
+
+    def result(self) -> R:
+        with self._lock:
+            if self._result is None:
+                self._result = (self._convert(self._handle.result()),)
+            return self._result[0]
+
+    def cancel(self) -> bool:
+        return self._handle.cancel()

@@ -1,8 +1,9 @@
 """A corpus and the engine that answers over it, checked once to belong together: :class:`Session`.
 
-Everything that answers over a corpus holds one (:class:`~cacheblend_rag.rag.CacheBlendRAG`, and through
-it the prompt frontend, the LangChain and LlamaIndex classes and the server): the model and chunk-context
-checks live here and nowhere else, and so does re-pinning the corpus in a remote KV tier that lost it.
+Everything that answers over a corpus holds one, opened by :meth:`Session.open` (from a corpus directory,
+or an opened corpus): :class:`~cacheblend_rag.rag.CacheBlendRAG`, and the prompt frontend, through which
+the LangChain and LlamaIndex classes and the server answer. The model and chunk-context checks live here
+and nowhere else, and so does re-pinning the corpus in a remote KV tier that lost it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..config import DEFAULTS, Config
 from ..corpus.corpus import Corpus
 from ..corpus.pinning import pin_corpus
 from ..errors import StoreError
+from ..store.shared import KVStoreOptions
 from . import create_engine
 from .base import EngineProtocol, ModelIdentity
 
@@ -77,26 +79,40 @@ class Session:
     @classmethod
     def open(
         cls,
-        corpus: Corpus,
+        corpus: Corpus | str | Path,
         engine_kind: str | None = None,
         model: str | Path | None = None,
         config: Config = DEFAULTS,
         owns_corpus: bool = False,
+        engine: EngineProtocol | None = None,
     ) -> Session:
-        """A session over ``corpus`` with an engine built for it (owned: :meth:`close` closes it): of
-        ``engine_kind`` ("torch" or "vllm", default ``config.engine``), over ``model`` (default: the
-        corpus's), on the corpus's KV store and chunk context, with ``config``'s values."""
-        engine = create_engine(
-            engine_kind or config.engine,
-            model or corpus.model_source,
-            store=corpus.kv_store,
-            chunk_context=corpus.chunk_context,
-            config=config,
-        )
+        """A session over ``corpus`` (an opened :class:`Corpus`, or the directory of one, opened here with
+        ``config``'s KV store options and owned) with ``engine``, or an engine built for it (owned:
+        :meth:`close` closes it) of ``engine_kind`` ("torch" or "vllm", default ``config.engine``), over
+        ``model`` (default: the corpus's), on the corpus's KV store and chunk context, with ``config``'s
+        values. What was opened here is closed again if the two do not belong together."""
+        opened = not isinstance(corpus, Corpus)
+        if not isinstance(corpus, Corpus):
+            corpus, owns_corpus = Corpus.open(corpus, kv_options=KVStoreOptions.of(config)), True
+        built = engine is None
         try:
-            return cls(corpus, engine, owns_engine=True, owns_corpus=owns_corpus)
+            if engine is None:
+                engine = create_engine(
+                    engine_kind or config.engine,
+                    model or corpus.model_source,
+                    store=corpus.kv_store,
+                    chunk_context=corpus.chunk_context,
+                    config=config,
+                )
+            try:
+                return cls(corpus, engine, owns_engine=built, owns_corpus=owns_corpus)
+            except BaseException:
+                if built:
+                    engine.close()
+                raise
         except BaseException:
-            engine.close()
+            if opened:
+                corpus.close()
             raise
 
     def _repin(self) -> None:

@@ -24,11 +24,9 @@ them). Engines over different corpora share the model's weights too
 (:func:`cacheblend_rag.models.shared.acquire_model`). A frontend acquired is released by its holder (an
 integration object's ``close()``); the last release closes it and frees the model.
 
-Batching: requests of the PyTorch engine meet in one
-:class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (continuous batching across callers, shared chunk
-reads); the vLLM engine batches by itself (its driver steps vLLM for every concurrent ``stream``,
-``generate_batch`` submits a batch at once), so its requests go straight to its ``stream`` /
-``generate_batch``.
+Batching is the engine's: requests go to its ``submit`` / ``generate_batch``, which the PyTorch engine
+serves through its one :class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (continuous batching
+across callers, shared chunk reads) and vLLM batches by itself.
 """
 
 from __future__ import annotations
@@ -128,8 +126,8 @@ class PromptFrontend:
     ("torch" or "vllm", default: ``config.engine``). ``config``: the caller's settings (the engine's,
     the corpus's KV store options, the chunk size without a corpus, the batch scheduler's limits).
 
-    Over a corpus, :attr:`session` is the corpus and its engine, checked once to belong together (that of
-    :attr:`rag`, which answers questions over them); None without a corpus.
+    Over a corpus, :attr:`session` is the corpus and its engine, checked once to belong together
+    (:meth:`Session.open`), and :attr:`rag` answers questions over them; None without a corpus.
     """
 
     def __init__(
@@ -142,46 +140,51 @@ class PromptFrontend:
     ) -> None:
         self.config = config
         self._owned_engine: EngineProtocol | None = None
+        self._rag: CacheBlendRAG | None = None  # built when first asked for (rag)
         if corpus_dir is not None:
             corpus = acquire_corpus(corpus_dir, config=config)  # released by close()
             try:
-                self.rag: CacheBlendRAG | None = CacheBlendRAG(
-                    corpus, engine=engine, model=model, engine_kind=engine_kind, config=config
-                )
+                # the corpus and the engine, checked once to belong together
+                self.session: Session | None = Session.open(corpus, engine_kind, model, config, engine=engine)
             except BaseException:
                 release_corpus(corpus)
                 raise
-            # the corpus and the engine, checked once to belong together
-            self.session: Session | None = self.rag.session
             self.engine: EngineProtocol = self.session.engine
             self.corpus: Corpus | None = self.session.corpus
             self.index: ChunkTextIndex | None = ChunkTextIndex(self.session.corpus)
         else:
-            self.rag, self.session, self.corpus, self.index = None, None, None, None
+            self.session, self.corpus, self.index = None, None, None
             self.engine = engine or create_engine(
                 engine_kind or config.engine, model or config.model, config=config
             )
             self._owned_engine = None if engine is not None else self.engine
         self._chunker: Chunker | None = None
-        self._scheduler: BatchScheduler | None = None
-        self._scheduler_lock = threading.Lock()
+        self._close_lock = threading.Lock()
         self.closed = False
 
     def close(self) -> None:
-        """Finish the requests already submitted, stop the scheduler and close the engine this frontend
-        built (its KV store, and its hold on the shared model)."""
-        with self._scheduler_lock:
+        """Close the engine this frontend built (its scheduler finishing the requests already submitted,
+        its KV store, and its hold on the shared model)."""
+        with self._close_lock:
             if self.closed:
                 return
             self.closed = True
-            scheduler, self._scheduler = self._scheduler, None
-        if scheduler is not None:
-            scheduler.close()
-        if self.rag is not None:
-            self.rag.close()
-            release_corpus(self.rag.corpus)  # the last holder closes it
+        if self.session is not None:
+            self.session.close()  # the engine it built (a given one stays its owner's)
+            release_corpus(self.session.corpus)  # the last holder closes it
         elif self._owned_engine is not None:
             self._owned_engine.close()
+
+    @property
+    def rag(self) -> CacheBlendRAG | None:
+        """Question answering over the frontend's session (built on first use; its corpus and engine stay
+        the frontend's); None without a corpus."""
+        if self.session is None:
+            return None
+        with self._close_lock:
+            if self._rag is None:
+                self._rag = CacheBlendRAG(self.session, config=self.config)
+            return self._rag
 
     @property
     def model_name(self) -> str:
@@ -311,17 +314,14 @@ class PromptFrontend:
 
     @property
     def scheduler(self) -> BatchScheduler | None:
-        """The batch scheduler the answers of an engine that decodes one request per stream (the PyTorch
-        engine) go through (started on first use); None for an engine that batches its own requests
-        (vLLM)."""
-        if self.engine.batches_requests:
-            return None
-        with self._scheduler_lock:
-            if self.closed:
-                raise EngineClosedError("this frontend is closed (its model was given back)")
-            if self._scheduler is None:
-                self._scheduler = BatchScheduler.of(self.engine, self.config)
-            return self._scheduler
+        """The engine's batch scheduler (:attr:`Engine.scheduler`, the PyTorch engine's, started on first
+        use); None for an engine that batches its own requests (vLLM)."""
+        self._check_open()
+        return self.engine.scheduler
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise EngineClosedError("this frontend is closed (its model was given back)")
 
     def stream(
         self,
@@ -334,13 +334,12 @@ class PromptFrontend:
         :class:`GenerationResult`. ``unrecognised()`` is called when the prompt holds no chunk to reuse
         (none recognised, no documents passed).
 
-        Concurrent calls (a chat model's ``batch``, concurrent async calls) are batched: by the PyTorch
-        engine's :class:`BatchScheduler` (which also shares their chunks' reads), or by vLLM itself."""
+        Concurrent calls (a chat model's ``batch``, concurrent async calls) are batched as the engine's
+        ``submit`` batches them (the PyTorch engine's :class:`BatchScheduler`, which also shares their
+        chunks' reads, or vLLM itself)."""
+        self._check_open()
         segments = self._request_segments(request, recognise, remember, unrecognised)
-        scheduler = self.scheduler
-        if scheduler is None:
-            return self.engine.stream(segments, request.method, request.sampling)
-        return scheduler.submit(segments, request.method, request.sampling)
+        return self.engine.submit(segments, request.method, request.sampling)
 
     def generate(
         self, request: TextRequest, recognise: bool = True, remember: bool = True
@@ -354,13 +353,13 @@ class PromptFrontend:
         remember: bool = True,
         unrecognised: Callable[[], None] | None = None,
     ) -> list[GenerationResult]:
-        """Answer every request in one submission (to the batch scheduler, or to vLLM); results in order."""
+        """Answer every request in one submission (the engine's ``generate_batch``); results in order."""
+        self._check_open()
         batch = [
             BatchRequest(self._request_segments(r, recognise, remember, unrecognised), r.method, r.sampling)
             for r in requests
         ]
-        scheduler = self.scheduler
-        return self.engine.generate_batch(batch) if scheduler is None else scheduler.generate_batch(batch)
+        return self.engine.generate_batch(batch)
 
     def _request_segments(
         self,

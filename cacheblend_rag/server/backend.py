@@ -3,9 +3,9 @@
 A request's prompt goes through the same :class:`~cacheblend_rag.frontend.PromptFrontend` the LangChain
 and LlamaIndex integrations use: stored chunks pasted into the prompt are recognised (and ``chunk_ids`` /
 ``documents`` located) and become cached segments. Every engine answers through the frontend's stream
-handle (:class:`~cacheblend_rag.engine.StreamHandle`): the PyTorch engine's requests go to the frontend's
-:class:`~cacheblend_rag.engine.BatchScheduler`, so concurrent requests are decoded together; the vLLM
-engine's go to its ``stream``, which vLLM batches. A request whose client goes away is cancelled through
+handle (:class:`~cacheblend_rag.engine.StreamHandle`), from the engine's ``submit``: the PyTorch engine's
+requests go to its :class:`~cacheblend_rag.engine.BatchScheduler`, so concurrent requests are decoded
+together; vLLM batches the vLLM engine's. A request whose client goes away is cancelled through
 its handle (``cancel()``): its row leaves the scheduler's batch at once, vLLM aborts it at its next
 token. Core exceptions a client caused become :class:`~cacheblend_rag.server.errors.APIError`; a closed
 engine or scheduler (:class:`~cacheblend_rag.errors.EngineClosedError`) answers as draining.
@@ -147,8 +147,8 @@ class EngineBackend:
         assert session is not None  # a frontend over a corpus has one
         self.session: Session = session  # the corpus and the engine, checked once to belong together
         self.engine = session.engine
-        # the batch scheduler serves the PyTorch engine; vLLM schedules and batches its own requests
-        self.scheduler: BatchScheduler | None = self.frontend.scheduler
+        # the engine's batch scheduler (PyTorch), started now; None where vLLM batches its own requests
+        self.scheduler: BatchScheduler | None = self.engine.scheduler
         self.kind = "torch" if self.scheduler is not None else "vllm"
         self.model_id = served_name or self.frontend.model_name
         self.fingerprint = self.engine.model.fingerprint
@@ -229,14 +229,12 @@ class EngineBackend:
         return info
 
     def close(self) -> None:
-        """Finish the requests already submitted, then release the engine, its KV store and the corpus."""
+        """Finish the requests already submitted (the engine's scheduler does), then release the engine,
+        its KV store and the corpus."""
         if self._closed:
             return
         self._closed = True
-        if self.scheduler is not None:
-            self.scheduler.close()
-        self.engine.close()
-        self.session.corpus.close()
+        self.frontend.close()  # its session's engine (with the scheduler) and its hold on the corpus
 
 
 @contextmanager

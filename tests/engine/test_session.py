@@ -56,3 +56,15 @@ def test_an_engine_of_another_chunk_context_is_refused_by_the_session_and_by_ing
         with pytest.raises(StoreError, match="0-token one; create the engine with chunk_context="):
             ingest([CORPUS_FILE], tmp_path / "new", engine=alone, config=get_settings())
     assert not (tmp_path / "new").exists()
+
+
+def test_a_session_opens_a_corpus_directory_and_closes_what_it_opened(rag_store):
+    before = sum(shared_models().values())
+    session = Session.open(rag_store, "torch", config=get_settings())
+    try:
+        assert Path(session.corpus.corpus_dir).resolve() == Path(rag_store).resolve()
+        assert session.engine.store is session.corpus.kv_store
+        assert sum(shared_models().values()) == before + 1
+    finally:
+        session.close()
+    assert sum(shared_models().values()) == before

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from cacheblend_rag.errors import RequestCancelledError, SchedulerClosedError
+from cacheblend_rag.rag import CacheBlendRAG
 from cacheblend_rag.server.backend import EngineBackend
 from cacheblend_rag.server.errors import APIError
 from cacheblend_rag.server.protocol import GenerationSpec
@@ -21,6 +22,13 @@ def backend(served_corpus):
     backend = EngineBackend(served_corpus)
     yield backend
     backend.close()
+
+
+def test_the_backend_opens_a_session_without_a_rag(backend):
+    held = [*vars(backend).values(), *vars(backend.frontend).values()]
+    assert not any(isinstance(value, CacheBlendRAG) for value in held)
+    assert backend.session is backend.frontend.session and backend.engine is backend.session.engine
+    assert backend.scheduler is backend.engine.scheduler  # the engine's one scheduler
 
 
 def test_a_cancelled_request_leaves_the_batch(backend):

@@ -133,6 +133,7 @@ class VLLMEngine(PromptSegments):
     """
 
     batches_requests = True  # concurrent streams meet in vLLM's own scheduler
+    scheduler = None  # so no BatchScheduler of ours: vLLM schedules and batches its own requests
 
     def __init__(
         self,
@@ -421,6 +422,17 @@ class VLLMEngine(PromptSegments):
         :class:`VLLMGenerationResult`. Bad input raises here."""
         request = self._prepare(segments, method, sampling, method_options)
         return TokenStream(self._stream(request))
+
+    def submit(
+        self,
+        segments: list[Segment],
+        method: Method = DEFAULT_METHOD,
+        sampling: SamplingParams | None = None,
+        **method_options: Any,
+    ) -> TokenStream[VLLMGenerationResult]:
+        """A request served with others: :meth:`stream`, since vLLM batches concurrent streams itself
+        (vLLM checks the request when it first steps it, i.e. when the handle is first iterated)."""
+        return self.stream(segments, method, sampling, **method_options)
 
     def _stream(self, request: PreparedRequest) -> Generator[TokenEvent, None, VLLMGenerationResult]:
         emitted = ""
