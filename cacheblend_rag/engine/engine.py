@@ -308,14 +308,19 @@ class Engine(PromptSegments):
                 if attempt == 2:
                     raise
                 log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
-                kv_for = self.prefix_kv if method.reuses is Reuse.PREFIX else self.chunk_kv
-                segments = [
-                    Segment.cached(s.token_ids, kv_for(s.token_ids), s.chunk_id)
-                    if s.kv is not None and not s.exact  # an exact head lives in memory, never corrupt
-                    else s
-                    for s in segments
-                ]
+                segments = self._refetched(segments, method)
         raise AssertionError("unreachable")
+
+    def _refetched(self, segments: list[Segment], method: RecomputeMethod) -> list[Segment]:
+        """``segments`` with each cached chunk's KV looked up again: a chunk found corrupt was removed
+        from its tier, so it is read from another or recomputed and stored."""
+        kv_for = self.prefix_kv if method.reuses is Reuse.PREFIX else self.chunk_kv
+        return [
+            Segment.cached(s.token_ids, kv_for(s.token_ids), s.chunk_id)
+            if s.kv is not None and not s.exact  # an exact head lives in memory, never corrupt
+            else s
+            for s in segments
+        ]
 
     def _loader(self, sources: Sequence[ChunkKVSource]) -> PipelinedLayerLoader:
         device = self.model.device
@@ -336,6 +341,9 @@ class Engine(PromptSegments):
                 return list(fuse_round(self.fusor, jobs, self._loader))
         except Exception as exc:  # each request is fused again below, without the round
             log.info("fusing %d requests as a round failed (%s); fusing them without", len(requests), exc)
+            if isinstance(exc, CorruptKVError):  # read again, not from the removed copy
+                log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
+                requests = [(self._refetched(segments, method), method) for segments, method in requests]
         return self.fuse_many(requests)
 
     def fuse_many(
@@ -353,8 +361,12 @@ class Engine(PromptSegments):
             with self.forward_lock:
                 return self.fusor.fuse_many(loaders)
         except Exception as exc:  # each request is retried alone below and fails on its own
-            if len(requests) == 1:
+            corrupt = isinstance(exc, CorruptKVError)
+            if len(requests) == 1 and not corrupt:
                 raise
+            if corrupt:  # read again, not from the removed copy (fuse recomputes what no tier holds)
+                log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
+                requests = [(self._refetched(segments, method), method) for segments, method in requests]
             log.info("fusing %d requests together failed (%s); fusing them one at a time", len(requests), exc)
         out: list = []
         for segments, method in requests:
