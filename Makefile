@@ -116,7 +116,7 @@ bench: install
 
 # The quality runs behind BENCHMARKS.md (about 4 hours on 2 quiet cores, `pareto` 1.5 of them); each
 # resumes from its --json file when interrupted. The held-out MuSiQue cases were never used to choose a
-# default (`make tune` chose them on the 60-case development split, docs/fusor.md).
+# default (`make tune` chose them on the 60-case development split, docs/notes/fusor-research.md).
 # Each run resumes its --json file; eval refuses to resume one written under another methods revision (a
 # label like cacheblend@0.15 computes something else then). Superseded files live in docs/notes/results/.
 EVAL := $(VENV)/bin/cacheblend-rag eval --methods full_recompute,full_reuse,epic,cacheblend
@@ -141,7 +141,7 @@ eval: install
 AUTO_SPEC := cacheblend@ratio=0.5,budget=auto,target=
 AUTO := $(AUTO_SPEC)0.5,$(AUTO_SPEC)0.7,$(AUTO_SPEC)0.85
 # budget=margin (the whole ratio where full reuse's first token leads by less than `confident`), three rules
-# chosen on the development split at 128 tokens (docs/fusor.md, tools/margin_budget.py)
+# chosen on the development split at 128 tokens (docs/notes/fusor-research.md, tools/margin_budget.py)
 MARGIN_SPEC := cacheblend@ratio=0.3,budget=margin,min_ratio=0.05,confident=
 MARGIN := $(MARGIN_SPEC)0.05,$(MARGIN_SPEC)0.1,cacheblend@ratio=0.5,budget=margin,min_ratio=0.15,confident=0.1
 FIXED := full_recompute,cacheblend@0.05,cacheblend@0.1,cacheblend@0.15,cacheblend@0.3
@@ -170,14 +170,15 @@ check-sample: install
 		$(if $(CHECK_RATIOS),--ratios $(CHECK_RATIOS)) \
 		&& echo "check took $$(( $$(date +%s) - start )) s (ingest not counted)"
 
-# The development sweep that chose cacheblend's defaults (about an hour on two quiet cores; docs/fusor.md),
+# The development sweep that chose cacheblend's defaults (about an hour on two quiet cores;
+# docs/notes/fusor-research.md),
 # then fixed ratios at 128 tokens (~12 minutes) from which budget=margin's rules were chosen.
 tune: install
-	$(VENV)/bin/cacheblend-rag tune --json docs/results/tune-musique-512.json --markdown docs/fusor.md
+	$(VENV)/bin/cacheblend-rag tune --json docs/results/tune-musique-512.json --markdown docs/notes/fusor-research.md
 	$(VENV)/bin/cacheblend-rag tune full_reuse cacheblend@0.05 cacheblend@0.15 cacheblend@0.3 cacheblend@0.5 \
 		--chunk-tokens 128 --json docs/results/tune-musique-128-grid.json
 	$(PY) tools/margin_budget.py docs/results/tune-musique-128-grid.json --confident 0.05,0.1,0.2 \
-		--lows 0,0.05,0.15 --highs 0.3,0.5 --markdown docs/fusor.md
+		--lows 0,0.05,0.15 --highs 0.3,0.5 --markdown docs/notes/fusor-research.md
 
 # Measurements run by hand on a quiet machine, outside `bench`: grammar-constrained decoding libraries on the
 # default tokenizer (docs/structured_output.md), and where a request's time goes on the vLLM path.

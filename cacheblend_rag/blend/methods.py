@@ -379,13 +379,3 @@ def jsonable(value: Any) -> Any:
 
 for _method in (FullRecompute, FullReuse, PrefixCache, Epic):
     register_method(_method)
-
-
-def __getattr__(name: str) -> Any:
-    # CacheBlend's two methods live in .cacheblend, which builds on this module (and registers them when
-    # the package is imported); still importable from here
-    if name in ("CacheBlend", "CacheBlendHKVD"):
-        from . import cacheblend
-
-        return getattr(cacheblend, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

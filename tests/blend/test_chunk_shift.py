@@ -104,7 +104,7 @@ def test_shift_brings_short_chunk_prompts_closer_to_full_prefill(model, short_pr
                     assert torch.equal(x[0][0][:, :n][:, fixed], y[0][0][:, :n][:, fixed])
         kl["plain"] += kl_divergence(reference, a.logits)
         kl["shift"] += kl_divergence(reference, b.logits)
-    # development cases at 128 tokens: 0.213 -> 0.053 on average (docs/fusor.md)
+    # development cases at 128 tokens: 0.213 -> 0.053 on average (docs/notes/fusor-research.md)
     assert kl["shift"] < 0.7 * kl["plain"], kl
 
 

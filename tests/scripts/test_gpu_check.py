@@ -86,8 +86,7 @@ def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypat
 
     import torch
 
-    from cacheblend_rag.blend import methods
-    from cacheblend_rag.blend.methods import CacheBlend, register_method
+    from cacheblend_rag.blend import CacheBlend, methods, register_method
 
     # registered in a copy of the registry, gone after the test
     monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))

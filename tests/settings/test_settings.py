@@ -8,7 +8,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from cacheblend_rag.blend.methods import CacheBlend
+from cacheblend_rag.blend import CacheBlend
 from cacheblend_rag.cli import app
 from cacheblend_rag.config import DEFAULTS, Config
 from cacheblend_rag.settings import SettingsError, get_settings, settings_with

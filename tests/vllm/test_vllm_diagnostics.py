@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cacheblend_rag.blend.methods import CacheBlend, register_method
+from cacheblend_rag.blend import CacheBlend, register_method
 from cacheblend_rag.blend.spec import reuse_of
 from cacheblend_rag.engine import SamplingParams
 

@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from cacheblend_rag.blend.methods import CacheBlend, register_method
+from cacheblend_rag.blend import CacheBlend, register_method
 from cacheblend_rag.blend.spec import reuse_of
 from cacheblend_rag.engine import SamplingParams
 
