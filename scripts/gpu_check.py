@@ -35,8 +35,8 @@ pydantic-settings, platformdirs and python-dotenv); on a GPU machine without net
 
 Its first try on an H200 (2026-12-04) stopped at the HKVD selection, which indexed CPU positions with GPU
 indices (fixed: ``LayerState.deviation`` answers on the candidates' device); a path that raises is now
-named in the table and the JSON and the rest still runs. It then ran in full there (BENCHMARKS.md, section
-``gpu``; docs/results/gpu-check-h200*.json).
+named in the table and the JSON and the rest still runs. It then ran in full there
+(docs/notes/benchmarks-gpu-h200.md), and on an H100 with both fusion paths (BENCHMARKS.md, section ``gpu``).
 ``--device cpu --config tiny`` runs in ``make test`` (tests/scripts/test_gpu_check.py) so this path
 cannot rot.
 """
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -171,6 +172,15 @@ def tier_segments(segments: list[Segment], tier: str, device: torch.device) -> l
         else:
             moved.append(Segment.cached(s.token_ids, int8_chunk(s.kv, device, tier == "int8_hbm")))
     return moved
+
+
+def host_cpu() -> str:
+    """The host processor's model name (where Linux says it): a host-bound fusion's time depends on it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown processor"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -417,30 +427,46 @@ def print_row(row: dict, tiers: list[str], labels: list[str]) -> None:
     print(" | ".join(cells), flush=True)
 
 
+TIER_NAMES = {
+    "hbm": "as computed (the compute dtype), in device memory",
+    "host": "as computed, in pinned host RAM",
+    "ram": "as computed, in RAM",
+    "int8_hbm": "in int8 (the default codec), in device memory",
+    "int8_host": "in int8 (the default codec), in pinned host RAM",
+    "int8_ram": "in int8 (the default codec), in RAM",
+}
+
+
 def render_markdown(results: dict) -> str:
-    """A saved run (``--json``) as a markdown table: per config and workload, full prefill and each path's
-    time and speed-up per tier, and r = 1's relative error; then the dispatch profile when one ran."""
+    """A saved run (``--json``) as markdown: one table per tier of chunk KV (per config and workload, full
+    prefill and each path's time and speed-up; r = 1's relative error in the first), then the batches and
+    the dispatch profile when they ran."""
     known = ("hbm", "host", "ram", "int8_hbm", "int8_host", "int8_ram")
     tiers = [t for t in known if any(f"cacheblend_{t}_s" in r for r in results["rows"])]
-    head = ["config", "workload", "prompt tokens", "full prefill ms"]
-    head += [f"{label} ({tier}) ms" for tier in tiers for label in results["methods"]] + ["r = 1 rel. error"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in results["rows"]:
-        cells = [
-            row["config"],
-            row["workload"],
-            str(row["prompt_tokens"]),
-            f"{row['full_prefill_s'] * 1e3:.1f}",
-        ]
-        for tier in tiers:
+    lines: list[str] = []
+    for index, tier in enumerate(tiers):
+        head = ["config", "workload", "prompt tokens", "full prefill ms"]
+        head += [f"{label} ms" for label in results["methods"]] + (["r = 1 rel. error"] if index == 0 else [])
+        if lines:
+            lines.append("")
+        lines += [f"Chunk KV {TIER_NAMES.get(tier, tier)} (`{tier}`):", ""]
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for row in results["rows"]:
+            cells = [
+                row["config"],
+                row["workload"],
+                str(row["prompt_tokens"]),
+                f"{row['full_prefill_s'] * 1e3:.1f}",
+            ]
             for label in results["methods"]:
                 seconds = row.get(f"{label}_{tier}_s")
                 if seconds is None:  # failed, or a path that does not take this tier
                     cells.append("FAILED" if f"{label}_{tier}_error" in row else "-")
                 else:
                     cells.append(time_cell(seconds, row[f"{label}_{tier}_speedup"]))
-        cells.append(f"{row['r1_relative_error']:.1e}")
-        lines.append("| " + " | ".join(cells) + " |")
+            if index == 0:
+                cells.append(f"{row['r1_relative_error']:.1e}")
+            lines.append("| " + " | ".join(cells) + " |")
     for found in results.get("batches", []):
         batched = [label for label in results["methods"] if f"{label}_s" in found]
         lines += [
@@ -499,7 +525,8 @@ def main() -> int:
     parser.add_argument(
         "--compile",
         default=None,
-        help="the static steps under torch.compile in this mode (e.g. reduce-overhead)",
+        help="the static steps under torch.compile in this mode (default, reduce-overhead), or graphs: each "
+        "static fusion replayed as one CUDA graph per size bucket (blend/static_graph.py)",
     )
     args = parser.parse_args()
     if args.render is not None:
@@ -519,6 +546,7 @@ def main() -> int:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     out = {
         "device": device_name,
+        "host_cpu": f"{host_cpu()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
         "repeats": args.repeats,
         "warmup": args.warmup,

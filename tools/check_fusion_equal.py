@@ -4,7 +4,7 @@
     .venv/bin/python tools/check_fusion_equal.py --compare before.pt  # on the new code
 
 Fuses a few real RAG prompts (MuSiQue cases of tests/data, up to six 512-token chunks, chunk KV in fp16
-as the RAM tier holds it, plus the 6 x 512 prompt of ``profile_fusion.py``) with a method (default:
+as the RAM tier holds it, plus the 6 x 512 prompt of ``scripts/profile_fusion.py``) with a method (default:
 ``cacheblend``'s defaults) and records per prompt the recomputed positions, the probe's scores, the
 first-token logits and a short greedy continuation. ``--compare`` exits non-zero unless the positions
 and greedy tokens are identical and the first-token probabilities agree within ``--tolerance``. Point
@@ -48,7 +48,8 @@ def musique_prompts(model, count: int) -> list[list[Segment]]:
 
 
 def profile_prompt(model) -> list[Segment]:
-    spec = importlib.util.spec_from_file_location("profile_fusion", HERE / "profile_fusion.py")
+    path = HERE.parent / "scripts" / "profile_fusion.py"
+    spec = importlib.util.spec_from_file_location("profile_fusion", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.build_prompt(model, 6, 512)

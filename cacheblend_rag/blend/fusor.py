@@ -37,6 +37,7 @@ from .probe import ProbePass, ProbeResult
 from .segments import DirectLayerKV, LayerKVProvider, Segment, kv_sources
 from .shift import ChunkShift
 from .static import EAGER_STEPS, LayerHook, compiled_steps, static_fusion
+from .static_graph import GRAPHS, FusionGraphs
 
 # Called at every layer with (layer, query positions, q [1, H, S, d], keys [1, Hkv, T, d], mask): lets
 # diagnostics look at attention without a second code path.
@@ -184,7 +185,8 @@ class Fusor:
     ``static``: fuse one request at a time by the static steps (blend/static.py), which the host queues
     without reading anything back; by default where the model runs on an accelerator, the module-by-module
     layer passes on the CPU (where they are faster). ``compile_mode``: the static steps under
-    ``torch.compile`` in that mode (:func:`~.static.compiled_steps`; None: as they are). ``layer_hook`` is
+    ``torch.compile`` in that mode (:func:`~.static.compiled_steps`; None: as they are), or "graphs": each
+    static fusion replayed as a CUDA graph per size bucket (:mod:`.static_graph`). ``layer_hook`` is
     called before each layer of a static fusion (and with -1 after its logits)."""
 
     def __init__(
@@ -196,7 +198,10 @@ class Fusor:
     ) -> None:
         self.model = model
         self.static = model.device.type != "cpu" if static is None else static
-        self.steps = compiled_steps(compile_mode) if compile_mode else EAGER_STEPS
+        # "graphs": each static fusion's compute replayed as one CUDA graph per bucket (static_graph.py);
+        # any other mode compiles the steps (torch.compile's modes)
+        self.graphs = FusionGraphs(model) if compile_mode == GRAPHS else None
+        self.steps = compiled_steps(compile_mode) if compile_mode not in (None, GRAPHS) else EAGER_STEPS
         self.layer_hook = layer_hook
 
     def validate(self, segments: list[Segment]) -> None:
@@ -287,7 +292,7 @@ class Fusor:
                 provider.close()
             return None
         try:
-            logits, selected, cache = fusion.run()
+            logits, selected, cache = fusion.run() if self.graphs is None else self.graphs.run(fusion)
         finally:
             provider.close()
         if fusion.scores is not None:

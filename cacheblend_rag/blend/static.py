@@ -30,7 +30,7 @@ from .plan import FusionPlan
 from .probe import query_positions
 from .segments import LayerKVProvider
 from .static_layout import DeviationNarrowing, HostRows, QueryTopK, StaticLayout, StaticSelection, bucket
-from .static_steps import ShiftInputs, causal_mask, place
+from .static_steps import ShiftInputs, causal_mask, place, place_layers
 
 # Called with the layer about to run (and -1 once the logits are out): lets tests and profiles attribute
 # the device operations of a fusion to its layers without a second code path.
@@ -61,6 +61,12 @@ def compiled_steps(mode: str) -> Steps:
     """Every step under ``torch.compile`` with static shapes (one graph per size bucket, shared by all
     layers: a layer's weights are inputs): ``mode`` "eager" traces only (dynamo's checks, no code
     generated), "default" or "reduce-overhead" (CUDA graphs) as torch.compile takes them."""
+    # Each method, bucket, last layer and shift on/off is its own graph: a few dozen in a server, more than
+    # dynamo's default limit of 8 per step, past which it would silently run the step eagerly.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        torch._dynamo.config.accumulated_recompile_limit, 512
+    )
     if mode == "eager":
         return Steps(*(torch.compile(step, backend="eager", dynamic=False) for step in EAGER_STEPS))
     return Steps(*(torch.compile(step, mode=mode, dynamic=False) for step in EAGER_STEPS))
@@ -68,7 +74,13 @@ def compiled_steps(mode: str) -> Steps:
 
 class StaticFusion:
     """One prompt's static fusion: its layout, cache and rows; :meth:`run` fuses and returns the pieces a
-    :class:`~.fusor.FusionResult` is made of."""
+    :class:`~.fusor.FusionResult` is made of.
+
+    :meth:`run` is three parts a graph capture can take apart (:mod:`.static_graph`): :meth:`prepare`
+    (everything the host sends, before the first layer), :meth:`compute` (device work alone: it reads
+    only tensors this object holds and sizes fixed by the layout's buckets, so a captured replay serves
+    any prompt of the same buckets once those tensors hold its values) and :meth:`account` (the host's
+    counts)."""
 
     def __init__(
         self,
@@ -84,16 +96,43 @@ class StaticFusion:
     ) -> None:
         self.model, self.weights, self.plan, self.selection = model, weights, plan, selection
         self.provider, self.shifts, self.hook, self.steps = provider, shifts, hook, steps
-        self.layout = layout = StaticLayout.build(plan, model.rope, model.dtype, model.device)
-        capacity = max(layout.keys, plan.num_tokens + extra_capacity)
-        # zeroed: padded rows read slots no real row writes, which must hold finite numbers
-        self.cache = model.new_cache(capacity, zeroed=True)
+        self.layout = StaticLayout.build(plan, model.rope, model.dtype, model.device)
+        self.extra_capacity = extra_capacity
+        self.checks = dict(selection.checks) if isinstance(selection, DeviationNarrowing) else {}
+        if isinstance(selection, QueryTopK):
+            self.count = self.layout.fresh + selection.budget
+            self.keeps = selection.budget < plan.num_cached
+        else:
+            self.count = selection.positions.numel()
+            self.keeps = self.count < self.layout.fresh + plan.num_cached
+        self.cache: KVCache | None = None  # a new one at prepare, unless a capture lends its own
+        self.inputs: dict[str, torch.Tensor] = {}
         self.load_wait = 0.0
         self.placed = 0  # the first layers, whose cached rows are in the cache already
         self.pad: tuple[torch.Tensor, torch.Tensor] | None = None
         self.qkv_counts: list[int] = []
         self.attended_counts: list[int] = []
         self.probe_token_layers = 0
+        self.scores: tuple[torch.Tensor, torch.Tensor] | None = None
+        # a captured fusion's cache as one tensor [L, 2, 1, Hkv, Tb, d], and its staging buffer
+        # [L, 2, Hkv, Ncb, d]: :meth:`stage` joins each layer's cached rows there, and the compute places
+        # them all (:func:`~.static_steps.place_layers`)
+        self.storage: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
+
+    def bucket_key(self) -> tuple:
+        """What :meth:`compute` depends on besides its tensors' values: fusions of equal keys can share one
+        captured graph."""
+        layout, selection = self.layout, self.selection
+        if isinstance(selection, QueryTopK):
+            chosen = ("query", bucket(selection.budget), selection.score, selection.probe_layers)
+        elif isinstance(selection, DeviationNarrowing):
+            checks = tuple((layer, bucket(budget)) for layer, budget in self.checks.items())
+            chosen = ("deviation", bucket(selection.positions.numel()), checks, selection.signal)
+        else:
+            chosen = ("rows", bucket(selection.positions.numel()))
+        sizes = (layout.keys, layout.fresh_bucket, layout.cached_index.numel(), layout.chunks)
+        return (chosen, sizes, self.shifts and self.keeps and not self.checks, self.model.dtype)
 
     # -- pieces ---------------------------------------------------------------------------------------
 
@@ -122,6 +161,23 @@ class StaticFusion:
         chunk_k, chunk_v = torch.cat([*keys, self.pad[0]], dim=1), torch.cat([*values, self.pad[1]], dim=1)
         place(*self._layer_cache(layer), chunk_k, chunk_v, layout.cached_index, layout.rerotation)
 
+    def stage(self) -> None:
+        """Every layer's cached rows joined into :attr:`staging` (copies alone: the re-rotation and the
+        placing are the compute's, one operation for all layers)."""
+        cached = self.layout.cached
+        for layer in range(self.model.num_layers):
+            self._hook(layer)
+            if not cached:
+                continue
+            waited = time.perf_counter()
+            parts = self.provider.layer(layer)
+            self.load_wait += time.perf_counter() - waited
+            device = self.model.device
+            for side in (0, 1):
+                joined = torch.cat([part[side].to(device, non_blocking=True) for part in parts], dim=1)
+                self.staging[layer, side, :, :cached].copy_(joined)
+        self.placed = self.model.num_layers
+
     def _tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin_signed = self.layout.rope_tables
         return cos.index_select(0, rows), sin_signed.index_select(0, rows)
@@ -135,7 +191,7 @@ class StaticFusion:
             layout.measure_slot,
             layout.move_slot,
             layout.chunks,
-            layout.no_chunk,
+            self.inputs["no_chunk"],
             layout.shift_tables,
             (cos.to(dtype), sin_signed.to(dtype)),
         )
@@ -143,78 +199,91 @@ class StaticFusion:
     def _embed(self, rows: torch.Tensor) -> torch.Tensor:
         return self.model.embed(self.layout.token_ids.index_select(0, rows)).to(self.model.dtype)
 
-    def _scalar(self, value: int) -> torch.Tensor:
+    def _scalar(self, value) -> torch.Tensor:
         return torch.tensor(value, device=self.model.device)
 
     # -- the fusion -----------------------------------------------------------------------------------
 
-    def _probe(self, top: QueryTopK, budget: torch.Tensor) -> torch.Tensor:
-        """The probe's layers over the fresh rows; returns the rows recomputed after it (``budget`` [] of
-        the cached ones)."""
+    def prepare(self) -> None:
+        """Every number and table the device needs from the host, sent before the first layer."""
+        layout, selection = self.layout, self.selection
+        if self.cache is None:
+            capacity = max(layout.keys, self.plan.num_tokens + self.extra_capacity)
+            # zeroed: padded rows read slots no real row writes, which must hold finite numbers
+            self.cache = self.model.new_cache(capacity, zeroed=True)
+        final = layout.fresh + self.checks[max(self.checks)] if self.checks else self.count
+        inputs = {f"check{layer}": self._scalar(budget) for layer, budget in self.checks.items()}
+        inputs["last"] = self._scalar([final - 1])
+        inputs["no_chunk"] = self._scalar(layout.no_chunk)
+        if isinstance(selection, QueryTopK):
+            inputs["budget"] = self._scalar(selection.budget)
+            groups = self.weights.heads // self.weights.kv_heads
+            first_query = int(query_positions(self.plan)[0])
+            rows = layout.fresh_rows
+            inputs["query"] = ((rows >= first_query) & (rows < layout.num_tokens)).float().repeat(groups)
+        else:
+            inputs["rows"] = layout.rows(selection.positions)
+        self.inputs = inputs
+
+    def _probe(self, top: QueryTopK) -> torch.Tensor:
+        """The probe's layers over the fresh rows; returns the rows recomputed after it (the budget's best
+        cached ones and the fresh ones)."""
         model, layout, fw = self.model, self.layout, self.weights
         rows = layout.fresh_rows
         hidden, tables = self._embed(rows), self._tables(rows)
         groups = fw.heads // fw.kv_heads
         mask = causal_mask(rows, layout.keys, torch.float32).repeat(groups, 1)[None]
-        first_query = int(query_positions(self.plan)[0])
-        query = ((rows >= first_query) & (rows < layout.num_tokens)).float().repeat(groups)
         scores = tuple(torch.zeros(fw.kv_heads, layout.keys, device=model.device) for _ in range(2))
         with record_function("fusion::probe"):
             for layer in range(top.probe_layers):
                 self._hook(layer)
-                self._place(layer)
+                if layer >= self.placed:
+                    self._place(layer)
                 last = layer == top.probe_layers - 1
                 hidden = self.steps.probe_layer(
-                    fw.layers[layer], fw, hidden, tables, rows, *self._layer_cache(layer), mask, query,
-                    scores, finish_layer=not last,
+                    fw.layers[layer], fw, hidden, tables, rows, *self._layer_cache(layer), mask,
+                    self.inputs["query"], scores, finish_layer=not last,
                 )  # fmt: skip
-        self.placed = top.probe_layers
-        self.probe_token_layers = layout.fresh * (top.probe_layers - 1)
-        model.qkv_token_layers += layout.fresh * top.probe_layers
-        model.attention_token_layers += self.probe_token_layers
         attention, contribution = scores
         self.scores = (attention.sum(dim=0), contribution.sum(dim=0))
         chosen = self.scores[0 if top.score == "attention" else 1]
         size = bucket(top.budget)
+        budget = self.inputs["budget"]
         return self.steps.select_top(chosen, layout.candidate_bias, budget, rows, size, layout.dummy)
 
-    def run(self) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
-        """Fuse; returns the next token's logits [V] (float32), the recomputed positions of the last layer
-        (on the host) and the cache (positions 0..T-1 filled)."""
-        model, layout, fw, selection = self.model, self.layout, self.weights, self.selection
-        checks = dict(selection.checks) if isinstance(selection, DeviationNarrowing) else {}
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fusion's device work after :meth:`prepare`: the next token's logits [1, V] and the rows the
+        last layer recomputed (padded to their bucket)."""
+        model, layout, fw, selection, checks = (
+            self.model,
+            self.layout,
+            self.weights,
+            self.selection,
+            self.checks,
+        )
+        if self.staging is not None and layout.cached:
+            place_layers(self.storage, self.staging, layout.cached_index, layout.rerotation)
         if isinstance(selection, QueryTopK):
-            count = layout.fresh + selection.budget
-            keeps = selection.budget < self.plan.num_cached
+            rows = self._probe(selection)
+            placed = max(self.placed, selection.probe_layers)
         else:
-            count = selection.positions.numel()
-            keeps = count < layout.fresh + self.plan.num_cached
-        # every number the device needs from the host, sent before the first layer
-        final = layout.fresh + checks[max(checks)] if checks else count
-        scalars = {layer: self._scalar(budget) for layer, budget in checks.items()}
-        scalars["last"] = self._scalar([final - 1])
-        self.scores = None
-        if isinstance(selection, QueryTopK):
-            rows = self._probe(selection, self._scalar(selection.budget))
-        else:
-            rows = layout.rows(selection.positions)
+            rows, placed = self.inputs["rows"], self.placed
         hidden, tables = self._embed(rows), self._tables(rows)
         mask = causal_mask(rows, layout.keys, model.dtype)[None, None]
-        shift = self._shift_inputs(rows) if self.shifts and keeps and not checks else None
+        shift = self._shift_inputs(rows) if self.shifts and self.keeps and not checks else None
         last = model.num_layers - 1
         with record_function("fusion::layers"):
             for layer in range(model.num_layers):
                 self._hook(layer)
-                if layer >= self.placed:
+                if layer >= placed:
                     self._place(layer)
-                self.qkv_counts.append(count)
                 keys, values = self._layer_cache(layer)
                 if layer in checks:
                     budget = checks[layer]
                     narrowing = (
                         layout.candidate_bias.index_select(0, rows),
                         layout.fresh_rows,
-                        scalars[layer],
+                        self.inputs[f"check{layer}"],
                         bucket(budget),
                         selection.signal,
                     )
@@ -229,21 +298,46 @@ class StaticFusion:
                         narrowing,
                         layout.rope_tables,
                     )
-                    count = layout.fresh + budget
                     shift = self._shift_inputs(rows) if self.shifts else None
                 else:
-                    last_row = scalars["last"] if layer == last else None
+                    last_row = self.inputs["last"] if layer == last else None
                     hidden = self.steps.blend_layer(
                         fw.layers[layer], fw, hidden, tables, rows, keys, values, mask, shift, last_row
                     )
-                self.attended_counts.append(1 if layer == last else count)
-        logits = model.logits(hidden[-1:])[0]
-        self._hook(-1)
+        self.placed = model.num_layers
+        return model.logits(hidden[-1:]), rows
+
+    def account(self) -> None:
+        """The host's counts of the work done (the same as the layer passes report)."""
+        model, layout, selection = self.model, self.layout, self.selection
+        count = self.count
+        if isinstance(selection, QueryTopK):
+            self.probe_token_layers = layout.fresh * (selection.probe_layers - 1)
+            model.qkv_token_layers += layout.fresh * selection.probe_layers
+            model.attention_token_layers += self.probe_token_layers
+        last = model.num_layers - 1
+        for layer in range(model.num_layers):
+            self.qkv_counts.append(count)
+            if layer in self.checks:
+                count = layout.fresh + self.checks[layer]
+            self.attended_counts.append(1 if layer == last else count)
         model.qkv_token_layers += sum(self.qkv_counts)
         model.attention_token_layers += sum(self.attended_counts)
         self.cache.length = self.plan.num_tokens
-        # the one read back: which positions the last layer recomputed
-        return logits, rows[:count].cpu(), self.cache
+
+    def recomputed(self, rows: torch.Tensor) -> torch.Tensor:
+        """The one read back: which positions the last layer recomputed (on the host)."""
+        final = self.layout.fresh + self.checks[max(self.checks)] if self.checks else self.count
+        return rows[:final].cpu()
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
+        """Fuse; returns the next token's logits [V] (float32), the recomputed positions of the last layer
+        (on the host) and the cache (positions 0..T-1 filled)."""
+        self.prepare()
+        logits, rows = self.compute()
+        self._hook(-1)
+        self.account()
+        return logits[0], self.recomputed(rows), self.cache
 
     def _hook(self, layer: int) -> None:
         if self.hook is not None:

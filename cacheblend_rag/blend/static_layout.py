@@ -19,7 +19,7 @@ module-by-module path.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
@@ -86,6 +86,11 @@ class StaticLayout:
     no_chunk: int  # C: the zero slot
     shift_tables: tuple[torch.Tensor, torch.Tensor]  # [Tb, d] float32 unscaled cos, signed sin
     rope_tables: tuple[torch.Tensor, torch.Tensor]  # [Tb, d] in the model's dtype, scaled as RoPE is
+
+    @classmethod
+    def tensor_fields(cls) -> tuple[str, ...]:
+        """The fields holding tensors (alone or in a tuple): what differs between prompts of one bucket."""
+        return tuple(f.name for f in fields(cls) if f.type not in ("int",))
 
     @property
     def dummy(self) -> int:

@@ -47,6 +47,20 @@ def place(
     values.index_copy_(1, index, chunk_v.to(values.dtype))
 
 
+def place_layers(
+    storage: torch.Tensor,
+    staged: torch.Tensor,
+    index: torch.Tensor,
+    rerotation: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """:func:`place` for every layer at once: ``staged`` [L, 2, Hkv, Ncb, d] (each layer's cached K and V
+    joined) into ``storage`` [L, 2, 1, Hkv, Tb, d] at positions ``index``, keys re-rotated (float32)."""
+    cos, sin_signed = rerotation
+    rotated = rotate(staged[:, 0].float(), cos, sin_signed)
+    storage[:, 0, 0].index_copy_(2, index, rotated.to(storage.dtype))
+    storage[:, 1, 0].index_copy_(2, index, staged[:, 1].to(storage.dtype))
+
+
 def probe_layer(
     w: LayerWeights,
     fw: FusedWeights,
@@ -180,7 +194,7 @@ def shift_inputs(
     measure_slot: torch.Tensor,
     move_slot: torch.Tensor,
     chunks: int,
-    no_chunk: int,
+    no_chunk: torch.Tensor,
     unrotate: tuple[torch.Tensor, torch.Tensor],
     rotate_tables: tuple[torch.Tensor, torch.Tensor],
 ) -> ShiftInputs:

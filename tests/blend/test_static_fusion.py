@@ -7,42 +7,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from op_counting import LayerOps, text_ids
+from op_counting import LayerOps
+from static_prompts import prompt_maker
 
-from cacheblend_rag.blend import ChunkKV, Fusor, Segment, get_method, parse_method, static_steps
+from cacheblend_rag.blend import Fusor, Segment, get_method, parse_method, static_steps
 from cacheblend_rag.blend.plan import FusionPlan
 from cacheblend_rag.blend.static import EAGER_STEPS, Steps
 from cacheblend_rag.blend.static_layout import StaticLayout
-from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
 from cacheblend_rag.models.fused import fused_weights, prefill_layer, signed_sin
-
-
-def chunk_kv(model, ids) -> ChunkKV:
-    _, cache = model.prefill(list(ids))
-    n = len(ids)
-    return ChunkKV(
-        [k[0, :, :n].clone() for k in cache.keys],
-        [v[0, :, :n].clone() for v in cache.values],
-        model.fingerprint,
-    )
 
 
 @pytest.fixture(scope="module")
 def make_prompt(model):
-    ids = text_ids(model)
-    made: dict[tuple, list[Segment]] = {}
-
-    def make(num_chunks: int, chunk_tokens: int, question: str = "Who founded the company?") -> list[Segment]:
-        key = (num_chunks, chunk_tokens, question)
-        if key not in made:
-            chunks = []
-            for i in range(num_chunks):
-                piece = tuple(ids[i * chunk_tokens : (i + 1) * chunk_tokens])
-                chunks.append(ChunkRef(piece, None, chunk_kv(model, piece)))
-            made[key] = PromptBuilder(model.tokenizer).rag_segments(question, chunks)
-        return made[key]
-
-    return make
+    return prompt_maker(model)
 
 
 def counted(model, segments, method, **fusor_options) -> tuple[LayerOps, object]:

@@ -134,7 +134,7 @@ def test_benchmarks_gpu_tables_are_the_saved_runs_rendered():
     there is typed by hand or estimated."""
     repo = SCRIPT.parents[1]
     page = (repo / "BENCHMARKS.md").read_text()
-    for name in ("gpu-check-h200.json", "gpu-check-h200-before.json", "gpu-check-h200-batch.json"):
+    for name in ("gpu-check-h100.json", "gpu-check-h100-1.5b.json", "gpu-check-h100-compile-default.json"):
         rendered = run("--render", str(repo / "docs" / "results" / name))
         assert rendered.returncode == 0, rendered.stderr
         assert rendered.stdout.strip() in page, f"BENCHMARKS.md does not show {name} as rendered"
