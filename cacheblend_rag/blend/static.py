@@ -297,6 +297,7 @@ class StaticFusion:
                         values,
                         narrowing,
                         layout.rope_tables,
+                        shift,
                     )
                     shift = self._shift_inputs(rows) if self.shifts else None
                 else:

@@ -225,14 +225,19 @@ def check_layer(
     values: torch.Tensor,
     narrowing: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, str],
     rope_tables: tuple[torch.Tensor, torch.Tensor],
+    shift: ShiftInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """An HKVD check layer: every row's K/V computed and written, the rows narrowed (:func:`narrow`,
     ``narrowing`` = its row bias, fresh rows, budget, size and signal), and the chosen rows alone attend
-    and finish the layer. Returns their hidden states, positions, RoPE tables and mask."""
+    and finish the layer. Returns their hidden states, positions, RoPE tables and mask. ``shift`` (after an
+    earlier check has left cached rows): the correction of the rows computed here, measured against the
+    cached K/V after the deviation is, as the layer passes order them."""
     q, k, v = project(w, hidden, *tables, fw)
     row_bias, fresh_rows, budget, size, signal = narrowing
     dummy = keys.shape[1] - 1
     chosen, where = narrow(k, v, keys, values, rows, row_bias, fresh_rows, budget, size, signal, dummy)
+    if shift is not None:
+        apply_shift(keys, values, rows, k, v, shift)
     keys.index_copy_(1, rows, k)
     values.index_copy_(1, rows, v)
     hidden, q = hidden.index_select(0, where), q.index_select(1, where)

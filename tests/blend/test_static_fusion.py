@@ -38,12 +38,8 @@ def counted(model, segments, method, **fusor_options) -> tuple[LayerOps, object]
         "cacheblend@ratio=0.15,shift=false",
         "cacheblend_hkvd@0.15",
         "cacheblend_hkvd@ratio=0.15,signal=v",
-        # two check layers: the static path selects the same rows but its logits differ (0.52 at most on
-        # this prompt, as before the HKVD rule was a method of its own); strict, so a fix shows
-        pytest.param(
-            "cacheblend_hkvd@ratio=0.15,schedule=[[1,2.0],[3,1.0]]",
-            marks=pytest.mark.xfail(strict=True, reason="static HKVD with two check layers differs"),
-        ),
+        # two check layers: the second check corrects the chunks by the rows the first kept
+        "cacheblend_hkvd@ratio=0.15,schedule=[[1,2.0],[3,1.0]]",
         "cacheblend@ratio=0.3,probe_depth=6",
         "full_reuse",
         "epic",

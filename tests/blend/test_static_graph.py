@@ -34,7 +34,15 @@ def _graph_fusor(model) -> Fusor:
 
 @pytest.mark.parametrize(
     "spec",
-    ["cacheblend", "cacheblend_hkvd", "cacheblend_hkvd@signal=v", "full_reuse", "epic", "cacheblend@ratio=1"],
+    [
+        "cacheblend",
+        "cacheblend_hkvd",
+        "cacheblend_hkvd@signal=v",
+        "cacheblend_hkvd@ratio=0.15,schedule=[[1,2.0],[3,1.0]]",
+        "full_reuse",
+        "epic",
+        "cacheblend@ratio=1",
+    ],
 )
 def test_a_replay_fuses_each_prompt_as_its_own_static_fusion(model, make_prompt, spec):
     method = parse_method(spec).build()
