@@ -82,6 +82,13 @@ class Config(BaseModel):
         "reading back, blend/static.py), 'layers' (module-by-module layer passes) or 'auto' (static on an "
         "accelerator, layers on the CPU, where they are faster).",
     )
+    fusion_compile: Literal["none", "default", "graphs"] = Field(
+        "none",
+        description="How the static fusion's work reaches the device: 'none' (each step launched as it "
+        "is), 'default' (the steps compiled by torch.compile's Inductor: fewer, fused kernels, a compile "
+        "per size bucket on first use) or 'graphs' (each fusion replayed as one CUDA graph per size bucket, "
+        "blend/static_graph.py). See BENCHMARKS.md, section gpu.",
+    )
     # 16: the chunker's floor (a chunk must reach a character boundary); 32768: beyond any context we run
     chunk_tokens: int = Field(
         DEFAULT_CHUNK_TOKENS, ge=16, le=32768, description="Maximum tokens per chunk at ingest."

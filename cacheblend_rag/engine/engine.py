@@ -118,7 +118,8 @@ class Engine(PromptSegments):
             writable=not store.read_only,
         )
         static = {"auto": None, "static": True, "layers": False}[config.fusion]
-        self.fusor = Fusor(self.model, static=static)
+        compile_mode = None if config.fusion_compile == "none" else config.fusion_compile
+        self.fusor = Fusor(self.model, static=static, compile_mode=compile_mode)
         self.prompts = prompt_builder or PromptBuilder(self.model.tokenizer)
         # The model's forward is not re-entrant across threads: every forward (prefill, fusion, decode
         # step, here or in a BatchScheduler) holds this lock, the model's own, so engines sharing a

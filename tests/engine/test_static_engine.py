@@ -69,3 +69,29 @@ def test_the_static_engine_fusion_equals_the_layer_passes_on_int8_chunks(model, 
     assert (results[0].logits - results[1].logits).abs().max().item() < 2e-4
     static.close()
     layers.close()
+
+
+def test_an_engine_set_to_replay_graphs_fuses_each_request_as_the_static_path(model, ids, tmp_path):
+    config = Config(fusion="static", fusion_compile="graphs")
+    graphs = Engine(
+        model, store=KVStore(tmp_path / "g", model.fingerprint, model.shape, "int8"), config=config
+    )
+    static = _engine(model, tmp_path / "s", "static")
+    assert graphs.fusor.graphs is not None and static.fusor.graphs is None
+    # the same buckets, other chunks: the replay must place this request's KV and read its tokens
+    requests = [(0, "Who founded the company?"), (6, "Who founded the company?")]
+    for offset, question in requests:
+        outs = []
+        for engine in (graphs, static):
+            refs = [
+                ChunkRef(tuple(ids[(offset + i) * 128 : (offset + i + 1) * 128]), f"c{offset + i}")
+                for i in range(6)
+            ]
+            outs.append(
+                engine.fuse(engine.rag_segments(question, refs, "cacheblend"), get_method("cacheblend"))
+            )
+        assert torch.equal(outs[0].logits, outs[1].logits)
+        assert torch.equal(outs[0].selected, outs[1].selected)
+    assert len(graphs.fusor.graphs) == 1
+    graphs.close()
+    static.close()
