@@ -7,9 +7,13 @@ measured side by side), through :func:`~cacheblend_rag.engine.fidelity.compare_m
 agreement F1, averaged by the same :func:`~cacheblend_rag.engine.fidelity.method_table`.
 
 A verdict on a target agreement is given only when the evidence supports it: each method's first-token
-agreement comes with its count (k of n questions) and a 95 % Wilson score interval, and a ratio meets the
-target only when the whole interval clears it. A handful of questions cannot tell 0.9 from 1.0, so with
-too few the report says how many more are needed instead of a verdict that one more question would flip.
+agreement comes with its count (k of n questions) and a 95 % Wilson score interval, on all questions and
+on the decisive ones alone (full prefill's first token leads its runner-up by at least the decisive margin,
+:data:`~cacheblend_rag.config.DECISIVE_MARGIN` nats by default; the rest are near-ties, counted apart). The
+verdict reads the decisive agreement: on a near-tie full prefill itself could have gone either way, so a
+method picking the runner-up there says nothing of its fidelity. A ratio meets the target only when the
+whole interval clears it. A handful of questions cannot tell 0.9 from 1.0, so with too few the report says
+how many more are needed instead of a verdict that one more question would flip.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from .blend.spec import MethodSpec
-from .config import DEFAULT_CHECK_MAX_TOKENS, Config
+from .config import DECISIVE_MARGIN, DEFAULT_CHECK_MAX_TOKENS, Config
 from .corpus.corpus import Corpus, RetrievedChunk
 from .engine import ChunkRef, EngineProtocol, SamplingParams
 from .engine.fidelity import REFERENCE, MethodRun, compare_methods, method_table, store_in_ram
+from .engine.metrics import check_decisive_margin
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +69,14 @@ class CheckRow:
     agreeing: int = 0  # k: the questions whose first token equals full prefill's
     agreement_low: float = 0.0  # 95 % Wilson interval of the first-token agreement
     agreement_high: float = 1.0
-    # the same on decisive questions (full prefill's first token leads by >= DECISIVE_MARGIN nats) alone;
-    # the rest are near-ties, where full prefill itself could have gone either way
+    # the same on decisive questions alone (full prefill's first token leads by >= the decisive margin),
+    # which the verdict reads; the rest are near-ties, where full prefill itself could have gone either way
     decisive_questions: int = 0
     decisive_agreeing: int = 0
+    decisive_low: float = 0.0
+    decisive_high: float = 1.0
+    near_tie_questions: int = 0
+    near_tie_agreeing: int = 0
 
 
 @dataclass
@@ -84,9 +93,10 @@ class CheckReport:
     target_note: str
     max_new_tokens: int
     cases: list[dict[str, Any]] = field(default_factory=list)
-    # about how many more questions would settle the cheapest ratio whose interval straddles the target
-    # (None: no such ratio, or its observed agreement sits on the target itself)
+    # about how many more questions would settle the cheapest ratio whose decisive interval straddles the
+    # target (None: no such ratio, it had no decisive question, or its agreement sits on the target itself)
     more_questions_needed: int | None = None
+    decisive_margin: float = DECISIVE_MARGIN  # nats: at or above, a question is decisive
 
     def row(self, label: str) -> CheckRow:
         return next(r for r in self.rows if r.label == label)
@@ -96,9 +106,14 @@ class CheckReport:
 
 
 def check_options(
-    ratios: Sequence[float | None], target_agreement: float | None, max_new_tokens: int, sample: int
+    ratios: Sequence[float | None],
+    target_agreement: float | None,
+    max_new_tokens: int,
+    sample: int,
+    decisive_margin: float = DECISIVE_MARGIN,
 ) -> None:
     """Refuse bad options with a clear ValueError (the CLI calls this before loading anything)."""
+    check_decisive_margin(decisive_margin)
     if not ratios:
         raise ValueError("give at least one ratio")
     for ratio in ratios:
@@ -166,10 +181,11 @@ def run_check(
     max_new_tokens: int = DEFAULT_CHECK_MAX_TOKENS,
     sample: int = 20,
     top_k: int | None = None,
+    decisive_margin: float = DECISIVE_MARGIN,
 ) -> CheckReport:
     """See :meth:`CacheBlendRAG.check` (the defaults are ``rag.config``'s)."""
     ratios = list(ratios) if ratios is not None else [rag.config.ratio]
-    check_options(ratios, target_agreement, max_new_tokens, sample)
+    check_options(ratios, target_agreement, max_new_tokens, sample, decisive_margin)
     sampled = questions is None
     asked = sample_questions(rag.corpus, sample) if questions is None else clean_questions(questions)
     engine = rag.engine  # scored from what it returns: each answer's diagnostics
@@ -194,16 +210,30 @@ def run_check(
             }
         )
         log.info("check: question %d of %d (%d prompt tokens)", number + 1, len(asked), prompt_tokens)
-    table = method_table(cases, [run.label for run in runs])
+    table = method_table(cases, [run.label for run in runs], decisive_margin)
     rows = [_row(run.label, run.spec.ratio, table[run.label], cases) for run in runs]
     lowest, note, needed = verdict(rows[1:], target_agreement)
-    return CheckReport(rows, asked, sampled, target_agreement, lowest, note, max_new_tokens, cases, needed)
+    return CheckReport(
+        rows=rows,
+        questions=asked,
+        sampled=sampled,
+        target_agreement=target_agreement,
+        lowest_ratio_meeting_target=lowest,
+        target_note=note,
+        max_new_tokens=max_new_tokens,
+        cases=cases,
+        more_questions_needed=needed,
+        decisive_margin=decisive_margin,
+    )
 
 
 def _row(label: str, ratio: float | None, entry: dict[str, Any], cases: Sequence[dict[str, Any]]) -> CheckRow:
     records = [c["methods"][label] for c in cases if label in c["methods"]]
     agreeing = sum(bool(r["first_token_agreement"]) for r in records)
     low, high = wilson_interval(agreeing, len(records))
+    # the split's counts come from the table (metrics.agreement_split decides which case is which)
+    decisive, decisive_agreeing = entry.get("decisive_cases", 0), entry.get("decisive_agreeing", 0)
+    decisive_low, decisive_high = wilson_interval(decisive_agreeing, decisive)
     return CheckRow(
         label=label,
         ratio=ratio,
@@ -218,8 +248,12 @@ def _row(label: str, ratio: float | None, entry: dict[str, Any], cases: Sequence
         agreeing=agreeing,
         agreement_low=low,
         agreement_high=high,
-        decisive_questions=entry.get("decisive_cases", 0),
-        decisive_agreeing=entry.get("decisive_agreeing", 0),
+        decisive_questions=decisive,
+        decisive_agreeing=decisive_agreeing,
+        decisive_low=decisive_low,
+        decisive_high=decisive_high,
+        near_tie_questions=entry.get("near_tie_cases", 0),
+        near_tie_agreeing=entry.get("near_tie_agreeing", 0),
     )
 
 
@@ -259,21 +293,30 @@ def more_questions_needed(successes: int, trials: int, target: float) -> int | N
 
 
 def verdict(rows: Sequence[CheckRow], target: float | None) -> tuple[float | None, str, int | None]:
-    """The lowest ratio whose agreement interval lies wholly at or above ``target``, with the reason,
-    or None with the reason; and, when more questions would settle a cheaper ratio whose interval
-    straddles the target, about how many. Among equally good rows the cheaper (lower ratio) is named."""
+    """The lowest ratio whose decisive agreement interval lies wholly at or above ``target``, with the
+    reason, or None with the reason; and, when more questions would settle a cheaper ratio whose interval
+    straddles the target, about how many. Among equally good rows the cheaper (lower ratio) is named.
+
+    Only decisive questions count: a near-tie that a method resolves the other way is no evidence against
+    it (full prefill's own pick there turns on noise), and would otherwise hold every ratio off the target.
+    """
     if target is None:
         return None, "no target agreement given", None
     with_ratio = sorted((r for r in rows if r.ratio is not None), key=lambda r: r.ratio)
     if not with_ratio:
         return None, "the method was run without a recompute ratio", None
-    meeting = next((r for r in with_ratio if r.agreement_low >= target), None)
+    meeting = next((r for r in with_ratio if r.decisive_questions and r.decisive_low >= target), None)
     cheaper = [r for r in with_ratio if meeting is None or r.ratio < meeting.ratio]
-    undecided = next((r for r in cheaper if r.agreement_high >= target), None)
+    undecided = next((r for r in cheaper if r.decisive_high >= target), None)
     needed = None
     if undecided is not None:
-        needed = more_questions_needed(undecided.agreeing, undecided.questions, target)
-        more = f"about {needed} more needed to tell" if needed is not None else "its agreement is the target"
+        needed = _questions_needed(undecided, target)
+        if needed is not None:
+            more = f"about {needed} more needed to tell"
+        elif not undecided.decisive_questions:
+            more = "no decisive question yet: ask more"
+        else:
+            more = "its agreement is the target"
         open_question = f"{undecided.label} ({_evidence(undecided)}): {more}"
     if meeting is not None:
         note = f"{meeting.label}: {_evidence(meeting)}, the whole interval >= {target}"
@@ -283,13 +326,27 @@ def verdict(rows: Sequence[CheckRow], target: float | None) -> tuple[float | Non
     if undecided is not None:
         return None, f"not enough questions for a verdict on {target}: {open_question}", needed
     # ties on the evidence go to the cheaper ratio: max keeps the first of equals, in ascending ratio order
-    best = max(with_ratio, key=lambda r: (r.agreement_high, r.first_token_agreement))
-    note = f"no ratio tried reaches first-token agreement {target} (best: {best.label}, {_evidence(best)})"
+    best = max(
+        with_ratio, key=lambda r: (r.decisive_high, r.decisive_agreeing / max(1, r.decisive_questions))
+    )
+    note = (
+        f"no ratio tried reaches decisive first-token agreement {target} (best: {best.label}, "
+        f"{_evidence(best)})"
+    )
     return None, note + "; try higher ratios", None
+
+
+def _questions_needed(row: CheckRow, target: float) -> int | None:
+    """More questions of all kinds that would settle ``row``'s decisive interval, if this run's share of
+    decisive questions holds (the user asks questions, not decisive ones); None without a decisive one."""
+    decisive = more_questions_needed(row.decisive_agreeing, row.decisive_questions, target)
+    if decisive is None:
+        return None
+    return math.ceil(decisive * row.questions / row.decisive_questions)
 
 
 def _evidence(row: CheckRow) -> str:
     return (
-        f"{row.agreeing}/{row.questions} first tokens agree, 95% CI "
-        f"{row.agreement_low:.2f}-{row.agreement_high:.2f}"
+        f"{row.decisive_agreeing}/{row.decisive_questions} decisive first tokens agree, 95% CI "
+        f"{row.decisive_low:.2f}-{row.decisive_high:.2f}"
     )

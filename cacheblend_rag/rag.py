@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .blend.spec import MethodSpec
-from .config import DEFAULT_CHECK_MAX_TOKENS, Config
+from .config import DECISIVE_MARGIN, DEFAULT_CHECK_MAX_TOKENS, Config
 from .corpus.corpus import Corpus, RetrievedChunk
 from .engine import (
     BatchRequest,
@@ -246,19 +246,24 @@ class CacheBlendRAG:
         top_k: int | None = None,
         *,
         max_tokens: int | None = None,
+        decisive_margin: float = DECISIVE_MARGIN,
     ) -> CheckReport:
         """Evidence on this model and corpus before turning KV reuse on: answer each question (retrieved
         for as :meth:`query` does) by full prefill and by ``method`` (default: the settings') at each of
         ``ratios`` (default: the ``ratio`` setting), side by side, and report per method the first-token
-        agreement, mean first-token KL and agreement F1 against full prefill (``eval``'s metrics), median
-        TTFT and the median speed-up, and the lowest ratio whose first-token agreement reaches
-        ``target_agreement``. Without ``questions``, ``sample`` questions are derived from the corpus's
-        chunks (:func:`~cacheblend_rag.check.sample_questions` gives the rule). ``max_tokens`` is
+        agreement (on all questions, on decisive ones, where full prefill's first token leads its
+        runner-up by at least ``decisive_margin`` nats, and on the near-ties left), mean first-token KL
+        and agreement F1 against full prefill (``eval``'s metrics), median TTFT and the median speed-up,
+        and the lowest ratio whose decisive first-token agreement reaches ``target_agreement``. Without
+        ``questions``, ``sample`` questions are derived from the corpus's chunks
+        (:func:`~cacheblend_rag.check.sample_questions` gives the rule). ``max_tokens`` is
         ``max_new_tokens`` under the name every other entry point uses. Needs the PyTorch engine."""
         from .check import run_check
 
         budget = max_new_tokens if max_tokens is None else max_tokens
-        return run_check(self, questions, ratios, method, target_agreement, budget, sample, top_k)
+        return run_check(
+            self, questions, ratios, method, target_agreement, budget, sample, top_k, decisive_margin
+        )
 
     def _prepare(
         self, question: str, top_k: int | None, chunk_ids: Sequence[str] | None, method: MethodSpec

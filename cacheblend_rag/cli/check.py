@@ -58,10 +58,18 @@ def check_command(
         float | None,
         typer.Option(
             "--target-agreement",
-            help="Name the lowest ratio whose first-token agreement with full prefill surely reaches this "
-            "(its whole 95% interval); with too few questions, how many more are needed.",
+            help="Name the lowest ratio whose first-token agreement with full prefill on decisive questions "
+            "surely reaches this (its whole 95% interval); with too few questions, how many more are needed.",
         ),
     ] = None,
+    decisive_margin: Annotated[
+        float,
+        typer.Option(
+            "--decisive-margin",
+            help="Nats by which full prefill's first token must lead its runner-up for a question to be "
+            "decisive; the rest are near-ties, reported apart and left out of the verdict.",
+        ),
+    ] = DECISIVE_MARGIN,
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", help="Most tokens per answer (first tokens decide agreement).")
     ] = DEFAULT_CHECK_MAX_TOKENS,
@@ -80,7 +88,7 @@ def check_command(
     ratio_list = parse_list(ratios, float, "--ratios") if ratios is not None else None
     asked = read_questions(questions) if questions is not None else None
     try:
-        check_options(ratio_list or [None], target_agreement, max_tokens, sample)
+        check_options(ratio_list or [None], target_agreement, max_tokens, sample, decisive_margin)
         settings = use_kv_remote(kv_remote)
     except (CacheBlendError, ValueError) as exc:
         print_error(err_console, exc)
@@ -88,7 +96,16 @@ def check_command(
     try:
         rag = CacheBlendRAG(corpus, model=model, engine_kind="torch", config=settings)
         try:
-            report = rag.check(asked, ratio_list, method, target_agreement, max_tokens, sample, top_k)
+            report = rag.check(
+                asked,
+                ratio_list,
+                method,
+                target_agreement,
+                max_tokens,
+                sample,
+                top_k,
+                decisive_margin=decisive_margin,
+            )
         finally:
             rag.close()
     except (CacheBlendError, ValueError) as exc:
@@ -101,50 +118,63 @@ def check_command(
 
 
 def print_report(report: CheckReport, source: str) -> None:
-    """The report as a table that fits an 80-column terminal (short headers, explained below it), then
-    the verdict: a ratio only when the agreement's whole 95 % interval clears the target."""
+    """The report as two tables that fit an 80-column terminal (short headers, explained below them):
+    first-token agreement on all, decisive and near-tie questions, then the other fidelity and speed
+    numbers; then the verdict: a ratio only when the decisive agreement's whole 95 % interval clears the
+    target."""
     n = len(report.questions)
     console.print(
         f"{n} question{'s' * (n != 1)} {shown(source)}, answers of at most {report.max_new_tokens} tokens",
         highlight=False,
     )
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    table.add_column("method", overflow="fold")
-    for column in ("agree", "95% CI", "KL", "F1", "TTFT ms", "speed-up", "recomp."):
-        table.add_column(column, justify="right", no_wrap=True)
+    agreement = _table("agree", "95% CI", "decisive", "95% CI", "near-tie")
     for row in report.rows:
-        table.add_row(
+        agreement.add_row(
             shown(row.label),
             f"{row.agreeing}/{row.questions}",
             f"{row.agreement_low:.2f}-{row.agreement_high:.2f}",
+            f"{row.decisive_agreeing}/{row.decisive_questions}",
+            f"{row.decisive_low:.2f}-{row.decisive_high:.2f}" if row.decisive_questions else "-",
+            f"{row.near_tie_agreeing}/{row.near_tie_questions}",
+        )
+    console.print(agreement)
+    console.print(
+        "agree: questions whose first token equals full prefill's, with its 95% Wilson interval; decisive: "
+        f"those where full prefill's first token leads its runner-up by >= {report.decisive_margin:g} nats "
+        "(the verdict reads these); near-tie: the rest",
+        highlight=False,
+    )
+    fidelity = _table("KL", "F1", "TTFT ms", "speed-up", "recomp.")
+    for row in report.rows:
+        fidelity.add_row(
+            shown(row.label),
             f"{row.kl_first_token:.4f}",
             f"{row.agreement_f1:.3f}",
             f"{row.ttft_median_s * 1000:.0f}",
             f"{row.speedup_median:.2f}x",
             f"{row.chunk_recompute_ratio:.3f}",
         )
-    console.print(table)
+    console.print(fidelity)
     console.print(
-        "agree: questions whose first token equals full prefill's, with its 95% Wilson interval; KL: mean "
-        "first-token KL; F1: answer agreement F1; TTFT, speed-up: medians; recomp.: share of chunk tokens "
-        "recomputed",
-        highlight=False,
-    )
-    reference = report.rows[0]
-    console.print(
-        f"decisive questions (full prefill's first token leads by >= {DECISIVE_MARGIN} nats): "
-        f"{reference.decisive_questions} of {reference.questions}; agreement on them: "
-        + ", ".join(
-            f"{shown(r.label)} {r.decisive_agreeing}/{r.decisive_questions}" for r in report.rows[1:]
-        ),
+        "KL: mean first-token KL; F1: answer agreement F1; TTFT, speed-up: medians; recomp.: share of chunk "
+        "tokens recomputed",
         highlight=False,
     )
     if report.target_agreement is None:
         return
     found = report.lowest_ratio_meeting_target
     head = (
-        f"verdict: ratio {found:g} meets first-token agreement {report.target_agreement}"
+        f"verdict: ratio {found:g} meets decisive first-token agreement {report.target_agreement}"
         if found is not None
         else "no verdict"
     )
     console.print(f"{head} ({shown(report.target_note)})", highlight=False)
+
+
+def _table(*columns: str) -> Table:
+    """A compact table: the method's label (folded when long), then right-aligned number columns."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("method", overflow="fold")
+    for column in columns:
+        table.add_column(column, justify="right", no_wrap=True)
+    return table

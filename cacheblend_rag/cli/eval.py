@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..config import DEFAULT_CHUNK_TOKENS
+from ..config import DECISIVE_MARGIN, DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
 from .output import print_error, shown
 
@@ -53,7 +53,11 @@ def parse_list(text: str, kind: type, option: str) -> list:
 def eval_command(
     data: Annotated[
         str,
-        typer.Option("--data", help="A data file ({question, answers, ctxs} JSON) or musique / multinews."),
+        typer.Option(
+            "--data",
+            help="A data file ({question, answers, ctxs} JSON) or musique, musique-heldout or multinews "
+            "(cut with --chunk-tokens: --data multinews --chunk-tokens 128 is its short-passage set).",
+        ),
     ] = "musique",
     methods: Annotated[
         str,
@@ -123,6 +127,15 @@ def eval_command(
             "computed once per case) once per codec; the first is the baseline of the deltas table.",
         ),
     ] = None,
+    decisive_margin: Annotated[
+        float,
+        typer.Option(
+            "--decisive-margin",
+            min=0.0,
+            help="Nats by which full prefill's first token must lead its runner-up for a case to be "
+            "decisive; first-token agreement is reported on decisive cases and on near-ties apart.",
+        ),
+    ] = DECISIVE_MARGIN,
 ) -> None:
     """Answer each case with every method; score against the gold answers and the full_recompute answer."""
     from ..blend.spec import split_specs
@@ -163,6 +176,7 @@ def eval_command(
                 "--model": model,
                 "--engine": engine if engine != "torch" else None,
                 "--kv-dtypes": kv_dtypes,
+                "--decisive-margin": decisive_margin if decisive_margin != DECISIVE_MARGIN else None,
                 "--json": json_path,
                 "--markdown": markdown,
                 "--plot": plot,
@@ -186,6 +200,7 @@ def eval_command(
             chunk_context=chunk_context,
             kv_dtypes=tuple(parse_list(kv_dtypes, str, "--kv-dtypes")) if kv_dtypes else (),
             engine=engine,
+            decisive_margin=decisive_margin,
         )
 
         def progress(done: int, total: int, record: dict) -> None:
@@ -210,6 +225,8 @@ def eval_command(
 
 
 def _print_summary(results: dict) -> None:
+    from ..eval.report import split_cells
+
     summary = results["summary"]
     table = Table(title=f"{shown(results['config']['dataset'])}: {summary['cases']} cases")
     for column in (
@@ -219,26 +236,30 @@ def _print_summary(results: dict) -> None:
         "gold",
         "agreement",
         "1st token",
+        "decisive (n)",
+        "near-tie (n)",
         "KL",
         "NLL ref",
     ):
         table.add_column(column, justify="right")
+
+    def cells(e: dict, *keys: str) -> list[str]:
+        return [f"{e[key]:.3f}" if e.get(key) is not None else "–" for key in keys]
+
     for label, e in summary["methods"].items():
         table.add_row(
             shown(label),
-            *(
-                f"{e[key]:.3f}" if e.get(key) is not None else "–"
-                for key in (
-                    "chunk_recompute_ratio",
-                    "ttft_median_s",
-                    "gold",
-                    "agreement_f1",
-                    "first_token_agreement",
-                    "kl_first_token",
-                    "nll_reference",
-                )
+            *cells(
+                e, "chunk_recompute_ratio", "ttft_median_s", "gold", "agreement_f1", "first_token_agreement"
             ),
+            *split_cells(e),
+            *cells(e, "kl_first_token", "nll_reference"),
         )
     console.print(table)
+    margin = summary.get("decisive_margin", DECISIVE_MARGIN)
+    console.print(
+        f"decisive: full prefill's first token leads its runner-up by >= {margin:g} nats; near-tie: the rest",
+        highlight=False,
+    )
     for check in summary["checks"]:
         console.print(f"{'PASS' if check['passed'] else 'FAIL'}: {check['claim']}", highlight=False)

@@ -25,7 +25,7 @@ from ..blend.methods import Reuse, next_token_lead
 from ..blend.spec import MethodSpec
 from ..config import DECISIVE_MARGIN
 from .base import EngineProtocol
-from .metrics import kl_divergence, qa_f1
+from .metrics import agreement_split, kl_divergence, log_margin, qa_f1
 from .prompt import ChunkRef, PromptBuilder
 from .sampling import SamplingParams
 
@@ -120,7 +120,8 @@ class MethodRecord:
     # cacheblend's budget=margin reads from its probe)
     first_token_margin: float | None = None
     # full prefill's top first-token log-probability minus its runner-up's, in nats (the same for every
-    # method of a case): at DECISIVE_MARGIN or more the case's first token is decisive, else a near-tie
+    # method of a case): the threshold splitting decisive cases from near-ties is applied when records are
+    # summarised (metrics.agreement_split), so a results file can be read again at another
     reference_margin: float | None = None
     # eval's scores against the gold answers
     gold: float | None = None
@@ -209,34 +210,13 @@ def compare_methods(
     return records, prompt_tokens
 
 
-def log_margin(logprobs: torch.Tensor) -> float:
-    """A next-token distribution's top log-probability minus the runner-up's, in nats ([V])."""
-    top = logprobs.float().topk(2).values
-    return float(top[0] - top[1])
-
-
-def agreement_split(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """First-token agreement apart on decisive cases (full prefill's margin >= :data:`DECISIVE_MARGIN`) and
-    on near-ties, with their counts; empty where the records carry no reference margin."""
-    scored = [r for r in rows if r.get("reference_margin") is not None]
-    if not scored:
-        return {}
-    out: dict[str, Any] = {}
-    for kind, chosen in (
-        ("decisive", [r for r in scored if r["reference_margin"] >= DECISIVE_MARGIN]),
-        ("near_tie", [r for r in scored if r["reference_margin"] < DECISIVE_MARGIN]),
-    ):
-        out[f"{kind}_cases"] = len(chosen)
-        out[f"{kind}_agreeing"] = sum(bool(r["first_token_agreement"]) for r in chosen)
-        if chosen:
-            out[f"first_token_agreement_{kind}"] = out[f"{kind}_agreeing"] / len(chosen)
-    return out
-
-
-def method_table(cases: Sequence[dict[str, Any]], labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+def method_table(
+    cases: Sequence[dict[str, Any]], labels: Sequence[str], decisive_margin: float = DECISIVE_MARGIN
+) -> dict[str, dict[str, Any]]:
     """Per label over ``cases`` (each with its records under ``"methods"``): the means of
-    :data:`MEAN_FIELDS`, first-token agreement on decisive cases and near-ties (:func:`agreement_split`),
-    the median and mean TTFT, and the median per-case speed-up over the reference."""
+    :data:`MEAN_FIELDS`, first-token agreement on decisive cases (full prefill's margin >=
+    ``decisive_margin`` nats) and near-ties (:func:`~.metrics.agreement_split`), the median and mean TTFT,
+    and the median per-case speed-up over the reference."""
     table: dict[str, dict[str, Any]] = {}
     for label in labels:
         rows = [c["methods"][label] for c in cases if label in c["methods"]]
@@ -247,7 +227,7 @@ def method_table(cases: Sequence[dict[str, Any]], labels: Sequence[str]) -> dict
             values = [float(r[name]) for r in rows if r.get(name) is not None]
             if values:
                 entry[name] = statistics.fmean(values)
-        entry.update(agreement_split(rows))
+        entry.update(agreement_split(rows, decisive_margin))
         entry["ttft_median_s"] = statistics.median(r["ttft_s"] for r in rows)
         entry["ttft_mean_s"] = statistics.fmean(r["ttft_s"] for r in rows)
         speedups = [

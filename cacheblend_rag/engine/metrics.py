@@ -6,17 +6,24 @@
 - :func:`kl_divergence`: KL(P_reference || P) of two next-token distributions given as logits.
 - :func:`continuation_nll`: mean teacher-forced negative log-likelihood of a token sequence continuing a
   prompt cache (used on each method's fused cache).
+- :func:`log_margin` and :func:`agreement_split`: full prefill's first-token margin (top log-probability
+  minus the runner-up's) and first-token agreement apart on decisive cases (margin >= a threshold,
+  :data:`~cacheblend_rag.config.DECISIVE_MARGIN` by default) and near-ties, the one place eval and check
+  decide which is which.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from ..config import DECISIVE_MARGIN
 from ..models.runtime import KVCache, LayerwiseModel
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -65,6 +72,45 @@ def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float
     ref = torch.log_softmax(reference_logits.double(), dim=-1)
     other = torch.log_softmax(logits.double(), dim=-1)
     return float((ref.exp() * (ref - other)).sum().clamp_min(0.0))
+
+
+def log_margin(logits: torch.Tensor) -> float:
+    """A next-token distribution's top log-probability minus the runner-up's, in nats, from logits or
+    log-probabilities ([V]; the log-softmax shifts both by the same amount, so the difference is one)."""
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def check_decisive_margin(margin: float) -> float:
+    """``margin`` if it can split cases (a finite number of nats >= 0), else ValueError."""
+    if not math.isfinite(margin) or margin < 0:
+        raise ValueError(f"the decisive margin must be a number of nats >= 0, got {margin}")
+    return margin
+
+
+def is_decisive(reference_margin: float, margin: float = DECISIVE_MARGIN) -> bool:
+    """Whether full prefill's first token leads its runner-up by at least ``margin`` nats: below it full
+    prefill is a near-tie itself, and a method that picks the runner-up differs by noise, not by a fault."""
+    return reference_margin >= margin
+
+
+def agreement_split(records: Iterable[Mapping[str, Any]], margin: float = DECISIVE_MARGIN) -> dict[str, Any]:
+    """First-token agreement apart on decisive cases and near-ties (:func:`is_decisive` on each record's
+    ``reference_margin``), from records holding ``first_token_agreement``: per kind its count
+    (``decisive_cases``, ``near_tie_cases``), how many agree (``..._agreeing``) and, where any, the share
+    (``first_token_agreement_decisive``, ``..._near_tie``). Records without a margin (results from before
+    it was recorded) are left out; with none, the split is empty, not zeros."""
+    scored = [r for r in records if r.get("reference_margin") is not None]
+    if not scored:
+        return {}
+    out: dict[str, Any] = {}
+    for kind, decisive in (("decisive", True), ("near_tie", False)):
+        chosen = [r for r in scored if is_decisive(r["reference_margin"], margin) == decisive]
+        out[f"{kind}_cases"] = len(chosen)
+        out[f"{kind}_agreeing"] = sum(bool(r["first_token_agreement"]) for r in chosen)
+        if chosen:
+            out[f"first_token_agreement_{kind}"] = out[f"{kind}_agreeing"] / len(chosen)
+    return out
 
 
 @torch.inference_mode()

@@ -11,8 +11,10 @@ Per method and case the results file keeps the answer, TTFT (building the segmen
 KV look-ups, plus fusion and the first token), the fusion's recompute ratio and compute fraction, and the
 metrics of :mod:`.metrics`: gold score (QA F1 or Rouge-L), agreement with the full_recompute answer
 (token F1, and Rouge-L for summaries), first-token agreement, KL of the first-token distribution against
-full prefill, and the teacher-forced NLL of the gold answer and of the full_recompute answer under the
-method's fused cache. The file is rewritten after every case, and a rerun skips cases already in it.
+full prefill (with full prefill's first-token margin, which splits the summary's first-token agreement
+into decisive cases and near-ties), and the teacher-forced NLL of the gold answer and of the
+full_recompute answer under the method's fused cache. The file is rewritten after every case, and a
+rerun skips cases already in it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 from ..blend.methods import METHODS_REVISION, Reuse
 from ..blend.spec import reuse_of
-from ..config import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
+from ..config import DECISIVE_MARGIN, DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
 from ..engine import ChunkRef, EngineProtocol, SamplingParams
 from ..engine.fidelity import MethodRecord, MethodRun, compare_methods, store_in_ram
 from ..errors import EvalDataError
@@ -45,7 +47,7 @@ from .engines import (
     torch_engines,
     vllm_engines,
 )
-from .metrics import qa_f1, rouge_l
+from .metrics import check_decisive_margin, qa_f1, rouge_l
 from .results import machine_info, write_json_atomic
 from .retrieval import CaseChunk, EvalCorpus
 from .summary import REFERENCE, summarize
@@ -104,6 +106,9 @@ class EvalConfig:
     corpus_dir: Path | None = None  # the data set's eval corpus (default: beside the KV store)
     kv_dtypes: Sequence[str] = ()  # chunk KV codecs to compare, the first the run's own (default: settings)
     engine: str = "torch"  # the engine that answers: "torch" (ours) or "vllm" (vLLM with our connector)
+    # nats by which full prefill's first token must lead for a case to be decisive; it splits the summary
+    # only (records keep the margin itself), so a resumed run may change it
+    decisive_margin: float = DECISIVE_MARGIN
 
 
 @dataclass
@@ -136,6 +141,7 @@ def setup_run(
         raise ValueError(f"unknown task {config.task!r}: use auto, qa or summary")
     if config.top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {config.top_k}")
+    check_decisive_margin(config.decisive_margin)
     settings = get_settings()
     codecs = [dtype_name(c) for c in config.kv_dtypes] or [dtype_name(settings.kv_dtype)]
     specs = method_variants(config.methods, config.ratios, codecs)
@@ -182,6 +188,7 @@ def setup_run(
         "kv_dtypes": codecs,
         "chunk_context": context,
         "skip": config.skip,
+        "decisive_margin": config.decisive_margin,
         "kv_dir": str(kv_dir),
         "retrieval": (
             "top-k by cosine similarity (all-MiniLM-L6-v2), the eval corpus's search filtered to the case"
@@ -323,13 +330,13 @@ def _run_cases(run: EvalRun, config: EvalConfig, on_case) -> dict[str, Any]:
                 record = previous
             done[case.case_id] = record
             results["cases"] = sorted(done.values(), key=lambda c: c["id"])
-            results["summary"] = summarize(results, labels)
+            results["summary"] = summarize(results, labels, decisive_margin=config.decisive_margin)
             if config.json_path is not None:
                 save_results(results, config.json_path)
         if on_case is not None:
             on_case(position, len(cases), done[case.case_id])
     selected = {c.case_id for c in cases}
-    results["summary"] = summarize(results, labels, selected)
+    results["summary"] = summarize(results, labels, selected, config.decisive_margin)
     if config.json_path is not None:
         save_results(results, config.json_path)
     return results

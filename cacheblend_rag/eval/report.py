@@ -54,8 +54,7 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
             row.append(fmt(e.get("agreement_rouge_l")))
         row += [
             fmt(e.get("first_token_agreement"), 2),
-            split_cell(e, "decisive"),
-            split_cell(e, "near_tie"),
+            *split_cells(e),
             fmt(e.get("kl_first_token")),
             fmt(e.get("nll_gold")),
             fmt(e.get("nll_reference")),
@@ -73,8 +72,7 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
         header.append("agreement Rouge-L")
     header += [
         "first-token agreement",
-        "decisive (n)",
-        "near ties (n)",
+        *SPLIT_HEADER,
         "KL first token",
         "NLL gold",
         "NLL full_recompute answer",
@@ -106,8 +104,7 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
         "context unless a method's label names another (`none:`). Means over cases; TTFT is the median, "
         "and the speed-up is the median over cases of full_recompute's TTFT over the method's. Agreement and "
         "first-token agreement compare each answer with the full_recompute answer (first-token agreement "
-        f"split into decisive cases, where full prefill's top log-probability leads by >= {DECISIVE_MARGIN} "
-        "nats, and near-ties, each with its count); KL is "
+        f"split into {split_note(summary)}); KL is "
         "KL(full prefill || method) of the first-token distribution; NLL is per token, teacher-forced "
         "under the method's fused cache. Raw per-case numbers: the `--json` file.",
         "",
@@ -120,12 +117,20 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
             "CacheBlend by recompute ratio r:",
             "",
             table(
-                ["r", "agreement F1", "first-token agreement", "KL first token", "NLL full_recompute answer"],
+                [
+                    "r",
+                    "agreement F1",
+                    "first-token agreement",
+                    *SPLIT_HEADER,
+                    "KL first token",
+                    "NLL full_recompute answer",
+                ],
                 [
                     [
                         f"{r:g}",
                         fmt(e.get("agreement_f1")),
                         fmt(e.get("first_token_agreement"), 2),
+                        *split_cells(e),
                         fmt(e.get("kl_first_token")),
                         fmt(e.get("nll_reference")),
                     ]
@@ -142,13 +147,31 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
     return "\n".join(parts)
 
 
+SPLIT_HEADER = ("decisive (n)", "near ties (n)")  # the columns of split_cells
+
+
 def split_cell(entry: dict[str, Any], kind: str) -> str:
     """First-token agreement on one kind of case (decisive, near-tie) with the case count, e.g.
-    ``0.97 (82)``; ``-`` where the results carry no split."""
+    ``0.97 (82)``; ``-`` where the results carry no split (recorded before the margin was)."""
     cases = entry.get(f"{kind}_cases")
     if cases is None:
         return "-"
     return f"{fmt(entry.get(f'first_token_agreement_{kind}'), 2)} ({cases})"
+
+
+def split_cells(entry: dict[str, Any]) -> list[str]:
+    """A method's first-token agreement on decisive cases and on near-ties, as :data:`SPLIT_HEADER`."""
+    return [split_cell(entry, "decisive"), split_cell(entry, "near_tie")]
+
+
+def split_note(summary: dict[str, Any]) -> str:
+    """What the split columns mean, at the margin the summary was split at (summaries from before it was
+    recorded were split at the default, if at all)."""
+    margin = summary.get("decisive_margin", DECISIVE_MARGIN)
+    return (
+        f"decisive cases, where full prefill's top log-probability leads the runner-up's by >= {margin:g} "
+        "nats, and near-ties, each with its count; `-`: results recorded before the split"
+    )
 
 
 def codec_deltas(methods: dict[str, Any], codecs: list[str]) -> list[str]:
@@ -169,6 +192,7 @@ def codec_deltas(methods: dict[str, Any], codecs: list[str]) -> list[str]:
                 fmt(e.get("agreement_f1")),
                 _delta(e, ref, "agreement_f1", 3),
                 fmt(e.get("first_token_agreement"), 2),
+                *split_cells(e),
             ]
         )
     return [
@@ -183,6 +207,7 @@ def codec_deltas(methods: dict[str, Any], codecs: list[str]) -> list[str]:
                 "agreement F1",
                 "Δ F1",
                 "1st token",
+                *SPLIT_HEADER,
             ],
             rows,
         ),

@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from ..config import DECISIVE_MARGIN
 from ..engine.fidelity import REFERENCE, method_table
 
 __all__ = ["REFERENCE", "default_label", "summarize"]
@@ -15,14 +16,23 @@ __all__ = ["REFERENCE", "default_label", "summarize"]
 
 
 def summarize(
-    results: dict[str, Any], labels: Sequence[str] | None = None, case_ids: set[int] | None = None
+    results: dict[str, Any],
+    labels: Sequence[str] | None = None,
+    case_ids: set[int] | None = None,
+    decisive_margin: float = DECISIVE_MARGIN,
 ) -> dict[str, Any]:
-    """Per-method means (medians for times) over the cases, and the issue's checks on them."""
+    """Per-method means (medians for times) over the cases, first-token agreement split at
+    ``decisive_margin`` nats (recorded in the summary, which its tables quote), and the issue's checks."""
     cases = [c for c in results["cases"] if case_ids is None or c["id"] in case_ids]
     if labels is None:
         labels = list(dict.fromkeys(label for c in cases for label in c["methods"]))
-    table = method_table(cases, labels)
-    return {"cases": len(cases), "methods": table, "checks": _checks(table, results["config"]["task"])}
+    table = method_table(cases, labels, decisive_margin)
+    return {
+        "cases": len(cases),
+        "decisive_margin": decisive_margin,
+        "methods": table,
+        "checks": _checks(table, results["config"]["task"]),
+    }
 
 
 def _checks(table: dict[str, dict[str, Any]], task: str) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .markdown import fmt, machine_line, table
-from .report import selection
+from .report import SPLIT_HEADER, selection, split_cells, split_note
 
 # The variants that chose the defaults (docs/fusor.md); `none:` marks chunk KV precomputed alone. Every
 # cacheblend row has the chunk-shift correction (methods revision 2) but the last, the default without it
@@ -53,6 +53,7 @@ def render_tune(results: dict[str, Any]) -> str:
             fmt(e.get("ttft_median_s"), 2),
             fmt(e.get("kl_first_token")),
             fmt(e.get("first_token_agreement"), 2),
+            *split_cells(e),
             fmt(e.get("agreement_f1")),
             fmt(e.get("nll_reference")),
             fmt(e.get("gold")),
@@ -65,6 +66,7 @@ def render_tune(results: dict[str, Any]) -> str:
         "TTFT median (s)",
         "first-token KL",
         "first-token agreement",
+        *SPLIT_HEADER,
         "agreement F1",
         "NLL of the full-prefill answer",
         f"gold {gold}",
@@ -82,7 +84,8 @@ def render_tune(results: dict[str, Any]) -> str:
             f"`{Path(config['dataset_path']).name}`; chunk KV behind the {config['chunk_context']} chunk "
             "context unless the label starts with `none:` (chunks prefilled alone). Means over cases (TTFT: "
             "median); KL is KL(full prefill || variant) of the first-token distribution, agreement compares "
-            "with the full-prefill answer, NLL is per token, teacher-forced.",
+            f"with the full-prefill answer (first-token agreement split into {split_note(summary)}), NLL is "
+            "per token, teacher-forced.",
             "",
             table(header, rows),
         ]

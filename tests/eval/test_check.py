@@ -114,7 +114,12 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
         assert row.agreement_f1 == entry["agreement_f1"]
         assert row.decisive_questions == entry["decisive_cases"] <= row.questions
         assert row.decisive_agreeing == entry["decisive_agreeing"]
+        assert (row.near_tie_questions, row.near_tie_agreeing) == (
+            entry["near_tie_cases"],
+            entry["near_tie_agreeing"],
+        )
         assert entry["decisive_cases"] + entry["near_tie_cases"] == row.questions
+        assert row.decisive_agreeing + row.near_tie_agreeing == row.agreeing
     reference = report.row("full_recompute")
     assert reference.first_token_agreement == 1.0 and reference.kl_first_token == 0.0
     assert reference.speedup_median == 1.0
@@ -135,11 +140,17 @@ def test_one_question_gives_no_verdict_but_how_many_more_are_needed(rag):
     assert "not enough questions" in report.target_note and report.more_questions_needed > 20
 
 
-def _row(ratio: float, agreeing: int, questions: int) -> CheckRow:
-    low, high = wilson_interval(agreeing, questions)
+def _row(
+    ratio: float, agreeing: int, questions: int, near_ties: int = 0, near_tie_agreeing: int = 0
+) -> CheckRow:
+    """A row of ``questions`` decisive ones (``agreeing`` agree) and ``near_ties`` more."""
+    total, total_agreeing = questions + near_ties, agreeing + near_tie_agreeing
+    low, high = wilson_interval(total_agreeing, total)
+    decisive_low, decisive_high = wilson_interval(agreeing, questions)
     return CheckRow(
-        f"cacheblend@{ratio:g}", ratio, agreeing / questions, 0.0, 1.0, 1.0, 2.0, ratio, ratio,
-        questions, agreeing, low, high,
+        f"cacheblend@{ratio:g}", ratio, total_agreeing / total, 0.0, 1.0, 1.0, 2.0, ratio, ratio,
+        total, total_agreeing, low, high, questions, agreeing, decisive_low, decisive_high,
+        near_ties, near_tie_agreeing,
     )  # fmt: skip
 
 
@@ -159,6 +170,28 @@ def test_the_verdict_does_not_flip_with_one_question_more_or_less():
     # below the target for sure: no ratio, and advice to go higher
     lowest, note, _ = verdict([_row(0.05, 5, 100)], 0.9)
     assert lowest is None and "try higher ratios" in note
+
+
+def test_the_verdict_reads_decisive_questions_and_leaves_near_ties_out():
+    # 150 decisive questions all agree, 25 of 50 near-ties do not: 175/200 overall (95% CI 0.82-0.91)
+    # would hold the ratio off 0.95, but a near-tie picked the other way is no fault of the method
+    row = _row(0.15, 150, 150, near_ties=50, near_tie_agreeing=25)
+    assert row.agreement_high < 0.95 <= row.decisive_low
+    lowest, note, needed = verdict([row], 0.95)
+    assert lowest == 0.15 and needed is None and "150/150 decisive" in note
+    # a decisive miss still counts
+    lowest, note, _ = verdict([_row(0.15, 10, 150, near_ties=50, near_tie_agreeing=50)], 0.95)
+    assert lowest is None and "try higher ratios" in note and "10/150 decisive" in note
+    # only near-ties so far: no verdict, and no count of questions it cannot estimate
+    lowest, note, needed = verdict([_row(0.15, 0, 0, near_ties=5, near_tie_agreeing=5)], 0.9)
+    assert lowest is None and needed is None and "no decisive question yet" in note
+
+
+def test_more_questions_are_counted_over_all_questions_not_just_decisive_ones():
+    # half the questions are decisive: settling 10/10 decisive takes twice the decisive ones needed
+    row = _row(0.15, 10, 10, near_ties=10, near_tie_agreeing=0)
+    _, _, needed = verdict([row], 0.95)
+    assert needed == 2 * more_questions_needed(10, 10, 0.95)
 
 
 def test_how_many_more_questions_brings_the_interval_over_the_target():
@@ -202,10 +235,17 @@ def test_cli_prints_the_table_for_a_questions_file(corpus_dir, tmp_path):
     for text in ("3 questions", "full_recompute", "cacheblend@0.15", "cacheblend@0.5", "speed-up", "KL"):
         assert text in result.output
     assert "3/3" in result.output  # the counts behind the agreement
-    assert "decisive questions (full prefill's first token leads by >= 0.5 nats)" in " ".join(
-        result.output.split()
-    )
-    assert "no verdict (not enough questions for a verdict on 0.5" in " ".join(result.output.split())
+    words = " ".join(result.output.split())
+    assert "full prefill's first token leads its runner-up by >= 0.5 nats" in words
+    for column in ("decisive", "near-tie"):
+        assert column in result.output
+    # per method: decisive k/n and near-tie k/n, their n summing to the 3 questions
+    for label in ("full_recompute", "cacheblend@0.15", "cacheblend@0.5"):
+        line = next(line for line in result.output.splitlines() if line.split()[:1] == [label])
+        counts = [cell for cell in line.split() if "/" in cell]
+        assert len(counts) == 3 and counts[0].endswith("/3"), line  # all, decisive, near-tie
+        assert int(counts[1].split("/")[1]) + int(counts[2].split("/")[1]) == 3, line
+    assert "verdict" in words
 
 
 def test_cli_table_reads_at_80_columns(corpus_dir, tmp_path):
@@ -217,9 +257,11 @@ def test_cli_table_reads_at_80_columns(corpus_dir, tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
-    header = next(line for line in lines if "method" in line)
-    for column in ("agree", "95% CI", "KL", "F1", "TTFT ms", "speed-up", "recomp."):
-        assert column in header  # whole, on one line
+    agreement, fidelity = (line for line in lines if line.split()[:1] == ["method"])
+    for column in ("agree", "95% CI", "decisive", "near-tie"):
+        assert column in agreement  # whole, on one line
+    for column in ("KL", "F1", "TTFT ms", "speed-up", "recomp."):
+        assert column in fidelity
     assert any("cacheblend@0.15" in line and "/2" in line for line in lines)
     assert "more needed to tell" in " ".join(result.stdout.split())
 
@@ -238,11 +280,17 @@ def test_cli_json_with_sampled_questions(corpus_dir):
             "--json",
             "--top-k",
             "2",
+            "--decisive-margin",
+            "0",
         ],
     )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["sampled"] and len(report["questions"]) == 2
+    assert report["decisive_margin"] == 0.0
+    for row in report["rows"]:  # at a margin of 0 every question is decisive
+        assert (row["decisive_questions"], row["near_tie_questions"]) == (2, 0)
+        assert row["decisive_agreeing"] == row["agreeing"]
     assert report["questions"] == sample_questions(Corpus.open(corpus_dir), 2)
     assert [r["label"] for r in report["rows"]] == ["full_recompute", "cacheblend@0.15"]
     assert report["lowest_ratio_meeting_target"] is None and report["target_note"]
@@ -256,6 +304,7 @@ def test_cli_json_with_sampled_questions(corpus_dir):
         (["--ratios", "a,b"], "comma-separated"),
         (["--target-agreement", "0"], "(0, 1]"),
         (["--target-agreement", "1.2"], "(0, 1]"),
+        (["--decisive-margin", "-1"], "decisive margin"),
     ],
 )
 def test_cli_refuses_bad_input_before_loading(tmp_path, arguments, message):

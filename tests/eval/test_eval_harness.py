@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,10 +15,14 @@ from cacheblend_rag.errors import EvalDataError
 from cacheblend_rag.eval.datasets import load_dataset
 from cacheblend_rag.eval.harness import EvalConfig, run_eval
 from cacheblend_rag.eval.metrics import normalize_answer
+from cacheblend_rag.eval.report import render_eval
+from cacheblend_rag.eval.summary import summarize
+from cacheblend_rag.eval.tune import render_tune
 from cacheblend_rag.eval.variants import method_specs
 from cacheblend_rag.store.codec import get_codec
 
 METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 LABELS = {"full_recompute", "prefix_cache", "full_reuse", "cacheblend@0", "cacheblend@0.15", "epic"}
 
 
@@ -101,6 +106,20 @@ def test_eval_scores_every_method_against_the_reference(qa_run):
         )
     summary = results["summary"]
     assert summary["cases"] == 2 and set(summary["methods"]) == LABELS
+    # first-token agreement split at the default margin: every case decisive or a near-tie, per method
+    assert summary["decisive_margin"] == results["config"]["decisive_margin"] == 0.5
+    for label, entry in summary["methods"].items():
+        assert entry["decisive_cases"] + entry["near_tie_cases"] == 2, label
+        assert entry["decisive_agreeing"] + entry["near_tie_agreeing"] == round(
+            2 * entry["first_token_agreement"]
+        )
+    margins = sorted(case["methods"]["full_recompute"]["reference_margin"] for case in results["cases"])
+    # the same records split at another margin: between the two cases' margins, one each side
+    between = summarize(results, decisive_margin=(margins[0] + margins[1]) / 2)
+    assert between["decisive_margin"] == (margins[0] + margins[1]) / 2
+    assert {e["decisive_cases"] for e in between["methods"].values()} == (
+        {1} if margins[0] < margins[1] else {2}
+    )
     assert summary["methods"]["full_recompute"]["speedup_median"] == 1.0
     assert {c["claim"][:30] for c in summary["checks"]} and all("passed" in c for c in summary["checks"])
     on_disk = json.loads(config.json_path.read_text())
@@ -150,11 +169,21 @@ def test_eval_cli_summary_task_writes_json_markdown_and_plot(tmp_path):
         "eval", "--data", str(data), "--methods", "full_recompute,full_reuse,cacheblend", "--ratios", "0.15",
         "--top-k", "2", "--chunk-tokens", "64", "--max-new-tokens", "6", "--json", str(out),
         "--markdown", str(markdown), "--plot", str(plot), "--kv-dir", str(tmp_path / "kv"),
+        "--decisive-margin", "0.25",
     ]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     results = json.loads(out.read_text())
     assert results["config"]["task"] == "summary"
+    # the margin is a value passed down: recorded with the run and its summary, and in the command
+    assert results["config"]["decisive_margin"] == results["summary"]["decisive_margin"] == 0.25
+    assert "--decisive-margin 0.25" in results["commands"][0]
+    margin = results["cases"][0]["methods"]["full_recompute"]["reference_margin"]
+    kind = "decisive" if margin >= 0.25 else "near_tie"
+    for label, entry in results["summary"]["methods"].items():
+        assert entry[f"{kind}_cases"] == 1 and entry["decisive_cases"] + entry["near_tie_cases"] == 1, label
+    words = " ".join(result.output.split())  # the table's headers wrap at the runner's width
+    assert "full prefill's first token leads its runner-up by >= 0.25 nats; near-tie: the rest" in words
     case = results["cases"][0]
     assert all(r["score"] is None for r in case["retrieved"])  # summaries take chunks in document order
     assert {"agreement_rouge_l", "gold", "nll_gold"} <= set(case["methods"]["cacheblend@0.15"])
@@ -163,6 +192,7 @@ def test_eval_cli_summary_task_writes_json_markdown_and_plot(tmp_path):
         "<!-- BEGIN other -->\nkept" in text and "<!-- BEGIN eval-multinews-64-top2 -->" in text
     )  # a non-default chunk size and top-k name its section
     assert "gold Rouge-L" in text and "cacheblend-rag eval --data" in text and "](q.png)" in text
+    assert "| decisive (n) | near ties (n) |" in text and "leads the runner-up's by >= 0.25 nats" in text
     assert plot.stat().st_size > 10_000
 
     bad = CliRunner().invoke(app, ["eval", "--data", str(tmp_path / "missing.json")])
@@ -208,3 +238,17 @@ def test_eval_sections_differ_by_chunk_size_top_k_and_codecs():
     assert name(chunk_tokens=128) == "eval-musique-heldout-128"
     assert name(chunk_tokens=128, top_k=12) == "eval-musique-heldout-128-top12"  # not over top-k 6's
     assert name(kv_dtypes=["float16", "int8"]) == "eval-musique-heldout-codecs"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("eval-*.json")) + sorted(RESULTS.glob("tune-*.json")))
+def test_results_recorded_before_the_split_still_render(path, tmp_path):
+    """Published results carry no first-token margin: their tables show ``-`` for the split, summarised
+    again or as stored, rather than failing or showing zeros."""
+    results = json.loads(path.read_text())
+    again = {**results, "summary": summarize(results)}
+    for summary in (results["summary"], again["summary"]):
+        assert not any("decisive_cases" in entry for entry in summary["methods"].values())
+    render = render_tune if path.name.startswith("tune-") else render_eval
+    for version in (results, again):
+        text = render(version) if render is render_tune else render(version, tmp_path / "B.md")
+        assert "| decisive (n) | near ties (n) |" in text and "| - | - |" in text

@@ -7,9 +7,14 @@ import math
 import pytest
 import torch
 
+from cacheblend_rag.config import DECISIVE_MARGIN
 from cacheblend_rag.eval.metrics import (
+    agreement_split,
+    check_decisive_margin,
     continuation_nll,
+    is_decisive,
     kl_divergence,
+    log_margin,
     normalize_answer,
     qa_f1,
     rouge_l,
@@ -61,6 +66,55 @@ def test_kl_divergence_known_value():
     assert kl_divergence(p, q) == pytest.approx(expected, rel=1e-6)
     assert kl_divergence(q, q) == pytest.approx(0.0, abs=1e-12)
     assert kl_divergence(p + 3.0, q) == pytest.approx(expected, rel=1e-6)  # logits, not probabilities
+
+
+def test_log_margin_is_the_top_log_probability_minus_the_runner_ups():
+    probabilities = torch.tensor([0.1, 0.6, 0.25, 0.05])
+    assert log_margin(probabilities.log()) == pytest.approx(math.log(0.6 / 0.25), rel=1e-6)
+    assert log_margin(probabilities.log() + 3.0) == pytest.approx(math.log(0.6 / 0.25), rel=1e-6)  # logits
+    assert log_margin(torch.tensor([0.5, 0.5]).log()) == 0.0
+
+
+def _full_prefill(margin: float) -> torch.Tensor:
+    """A first-token distribution (log-probabilities) whose top token leads the runner-up by ``margin``."""
+    return torch.log_softmax(torch.tensor([-3.0, 2.0, 2.0 - margin, -1.0]), dim=-1)
+
+
+def test_agreement_is_split_at_the_decisive_margin():
+    above, below = log_margin(_full_prefill(0.51)), log_margin(_full_prefill(0.49))
+    assert above == pytest.approx(0.51, abs=1e-5) and below == pytest.approx(0.49, abs=1e-5)
+    assert DECISIVE_MARGIN == 0.5 and is_decisive(above) and not is_decisive(below)
+    assert is_decisive(DECISIVE_MARGIN)  # at the threshold: decisive
+    records = [
+        {"first_token_agreement": True, "reference_margin": above},
+        {"first_token_agreement": False, "reference_margin": above},
+        {"first_token_agreement": True, "reference_margin": 4.0},
+        {"first_token_agreement": False, "reference_margin": below},
+        {"first_token_agreement": True, "reference_margin": 0.0},
+        {"first_token_agreement": False},  # recorded before the margin was: left out, not guessed
+    ]
+    split = agreement_split(records)
+    assert split == {
+        "decisive_cases": 3,
+        "decisive_agreeing": 2,
+        "first_token_agreement_decisive": pytest.approx(2 / 3),
+        "near_tie_cases": 2,
+        "near_tie_agreeing": 1,
+        "first_token_agreement_near_tie": 0.5,
+    }
+    # the threshold is a value: at 0 every case is decisive, above the largest margin none is
+    assert agreement_split(records, 0.0)["decisive_cases"] == 5
+    at_five = agreement_split(records, 5.0)
+    assert at_five["decisive_cases"] == 0 and at_five["near_tie_cases"] == 5
+    assert "first_token_agreement_decisive" not in at_five  # no share of nothing
+    assert agreement_split([{"first_token_agreement": True}]) == {}
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf])
+def test_a_decisive_margin_must_be_finite_and_not_negative(bad):
+    with pytest.raises(ValueError, match="decisive margin"):
+        check_decisive_margin(bad)
+    assert check_decisive_margin(0.0) == 0.0
 
 
 def test_continuation_nll_equals_full_prefill_likelihood(model):
