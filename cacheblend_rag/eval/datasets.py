@@ -2,8 +2,14 @@
 
 Three subsets ship with the package (see ``data/README.md``): ``musique`` (60 MuSiQue cases, short-answer
 QA; the development split), ``musique-heldout`` (the other 90 cases of the same file, held out) and
-``multinews`` (30 Multi-News cases, summarisation). Any file in the same layout (``.json`` or
-``.json.gz``) is accepted by path.
+``multinews`` (30 Multi-News cases, summarisation; none used to choose a default). Any file in the same
+layout (``.json`` or ``.json.gz``) is accepted by path.
+
+How contexts are cut is the run's choice, not the set's (``--chunk-tokens``, ``--top-k``; one owner each):
+``--data multinews --chunk-tokens 128`` is the short-passage Multi-News set (each article cut into chunks
+of at most 128 tokens, the first ``--top-k`` in document order; ``make eval-short``). A MuSiQue case's
+contexts are not MuSiQue's paragraphs but ten overlapping windows of about 600 tokens over them, with no
+record of where a paragraph ends (``data/README.md``), so these files hold no set of whole paragraphs.
 """
 
 from __future__ import annotations

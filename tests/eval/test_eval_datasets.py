@@ -78,3 +78,14 @@ def test_heldout_set_is_what_skip_60_selects_and_never_overlaps_the_dev_split():
     union = tuple(sorted(dev.cases + held.cases, key=lambda c: c.case_id))
     assert {c.case_id for c in select_cases(union, None, 0, skip=60)} == held_ids
     assert {c.case_id for c in select_cases(union, 60, 0)} == dev_ids
+
+
+def test_musique_contexts_are_overlapping_windows_not_paragraphs():
+    """What data/README.md says of the MuSiQue files (and why they give no paragraph set): every held-out
+    case's contexts are untitled windows far longer than a ~100-token paragraph, and one of them begins
+    inside another, so paragraph ends cannot be read off the contexts."""
+    for case in load_dataset("musique-heldout").cases:
+        texts = [c.text for c in case.contexts]
+        assert len(texts) == 10 and all(len(t) > 1500 for t in texts)
+        assert not any(c.title for c in case.contexts)
+        assert any(b[:80] in a for i, a in enumerate(texts) for j, b in enumerate(texts) if i != j)

@@ -67,3 +67,24 @@ def test_summaries_take_the_first_chunks_in_document_order(tmp_path, model, mode
     assert total == len(pieces)
     assert [(c.context, c.chunk, c.token_ids) for c in got] == pieces[:5]
     assert all(c.score is None for c in got)
+
+
+def test_multinews_at_128_tokens_keeps_every_article_in_short_chunks(
+    tmp_path, model, model_tokenizer, embedder
+):
+    """``make eval-short``'s set (--data multinews --chunk-tokens 128): each article of a held-out case cut
+    into chunks of at most 128 tokens that together are the article's tokens, the prompt the first top-k of
+    them in document order (at most 24 * 128 = 3,072 tokens, as 6 chunks of 512)."""
+    store = KVStore(tmp_path / "kv", model.fingerprint, model.shape, "int8")
+    tokenize = model_tokenizer.tokenizer
+    with EvalCorpus.open(tmp_path / "corpus", model_tokenizer, embedder, 128, store, "neutral") as corpus:
+        for case in select_cases(load_dataset("multinews").cases, 4, seed=0):
+            every, total = corpus.retrieve(case, 10_000, "summary")
+            assert len(every) == total > 1 and all(0 < len(c.token_ids) <= 128 for c in every)
+            assert [(c.context, c.chunk) for c in every] == sorted((c.context, c.chunk) for c in every)
+            for i, context in enumerate(case.contexts):
+                article = tokenize(context.document, add_special_tokens=False)["input_ids"]
+                assert sum((c.token_ids for c in every if c.context == i), ()) == tuple(article)
+            for top_k in (6, 24):
+                prompt, _ = corpus.retrieve(case, top_k, "summary")
+                assert prompt == every[:top_k] and sum(len(c.token_ids) for c in prompt) <= top_k * 128
