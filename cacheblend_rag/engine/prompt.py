@@ -2,7 +2,8 @@
 
 The template is rendered with a stand-in where the passages go; the text around it is tokenized as fresh
 segments and the chunks' stored token ids are spliced in between, so chunk text is never re-tokenized.
-Full prefill and every fusion method see exactly the same token ids.
+A chat whose messages name chunks (:meth:`PromptBuilder.chat_parts`) is laid out the same way, with a
+stand-in for each chunk. Full prefill and every fusion method see exactly the same token ids.
 """
 
 from __future__ import annotations
@@ -98,6 +99,57 @@ class PromptBuilder:
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of a chat (list of {role, content}) with the generation prompt appended."""
         return self.encode(self.render_chat(messages))
+
+    def chat_parts(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[PromptPart]:
+        """A chat as prompt parts, in the order the template renders them. Each message's ``content`` is
+        text or a list of parts, each text or a :class:`ChunkRef`. The template is rendered once with a
+        stand-in character for each chunk; the text between stand-ins is encoded as fresh parts and each
+        chunk is its ChunkRef (its stored token ids, never re-tokenized), so no text is searched for.
+        Raises ValueError when the template does not render each stand-in exactly once."""
+        taken: set[str] = set()
+        count = 0
+        for message in messages:
+            content = message.get("content") or ""
+            for part in content if isinstance(content, list | tuple) else [content]:
+                if isinstance(part, str):
+                    taken.update(part)
+                elif isinstance(part, ChunkRef):
+                    count += 1
+                else:
+                    raise ValueError(f"a content part is text or a ChunkRef, not {type(part).__name__}")
+        # Private Use Area characters absent from every text: a stand-in can then only clash with a
+        # template that repeats or drops a message's content
+        free = iter([c for c in map(chr, range(0xE000, 0xF900)) if c not in taken][:count])
+        framed: list[dict] = []
+        chunks: list[tuple[str, ChunkRef]] = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list | tuple):
+                pieces = []
+                for part in content:
+                    if isinstance(part, ChunkRef):
+                        chunks.append((next(free, ""), part))
+                        part = chunks[-1][0]
+                    pieces.append(part)
+                message = {**message, "content": "".join(pieces)}
+            framed.append(message)
+        if any(not stand_in for stand_in, _ in chunks):
+            raise ValueError(f"too many chunks in one chat ({count})")
+        rendered = self.render_chat(framed, add_generation_prompt=add_generation_prompt)
+        for stand_in, ref in chunks:
+            if rendered.count(stand_in) != 1:
+                raise ValueError(
+                    f"the chat template rendered chunk {ref.chunk_id or '(no id)'} "
+                    f"{rendered.count(stand_in)} times: chunk parts need a template that renders each "
+                    "message's content exactly once"
+                )
+        parts: list[PromptPart] = []
+        previous = 0
+        for at, ref in sorted(((rendered.index(s), ref) for s, ref in chunks), key=lambda place: place[0]):
+            parts += [tuple(self.encode(rendered[previous:at])), ref]
+            previous = at + 1
+        parts.append(tuple(self.encode(rendered[previous:])))
+        return [p for p in parts if part_ids(p)]
 
     def rag_frame(self, question: str) -> tuple[list[int], list[int], list[int]]:
         """(prefix, separator, suffix) token ids around the passages for ``question``."""

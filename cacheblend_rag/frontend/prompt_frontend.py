@@ -40,7 +40,7 @@ from pathlib import Path
 from ..blend.segments import Segment
 from ..blend.spec import MethodSpec
 from ..config import DEFAULT_MAX_TOKENS, DEFAULT_METHOD, DEFAULTS, Config
-from ..corpus.corpus import Corpus
+from ..corpus.corpus import Corpus, RetrievedChunk
 from ..engine import (
     ENGINE_KINDS,
     BatchRequest,
@@ -56,6 +56,7 @@ from ..engine import (
     create_engine,
 )
 from ..engine.bounds import check_request
+from ..engine.prompt import part_ids
 from ..engine.session import Session
 from ..errors import ChunkNotFoundError, InvalidChunkIdError
 from ..models.registry import SharedRegistry
@@ -77,12 +78,14 @@ class DocumentRef:
 
 @dataclass(frozen=True)
 class TextRequest:
-    """One prompt to answer: its full text (chat template already applied) and how to generate."""
+    """One prompt to answer: its full text (chat template already applied), or its ``parts`` if laid out
+    already (then ``text`` is unused: :meth:`PromptFrontend.part_segments`), and how to generate."""
 
     text: str
     documents: tuple[DocumentRef, ...] = ()
     method: MethodSpec = field(default_factory=lambda: MethodSpec.parse(DEFAULT_METHOD))
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    parts: tuple[PromptPart, ...] = ()
 
 
 def text_request(
@@ -98,11 +101,13 @@ def text_request(
     stop: Sequence[str] | None = None,
     constraint: JsonConstraint | None = None,
     strict_max_tokens: bool = False,
+    parts: Sequence[PromptPart] = (),
 ) -> TextRequest:
     """A :class:`TextRequest` from the usual generation options. ``method`` (a name or spec such as
     ``cacheblend@0.3``) defaults to the settings'; ``ratio`` sets the recompute ratio of a method that has
     one, and without it the loading controller chooses; ``constraint`` makes the answer JSON (structured
-    output, :func:`~.structured.constraint_of`). A bad method or option is refused here."""
+    output, :func:`~.structured.constraint_of`); ``parts``: the prompt laid out already, used instead of
+    ``text``. A bad method or option is refused here."""
     spec = check_request(method or DEFAULT_METHOD, ratio=ratio)
     sampling = SamplingParams(
         max_new_tokens=max_tokens,
@@ -113,7 +118,7 @@ def text_request(
         constraint=constraint,
         strict_max_tokens=strict_max_tokens,
     )
-    return TextRequest(text, tuple(documents), spec, sampling)
+    return TextRequest(text, tuple(documents), spec, sampling, tuple(parts))
 
 
 class PromptFrontend:
@@ -200,9 +205,16 @@ class PromptFrontend:
 
     def chunk_documents(self, chunk_ids: Sequence[str]) -> list[DocumentRef]:
         """Stored chunks, by id, as documents to pass with a prompt."""
+        return [DocumentRef(c.text, c.chunk_id) for c in self._stored(chunk_ids)]
+
+    def chunk_refs(self, chunk_ids: Sequence[str]) -> list[ChunkRef]:
+        """Stored chunks, by id, as prompt parts (:meth:`PromptBuilder.chat_parts`): stored token ids."""
+        return [ChunkRef(c.token_ids, c.chunk_id) for c in self._stored(chunk_ids)]
+
+    def _stored(self, chunk_ids: Sequence[str]) -> list[RetrievedChunk]:
         if self.corpus is None:
-            raise ValueError("chunk ids were passed as documents, but there is no corpus to look them up in")
-        return [DocumentRef(c.text, c.chunk_id) for c in self.corpus.get_chunks(chunk_ids)]
+            raise ValueError("chunk ids were passed, but there is no corpus to look them up in")
+        return self.corpus.get_chunks(chunk_ids)
 
     # -- segments ------------------------------------------------------------------------------------
 
@@ -254,6 +266,12 @@ class PromptFrontend:
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the prompt is empty")
         return self._segments(text, self.spans(text, documents, recognise, remember), method)
+
+    def part_segments(self, parts: Sequence[PromptPart], method: str | MethodSpec) -> list[Segment]:
+        """A prompt laid out already (chunks placed by id, no text searched) with the KV ``method`` reuses."""
+        if not any(part_ids(p) for p in parts):
+            raise ValueError("the prompt is empty")
+        return self.engine.segments(parts, method)
 
     def _segments(self, text: str, spans: Sequence[ChunkSpan], method: str | MethodSpec) -> list[Segment]:
         parts: list[PromptPart] = []
@@ -368,6 +386,8 @@ class PromptFrontend:
         remember: bool,
         unrecognised: Callable[[], None] | None,
     ) -> list[Segment]:
+        if request.parts:  # chunks known by id, placed already: nothing to find
+            return self.part_segments(request.parts, request.method)
         text = request.text
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the prompt is empty")

@@ -2,7 +2,9 @@
 
 A request's prompt goes through the same :class:`~cacheblend_rag.frontend.PromptFrontend` the LangChain
 and LlamaIndex integrations use: stored chunks pasted into the prompt are recognised (and ``chunk_ids`` /
-``documents`` located) and become cached segments. Every engine answers through the frontend's stream
+``documents`` located) and become cached segments. A chat whose content parts name stored chunks is laid out
+structurally instead (:meth:`~cacheblend_rag.engine.prompt.PromptBuilder.chat_parts`): each chunk's stored
+token ids where it is named, no text searched. Every engine answers through the frontend's stream
 handle (:class:`~cacheblend_rag.engine.StreamHandle`), from the engine's ``submit``: the PyTorch engine's
 requests go to its :class:`~cacheblend_rag.engine.BatchScheduler`, so concurrent requests are decoded
 together; vLLM batches the vLLM engine's. A request whose client goes away is cancelled through
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..engine import BatchScheduler, GenerationResult, StreamHandle
+from ..engine import BatchScheduler, ChunkRef, GenerationResult, PromptPart, StreamHandle
 from ..engine.session import Session
 from ..errors import (
     AdmissionError,
@@ -38,7 +40,7 @@ from ..errors import (
 from ..frontend import DocumentRef, PromptFrontend, TextRequest, constraint_of, text_request
 from ..settings import get_settings
 from .errors import APIError, draining_error
-from .protocol import Answer, GenerationSpec
+from .protocol import Answer, ChunkPart, GenerationSpec
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +179,11 @@ class EngineBackend:
         with _client_errors("response_format"):
             # json_object: any JSON object; json_schema: valid against the schema (strict unless false)
             constraint = constraint_of(spec.response_format)
+        parts = self._chat_parts(spec.messages) if spec.messages is not None else []
         with _client_errors(param):
-            text = self.frontend.render_chat(spec.messages) if spec.messages is not None else spec.prompt
+            text = spec.prompt
+            if spec.messages is not None and not parts:
+                text = self.frontend.render_chat(spec.messages)
             return text_request(
                 text or "",
                 documents,
@@ -191,7 +196,28 @@ class EngineBackend:
                 stop=spec.stop,
                 strict_max_tokens=spec.max_tokens_given,
                 constraint=constraint,
+                parts=parts,
             )
+
+    def _chat_parts(self, messages: list[dict[str, Any]]) -> list[PromptPart]:
+        """A chat that names stored chunks (:class:`ChunkPart`) as prompt parts, each chunk's stored token
+        ids where it is named (no text searched); [] for a chat of text only."""
+        pieces = [p for m in messages if isinstance(m["content"], list) for p in m["content"]]
+        refs: dict[str, ChunkRef] = {}
+        for part in pieces:
+            if isinstance(part, ChunkPart):
+                with _client_errors("messages", chunks=part.where):
+                    (refs[part.where],) = self.frontend.chunk_refs([part.chunk_id])
+        if not refs:
+            return []
+        chat = [
+            {**m, "content": [refs[p.where] if isinstance(p, ChunkPart) else p for p in m["content"]]}
+            if isinstance(m["content"], list)
+            else m
+            for m in messages
+        ]
+        with _client_errors("messages"):
+            return self.engine.prompts.chat_parts(chat)
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -238,8 +264,9 @@ class EngineBackend:
 
 
 @contextmanager
-def _client_errors(param: str) -> Iterator[None]:
-    """Core exceptions a request caused, as API errors naming the parameter at fault."""
+def _client_errors(param: str, chunks: str = "chunk_ids") -> Iterator[None]:
+    """Core exceptions a request caused, as API errors naming the parameter at fault (``chunks``: the one
+    naming the chunk ids looked up)."""
     try:
         yield
     except (APIError, RequestCancelledError):
@@ -253,9 +280,9 @@ def _client_errors(param: str) -> Iterator[None]:
     except AdmissionError as exc:
         raise APIError.bad_request(str(exc), "max_tokens", "request_too_large") from exc
     except ChunkNotFoundError as exc:
-        raise APIError.bad_request(str(exc), "chunk_ids", "chunk_not_found") from exc
+        raise APIError.bad_request(str(exc), chunks, "chunk_not_found") from exc
     except InvalidChunkIdError as exc:
-        raise APIError.bad_request(str(exc), "chunk_ids", "invalid_chunk_id") from exc
+        raise APIError.bad_request(str(exc), chunks, "invalid_chunk_id") from exc
     except StructuredOutputError as exc:
         raise APIError.bad_request(str(exc), "response_format", "unsupported_schema") from exc
     except MethodOptionError as exc:  # an unknown method, or options it refuses

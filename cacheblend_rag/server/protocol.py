@@ -3,9 +3,11 @@ engine (:class:`GenerationSpec`), and the response and stream-chunk bodies.
 
 Extension fields (documented in docs/server.md), accepted beside OpenAI's on both endpoints:
 ``chunk_ids`` (stored chunks the prompt contains), ``documents`` (texts the prompt contains, as strings or
-``{"text", "chunk_id"}``), ``method`` and ``ratio``. Every response carries a ``cacheblend`` object (time
-to first token, method, reused and computed tokens, chunks) beside OpenAI's fields; cached prompt tokens
-are reported where OpenAI reports them, in ``usage.prompt_tokens_details.cached_tokens``.
+``{"text", "chunk_id"}``), ``method`` and ``ratio``; in a chat message's content list, a
+``{"type": "chunk", "chunk_id"}`` part places a stored chunk there (no text is searched for it). Every
+response carries a ``cacheblend`` object (time to first token, method, reused and computed tokens, chunks)
+beside OpenAI's fields; cached prompt tokens are reported where OpenAI reports them, in
+``usage.prompt_tokens_details.cached_tokens``.
 
 Unknown fields are ignored, as new OpenAI clients send fields older servers do not know. Fields that would
 change the answer in a way this server cannot honour (``n > 1``, tools, logprobs, penalties, logit bias,
@@ -34,6 +36,7 @@ class _Body(BaseModel):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    chunk_id: str | None = None  # extension: a "chunk" part names a stored chunk
 
 
 class ChatMessage(_Body):
@@ -134,6 +137,14 @@ class ChatCompletionRequest(_GenerationBody):
         if self.logprobs or self.top_logprobs:
             raise APIError.unsupported("logprobs", "log probabilities")
         messages = [_chat_message(i, m) for i, m in enumerate(self.messages)]
+        if any(isinstance(m["content"], list) for m in messages):
+            for name in ("chunk_ids", "documents"):
+                if getattr(self, name):
+                    raise APIError.bad_request(
+                        f"{name} locates chunks in a prompt's text; a chat with chunk content parts names "
+                        f"its chunks in place: leave {name} out",
+                        name,
+                    )
         max_tokens = self.max_completion_tokens or self.max_tokens
         response_format = self.response_format
         fmt = None
@@ -166,27 +177,50 @@ class CompletionRequest(_GenerationBody):
         return self._spec(self.max_tokens, default_max_tokens, prompt=prompts[0])
 
 
-def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
-    """A message as the chat template takes it: {role, content} with the content as text."""
+@dataclass(frozen=True)
+class ChunkPart:
+    """A stored chunk named in a message's content (a ``{"type": "chunk", "chunk_id"}`` part); ``where``
+    is the part's place in the request, for errors."""
+
+    chunk_id: str
+    where: str
+
+
+def _chat_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template takes it: {role, content}, the content as text, or as a list of texts
+    and :class:`ChunkPart` when it names stored chunks."""
     where = f"messages[{index}]"
     if message.role in ("tool", "function") or message.tool_calls:
         raise APIError.unsupported(where, "tool calling (tool messages and tool calls)")
-    content = message.content
+    content: Any = message.content
     if isinstance(content, list):
-        other = next((part.type for part in content if part.type != "text"), None)
-        if other is not None:
-            raise APIError.unsupported(f"{where}.content", f"content of type {other!r} (text only)")
-        content = "".join(part.text or "" for part in content)
+        pieces: list[str | ChunkPart] = []
+        for j, part in enumerate(content):
+            if part.type == "text":
+                pieces.append(part.text or "")
+            elif part.type == "chunk":
+                at = f"{where}.content[{j}].chunk_id"
+                if not part.chunk_id:
+                    raise APIError.bad_request(
+                        "a chunk content part needs the chunk_id of a stored chunk", at
+                    )
+                pieces.append(ChunkPart(part.chunk_id, at))
+            else:
+                what = f"content of type {part.type!r} (text and chunk parts only)"
+                raise APIError.unsupported(f"{where}.content[{j}]", what)
+        chunked = any(isinstance(p, ChunkPart) for p in pieces)
+        content = pieces if chunked else "".join(p for p in pieces if isinstance(p, str))
     role = "system" if message.role == "developer" else message.role  # OpenAI's newer name for system
     return {"role": role, "content": content or ""}
 
 
 @dataclass(frozen=True)
 class GenerationSpec:
-    """One request for the engine: a chat (``messages``, the model's template applied) or a raw
-    ``prompt``, and how to generate. ``documents`` are (text, chunk id or None)."""
+    """One request for the engine: a chat (``messages``, the model's template applied; a content that names
+    stored chunks is a list of texts and :class:`ChunkPart`) or a raw ``prompt``, and how to generate.
+    ``documents`` are (text, chunk id or None)."""
 
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     documents: list[tuple[str, str | None]] = field(default_factory=list)
     chunk_ids: list[str] = field(default_factory=list)

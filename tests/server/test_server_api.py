@@ -15,6 +15,7 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_openai import ChatOpenAI
 from serve_support import cli_query, error_of, post, rag_messages, start_server
 
+from cacheblend_rag.engine.prompt import CHUNK_SEPARATOR, DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
 from cacheblend_rag.frontend import get_corpus
 
 pytestmark = pytest.mark.slow
@@ -229,6 +230,59 @@ def test_extension_fields_name_chunks_and_documents(server, client, model_id, ch
             "param": "chunk_ids",
             "code": code,
         }
+
+
+def test_chunk_content_parts_place_stored_chunks_by_id(server, client, model_id, chunks):
+    """A ``chunk`` content part is the stored chunk's token ids where it is named: the same prompt, and
+    the same greedy answer, as the chunk texts pasted in; its text is never searched for."""
+    before, after = DEFAULT_USER_TEMPLATE.split("{passages}")
+    content = [
+        {"type": "text", "text": before},
+        {"type": "chunk", "chunk_id": chunks[0].chunk_id},
+        {"type": "text", "text": CHUNK_SEPARATOR},
+        {"type": "chunk", "chunk_id": chunks[1].chunk_id},
+        {"type": "text", "text": after.format(question=QUESTION)},
+    ]
+    named = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": content}]
+    request = {"model": model_id, "max_tokens": MAX_TOKENS, "temperature": 0}
+    pasted = client.chat.completions.create(
+        messages=rag_messages([c.text for c in chunks[:2]], QUESTION), **request
+    )
+    response = client.chat.completions.create(messages=named, **request)
+    extension = response.model_extra["cacheblend"]
+    assert response.choices[0].message.content == pasted.choices[0].message.content
+    assert response.usage.prompt_tokens == pasted.usage.prompt_tokens
+    assert extension["chunk_ids"] == [c.chunk_id for c in chunks[:2]]
+    assert extension["reused_tokens"] == pasted.model_extra["cacheblend"]["reused_tokens"]
+    assert cached(response.usage) == extension["cached_tokens"] > 0 and extension["kv_computed_tokens"] == 0
+    # a stored chunk's text pasted beside the named chunks stays text: nothing is searched for
+    beside = [named[0], {"role": "user", "content": [*content[:2], {"type": "text", "text": chunks[2].text}]}]
+    alone = client.chat.completions.create(messages=beside, **request)
+    assert alone.model_extra["cacheblend"]["chunk_ids"] == [chunks[0].chunk_id]
+
+    def chunk_message(part: dict) -> dict:
+        return {**request, "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, part]}]}
+
+    cases = [
+        ({"type": "chunk", "chunk_id": "0" * 32}, "messages[0].content[1].chunk_id", "chunk_not_found"),
+        ({"type": "chunk", "chunk_id": "not-an-id"}, "messages[0].content[1].chunk_id", "invalid_chunk_id"),
+        ({"type": "chunk"}, "messages[0].content[1].chunk_id", "invalid_value"),
+        (
+            {"type": "image_url", "image_url": {"url": "data:,"}},
+            "messages[0].content[1]",
+            "unsupported_parameter",
+        ),
+    ]
+    for part, param, code in cases:
+        response = post(server, "/chat/completions", chunk_message(part))
+        assert response.status_code == 400, response.text
+        error = error_of(response)
+        assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code), error
+        assert part.get("chunk_id", part["type"]) in error["message"]
+    mixed = post(
+        server, "/chat/completions", {**request, "messages": named, "chunk_ids": [chunks[0].chunk_id]}
+    )
+    assert mixed.status_code == 400 and error_of(mixed)["param"] == "chunk_ids"
 
 
 def test_json_response_formats(client, model_id, chunks):
