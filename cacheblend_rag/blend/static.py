@@ -95,7 +95,8 @@ class StaticFusion:
         steps: Steps = EAGER_STEPS,
     ) -> None:
         self.model, self.weights, self.plan, self.selection = model, weights, plan, selection
-        self.provider, self.shifts, self.hook, self.steps = provider, shifts, hook, steps
+        self.provider: LayerKVProvider | None = provider
+        self.shifts, self.hook, self.steps = shifts, hook, steps
         self.layout = StaticLayout.build(plan, model.rope, model.dtype, model.device)
         self.extra_capacity = extra_capacity
         self.checks = dict(selection.checks) if isinstance(selection, DeviationNarrowing) else {}

@@ -103,6 +103,7 @@ class FusionGraphs:
         )
         fusion.prepare()
         fusion.stage()
+        fusion.provider = None  # the captured fusion loads nothing again: its chunks' KV is not kept
         captured = _Captured(fusion, None, None, None, storage)
         if not self.capture:
             return captured
@@ -136,6 +137,7 @@ class FusionGraphs:
         shape[4] = max(n + fusion.extra_capacity, 1)
         out = storage.new_empty(shape)
         out[:, :, :, :, :n].copy_(storage[:, :, :, :, :n])
+        out[:, :, :, :, n:].zero_()  # as a new cache is: a padded batch row may read past its length
         cache = _cache_views(out)
         cache.length = n
         return cache

@@ -61,6 +61,7 @@ def test_a_replay_fuses_each_prompt_as_its_own_static_fusion(model, make_prompt,
         assert replayed.cache.capacity == n + 4 and replayed.cache.length == n
         for a, b in ((replayed.cache.keys, alone.cache.keys), (replayed.cache.values, alone.cache.values)):
             assert all(torch.equal(x[..., :n, :], y[..., :n, :]) for x, y in zip(a, b, strict=True))
+            assert all(not x[..., n:, :].any() for x in a)  # the room for decoding starts zeroed
         assert replayed.qkv_tokens_per_layer == alone.qkv_tokens_per_layer
         assert replayed.attended_tokens_per_layer == alone.attended_tokens_per_layer
     assert len(fusor.graphs) == 1
