@@ -428,9 +428,9 @@ def print_row(row: dict, tiers: list[str], labels: list[str]) -> None:
 
 
 TIER_NAMES = {
-    "hbm": "as computed (the compute dtype), in device memory",
-    "host": "as computed, in pinned host RAM",
-    "ram": "as computed, in RAM",
+    "hbm": "in float16, in device memory",
+    "host": "in float16, in pinned host RAM",
+    "ram": "in float16, in RAM",
     "int8_hbm": "in int8 (the default codec), in device memory",
     "int8_host": "in int8 (the default codec), in pinned host RAM",
     "int8_ram": "in int8 (the default codec), in RAM",
