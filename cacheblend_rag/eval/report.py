@@ -85,7 +85,8 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
     codecs = config.get("kv_dtypes") or []
     by_codec = f", chunk KV codecs {' / '.join(codecs)}" if len(codecs) > 1 else ""
     parts = [
-        f"## Quality vs TTFT: {config['dataset']} ({summary['cases']} cases, {config['task']}{by_codec})",
+        f"## Quality vs TTFT: {config['dataset']}{_layout(config)} ({summary['cases']} cases, "
+        f"{config['task']}{by_codec})",
         "",
         "Command(s):",
         "",
@@ -251,3 +252,10 @@ def plot_quality_vs_ttft(results: dict[str, Any], path: Path) -> Path:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Quality vs TTFT: {results['config']['dataset']} ({results['summary']['cases']} cases)")
     return save_figure(fig, path)
+
+
+def _layout(config: dict) -> str:
+    """How the run cut and retrieved its contexts, as the headline names a set (older results: nothing)."""
+    if "chunk_tokens" not in config or "top_k" not in config:
+        return ""
+    return f", chunks ≤ {config['chunk_tokens']} tokens, top {config['top_k']}"
