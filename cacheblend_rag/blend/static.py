@@ -121,6 +121,11 @@ class StaticFusion:
         self.storage: torch.Tensor | None = None
         self.staging: torch.Tensor | None = None
 
+    @property
+    def final_count(self) -> int:
+        """Rows the last layer recomputes: the fresh ones and the last check's budget (or the selection)."""
+        return self.layout.fresh + self.checks[max(self.checks)] if self.checks else self.count
+
     def bucket_key(self) -> tuple:
         """What :meth:`compute` depends on besides its tensors' values: fusions of equal keys can share one
         captured graph."""
@@ -141,17 +146,21 @@ class StaticFusion:
         keys = self.layout.keys
         return self.cache.keys[layer][0, :, :keys], self.cache.values[layer][0, :, :keys]
 
-    def _place(self, layer: int) -> None:
-        """The layer's cached rows, joined into one padded tensor (one join whatever the chunk count)."""
-        layout = self.layout
-        if not layout.cached:
-            return
+    def _load(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The layer's cached K and V, one of each per source run, on the device (load wait counted)."""
         waited = time.perf_counter()
         parts = self.provider.layer(layer)  # providers serve layers in order; always ask
         self.load_wait += time.perf_counter() - waited
         device = self.model.device
         keys = [k.to(device, non_blocking=True) for k, _ in parts]
-        values = [v.to(device, non_blocking=True) for _, v in parts]
+        return keys, [v.to(device, non_blocking=True) for _, v in parts]
+
+    def _place(self, layer: int) -> None:
+        """The layer's cached rows, joined into one padded tensor (one join whatever the chunk count)."""
+        layout = self.layout
+        if not layout.cached:
+            return
+        keys, values = self._load(layer)
         if self.pad is None:
             missing = layout.cached_index.numel() - layout.cached
             first_k, first_v = keys[0], values[0]
@@ -170,13 +179,8 @@ class StaticFusion:
             self._hook(layer)
             if not cached:
                 continue
-            waited = time.perf_counter()
-            parts = self.provider.layer(layer)
-            self.load_wait += time.perf_counter() - waited
-            device = self.model.device
-            for side in (0, 1):
-                joined = torch.cat([part[side].to(device, non_blocking=True) for part in parts], dim=1)
-                self.staging[layer, side, :, :cached].copy_(joined)
+            for side, parts in enumerate(self._load(layer)):
+                self.staging[layer, side, :, :cached].copy_(torch.cat(parts, dim=1))
         self.placed = self.model.num_layers
 
     def _tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,9 +216,8 @@ class StaticFusion:
             capacity = max(layout.keys, self.plan.num_tokens + self.extra_capacity)
             # zeroed: padded rows read slots no real row writes, which must hold finite numbers
             self.cache = self.model.new_cache(capacity, zeroed=True)
-        final = layout.fresh + self.checks[max(self.checks)] if self.checks else self.count
         inputs = {f"check{layer}": self._scalar(budget) for layer, budget in self.checks.items()}
-        inputs["last"] = self._scalar([final - 1])
+        inputs["last"] = self._scalar([self.final_count - 1])
         inputs["no_chunk"] = self._scalar(layout.no_chunk)
         if isinstance(selection, QueryTopK):
             inputs["budget"] = self._scalar(selection.budget)
@@ -329,8 +332,7 @@ class StaticFusion:
 
     def recomputed(self, rows: torch.Tensor) -> torch.Tensor:
         """The one read back: which positions the last layer recomputed (on the host)."""
-        final = self.layout.fresh + self.checks[max(self.checks)] if self.checks else self.count
-        return rows[:final].cpu()
+        return rows[: self.final_count].cpu()
 
     def run(self) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """Fuse; returns the next token's logits [V] (float32), the recomputed positions of the last layer

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from op_counting import LayerOps
-from static_prompts import prompt_maker
+from static_prompts import STATIC_SPECS, prompt_maker
 
 from cacheblend_rag.blend import Fusor, Segment, get_method, parse_method, static_steps
 from cacheblend_rag.blend.plan import FusionPlan
@@ -31,21 +31,7 @@ def counted(model, segments, method, **fusor_options) -> tuple[LayerOps, object]
     return ops, fused
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        "cacheblend",
-        "cacheblend@ratio=0.15,shift=false",
-        "cacheblend_hkvd@0.15",
-        "cacheblend_hkvd@ratio=0.15,signal=v",
-        # two check layers: the second check corrects the chunks by the rows the first kept
-        "cacheblend_hkvd@ratio=0.15,schedule=[[1,2.0],[3,1.0]]",
-        "cacheblend@ratio=0.3,probe_depth=6",
-        "full_reuse",
-        "epic",
-        "cacheblend@1",
-    ],
-)
+@pytest.mark.parametrize("spec", STATIC_SPECS)
 def test_the_static_fusion_equals_the_layer_passes(model, make_prompt, spec):
     method = parse_method(spec).build()
     segments = make_prompt(4, 160)

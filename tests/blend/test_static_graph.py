@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from static_prompts import prompt_maker
+from static_prompts import STATIC_SPECS, prompt_maker
 
 from cacheblend_rag.blend import Fusor, get_method, parse_method
 from cacheblend_rag.blend.plan import FusionPlan
@@ -32,18 +32,7 @@ def _graph_fusor(model) -> Fusor:
     return fusor
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        "cacheblend",
-        "cacheblend_hkvd",
-        "cacheblend_hkvd@signal=v",
-        "cacheblend_hkvd@ratio=0.15,schedule=[[1,2.0],[3,1.0]]",
-        "full_reuse",
-        "epic",
-        "cacheblend@ratio=1",
-    ],
-)
+@pytest.mark.parametrize("spec", STATIC_SPECS)
 def test_a_replay_fuses_each_prompt_as_its_own_static_fusion(model, make_prompt, spec):
     method = parse_method(spec).build()
     first = make_prompt(6, 128)

@@ -10,6 +10,20 @@ from op_counting import text_ids
 from cacheblend_rag.blend import ChunkKV, Segment
 from cacheblend_rag.engine.prompt import ChunkRef, PromptBuilder
 
+# every selection kind the static steps take, each option that changes their work, and r = 1
+STATIC_SPECS = (
+    "cacheblend",
+    "cacheblend@ratio=0.15,shift=false",
+    "cacheblend_hkvd@0.15",
+    "cacheblend_hkvd@ratio=0.15,signal=v",
+    # two check layers: the second check corrects the chunks by the rows the first kept
+    "cacheblend_hkvd@ratio=0.15,schedule=[[1,2.0],[3,1.0]]",
+    "cacheblend@ratio=0.3,probe_depth=6",
+    "full_reuse",
+    "epic",
+    "cacheblend@1",
+)
+
 
 def chunk_kv(model, ids) -> ChunkKV:
     _, cache = model.prefill(list(ids))
