@@ -21,15 +21,24 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from .blend.spec import MethodSpec
+from .blend.spec import DEFAULT_NAME, MethodSpec, named_default
 from .config import DECISIVE_MARGIN, DEFAULT_CHECK_MAX_TOKENS, Config
 from .corpus.corpus import Corpus, RetrievedChunk
 from .engine import ChunkRef, EngineProtocol, SamplingParams
-from .engine.fidelity import REFERENCE, MethodRun, compare_methods, method_table, store_in_ram
+from .engine.fidelity import (
+    REFERENCE,
+    MethodRecord,
+    MethodRow,
+    MethodRun,
+    compare_methods,
+    method_table,
+    store_in_ram,
+)
 from .engine.metrics import check_decisive_margin
 
 log = logging.getLogger(__name__)
@@ -77,6 +86,9 @@ class CheckRow:
     decisive_high: float = 1.0
     near_tie_questions: int = 0
     near_tie_agreeing: int = 0
+    # what the method chose per question, as ``budget_key`` words it, with how many questions it chose it
+    # for (empty when it chooses nothing per request)
+    budgets: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,7 +111,11 @@ class CheckReport:
     decisive_margin: float = DECISIVE_MARGIN  # nats: at or above, a question is decisive
 
     def row(self, label: str) -> CheckRow:
-        return next(r for r in self.rows if r.label == label)
+        """The row of the method labelled ``label``."""
+        for row in self.rows:
+            if row.label == label:
+                return row
+        raise KeyError(f"no row {label!r}: the rows are {', '.join(r.label for r in self.rows) or 'none'}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -189,14 +205,16 @@ def run_check(
     sampled = questions is None
     asked = sample_questions(rag.corpus, sample) if questions is None else clean_questions(questions)
     engine = rag.engine  # scored from what it returns: each answer's diagnostics
-    runs = method_runs(engine, method or rag.config.method, ratios)
+    runs = method_runs(engine, named_default(method or DEFAULT_NAME, rag.config.method), ratios)
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
     cases = []
+    compared_by_case: list[dict[str, MethodRecord]] = []
     for number, question in enumerate(asked):
         chunks = rag.retrieve(question, top_k)
         refs = [ChunkRef(c.token_ids, c.chunk_id) for c in chunks]
         store_in_ram(engine, question, refs, [run.spec for run in runs])
         compared, prompt_tokens = compare_methods(runs, question, refs, sampling, nll_reference=False)
+        compared_by_case.append(compared)
         records = {label: record.to_dict() for label, record in compared.items()}
         for record in records.values():
             record.pop("answer_tokens")
@@ -210,8 +228,11 @@ def run_check(
             }
         )
         log.info("check: question %d of %d (%d prompt tokens)", number + 1, len(asked), prompt_tokens)
-    table = method_table(cases, [run.label for run in runs], decisive_margin)
-    rows = [_row(run.label, run.spec.ratio, table[run.label], cases) for run in runs]
+    table = method_table(compared_by_case, [run.label for run in runs], decisive_margin)
+    rows = [
+        _row(run.label, run.spec.ratio, table[run.label], [c[run.label] for c in compared_by_case])
+        for run in runs
+    ]
     lowest, note, needed = verdict(rows[1:], target_agreement)
     return CheckReport(
         rows=rows,
@@ -227,23 +248,22 @@ def run_check(
     )
 
 
-def _row(label: str, ratio: float | None, entry: dict[str, Any], cases: Sequence[dict[str, Any]]) -> CheckRow:
-    records = [c["methods"][label] for c in cases if label in c["methods"]]
-    agreeing = sum(bool(r["first_token_agreement"]) for r in records)
+def _row(label: str, ratio: float | None, entry: MethodRow, records: Sequence[MethodRecord]) -> CheckRow:
+    agreeing = sum(bool(r.first_token_agreement) for r in records)
     low, high = wilson_interval(agreeing, len(records))
     # the split's counts come from the table (metrics.agreement_split decides which case is which)
-    decisive, decisive_agreeing = entry.get("decisive_cases", 0), entry.get("decisive_agreeing", 0)
+    decisive, decisive_agreeing = entry.decisive_cases or 0, entry.decisive_agreeing or 0
     decisive_low, decisive_high = wilson_interval(decisive_agreeing, decisive)
     return CheckRow(
         label=label,
         ratio=ratio,
-        first_token_agreement=entry["first_token_agreement"],
-        kl_first_token=entry["kl_first_token"],
-        agreement_f1=entry["agreement_f1"],
-        ttft_median_s=entry["ttft_median_s"],
-        speedup_median=entry["speedup_median"],
-        chunk_recompute_ratio=entry["chunk_recompute_ratio"],
-        compute_fraction=entry["compute_fraction"],
+        first_token_agreement=entry.first_token_agreement,
+        kl_first_token=entry.kl_first_token,
+        agreement_f1=entry.agreement_f1,
+        ttft_median_s=entry.ttft_median_s,
+        speedup_median=entry.speedup_median,
+        chunk_recompute_ratio=entry.chunk_recompute_ratio,
+        compute_fraction=entry.compute_fraction,
         questions=len(records),
         agreeing=agreeing,
         agreement_low=low,
@@ -252,9 +272,18 @@ def _row(label: str, ratio: float | None, entry: dict[str, Any], cases: Sequence
         decisive_agreeing=decisive_agreeing,
         decisive_low=decisive_low,
         decisive_high=decisive_high,
-        near_tie_questions=entry.get("near_tie_cases", 0),
-        near_tie_agreeing=entry.get("near_tie_agreeing", 0),
+        near_tie_questions=entry.near_tie_cases or 0,
+        near_tie_agreeing=entry.near_tie_agreeing or 0,
+        budgets=dict(Counter(budget_key(r.budget) for r in records if r.budget is not None)),
     )
+
+
+def budget_key(choice: dict[str, Any]) -> str:
+    """One request's budget choice in a few words: ``short chunks: 0.25`` (the share recomputed, or with a
+    cover target the most it may recompute)."""
+    length = "short" if choice.get("short") else "long"
+    target = f"cover {choice['target']:g} within " if choice.get("target") else ""
+    return f"{length} chunks: {target}{choice['ratio']:g}"
 
 
 def wilson_interval(successes: int, trials: int, z: float = CONFIDENCE_Z) -> tuple[float, float]:

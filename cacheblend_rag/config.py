@@ -16,7 +16,7 @@ import platformdirs
 from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-DEFAULT_METHOD = "cacheblend"
+DEFAULT_METHOD = "cacheblend@budget=adaptive"
 # the recompute ratio of CacheBlend when none is given, and the loading controller's quality floor
 DEFAULT_RATIO = 0.15
 DEFAULT_TOP_K = 6

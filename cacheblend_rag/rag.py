@@ -50,6 +50,7 @@ class QueryResult(PromptAccounting):
     finish_reason: str
     method_options: dict
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+    budget: dict | None = None  # the budget the method chose for this request's chunks, when it chose one
 
     def to_dict(self) -> dict:
         return {**asdict(self), "cached_tokens": self.cached_tokens}
@@ -78,6 +79,7 @@ class _Prepared:
             finish_reason=generated.finish_reason,
             method_options=generated.method_options,
             controller=generated.controller,
+            budget=generated.budget,
             **generated.accounting(),
         )
 

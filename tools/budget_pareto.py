@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 from pathlib import Path
 
+from cacheblend_rag.blend import CacheBlend, FixedBudget, Reuse, reuse_of
+from cacheblend_rag.blend.spec import MethodSpec
 from cacheblend_rag.eval.markdown import fmt, table, update_markdown
+from cacheblend_rag.eval.records import EvalResults, MethodRecord, RunConfig, load_results
+from cacheblend_rag.eval.summary import label_spec
 
 METRICS = (
     "chunk_recompute_ratio",
@@ -31,21 +34,29 @@ METRICS = (
 )
 
 
-def _common(results: list[dict]) -> tuple[list[int], dict[str, dict[int, dict]]]:
+def _common(results: list[EvalResults]) -> tuple[list[int], dict[str, dict[int, MethodRecord]]]:
     """The case ids every file holds, and every method's records by case id."""
-    ids = set.intersection(*({c["id"] for c in r["cases"]} for r in results))
-    methods: dict[str, dict[int, dict]] = {}
+    ids = set.intersection(*({c.id for c in r.cases} for r in results))
+    methods: dict[str, dict[int, MethodRecord]] = {}
     for result in results:
-        for case in result["cases"]:
-            if case["id"] in ids:
-                for label, record in case["methods"].items():
-                    methods.setdefault(label, {})[case["id"]] = record
+        for case in result.cases:
+            if case.id in ids:
+                for label, record in case.methods.items():
+                    methods.setdefault(label, {})[case.id] = record
     return sorted(ids), methods
 
 
-def _row(records: list[dict]) -> dict[str, float]:
-    row = {m: statistics.fmean(float(r[m]) for r in records) for m in METRICS}
-    row["ratio_spread"] = statistics.pstdev(float(r["chunk_recompute_ratio"]) for r in records)
+def _row(records: list[MethodRecord]) -> dict[str, float]:
+    """The means of :data:`METRICS` over the records, and the spread of the share recomputed."""
+    columns = {
+        "chunk_recompute_ratio": [r.chunk_recompute_ratio for r in records],
+        "compute_fraction": [r.compute_fraction for r in records],
+        "kl_first_token": [r.kl_first_token for r in records],
+        "first_token_agreement": [r.first_token_agreement for r in records],
+        "agreement_f1": [r.agreement_f1 for r in records],
+    }
+    row = {m: statistics.fmean(float(v) for v in columns[m]) for m in METRICS}
+    row["ratio_spread"] = statistics.pstdev(float(v) for v in columns["chunk_recompute_ratio"])
     return row
 
 
@@ -59,33 +70,37 @@ def fixed_at(fixed: list[dict[str, float]], compute: float, metric: str) -> floa
     return None
 
 
-def _is_budget(label: str) -> bool:
-    """Whether a method label names a per-request budget (budget=auto or budget=margin)."""
-    return "budget=auto" in label or "budget=margin" in label
+def _is_budget(spec: MethodSpec) -> bool:
+    """Whether a method spec names a per-request budget (cacheblend's budget=auto, margin, ...)."""
+    method = spec.build()
+    return isinstance(method, CacheBlend) and not isinstance(method.budget, FixedBudget)
 
 
-def _codec(config: dict) -> str:
-    return ",".join(config.get("kv_dtypes") or [config.get("kv_dtype") or "?"])
+def _codec(config: RunConfig) -> str:
+    return ",".join(config.codecs)
 
 
 def render(paths: list[Path], markdown: Path | None = None) -> str:
-    results = [json.loads(p.read_text()) for p in paths]
-    codecs = {_codec(r["config"]) for r in results}
-    config = results[0]["config"]
+    results = [load_results(p) for p in paths]
+    codecs = {_codec(r.config) for r in results}
+    config = results[0].config
     ids, methods = _common(results)
+    # the columns of methods that reuse chunk KV as they are labelled (not a variant's none: or int8:)
+    specs = {label: spec for label in methods if (spec := label_spec(label)) is not None}
     rows = {
         label: _row([by_case[i] for i in ids])
         for label, by_case in methods.items()
-        if all(i in by_case for i in ids) and label.startswith(("cacheblend", "full_reuse", "epic"))
+        if all(i in by_case for i in ids) and label in specs and reuse_of(specs[label]) is Reuse.CHUNKS
     }
+    # the fixed curve: the columns that set a recompute ratio and no per-request budget
     fixed = sorted(
-        (r for label, r in rows.items() if label.startswith("cacheblend") and not _is_budget(label)),
+        (r for label, r in rows.items() if specs[label].ratio is not None and not _is_budget(specs[label])),
         key=lambda r: r["compute_fraction"],
     )
     body = []
     for label, r in sorted(rows.items(), key=lambda item: item[1]["compute_fraction"]):
         kl_fixed = f1_fixed = agreement_fixed = verdict = None
-        if _is_budget(label):
+        if _is_budget(specs[label]):
             kl_fixed = fixed_at(fixed, r["compute_fraction"], "kl_first_token")
             f1_fixed = fixed_at(fixed, r["compute_fraction"], "agreement_f1")
             agreement_fixed = fixed_at(fixed, r["compute_fraction"], "first_token_agreement")
@@ -122,11 +137,11 @@ def render(paths: list[Path], markdown: Path | None = None) -> str:
     if markdown is not None:
         command += f" --markdown {markdown}"
     lines = [
-        f"#### Per-request budget vs fixed ratios: {config['dataset']}, {len(ids)} cases, chunks of <= "
-        f"{config['chunk_tokens']} tokens, top-k {config['top_k']}",
+        f"#### Per-request budget vs fixed ratios: {config.dataset}, {len(ids)} cases, chunks of <= "
+        f"{config.chunk_tokens} tokens, top-k {config.top_k}",
         "",
         "```bash",
-        *(c for r in results for c in dict.fromkeys(r.get("commands") or [])),
+        *(c for r in results for c in dict.fromkeys(r.commands)),
         command,
         "```",
         "",
@@ -151,8 +166,8 @@ def main() -> None:
     text = render(args.results, args.markdown)
     print(text)
     if args.markdown is not None:
-        config = json.loads(args.results[0].read_text())["config"]
-        update_markdown(args.markdown, f"pareto-{config['dataset']}-{config['chunk_tokens']}", text)
+        config = load_results(args.results[0]).config
+        update_markdown(args.markdown, f"pareto-{config.dataset}-{config.chunk_tokens}", text)
 
 
 if __name__ == "__main__":

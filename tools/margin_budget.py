@@ -23,16 +23,23 @@ from pathlib import Path
 # the same metrics and interpolation as the budget=auto table
 from budget_pareto import METRICS, fixed_at
 
+from cacheblend_rag.blend import CacheBlend
 from cacheblend_rag.eval.markdown import fmt, table, update_markdown
+from cacheblend_rag.eval.summary import label_spec
 
 
 def fixed_columns(case: dict) -> dict[float, dict]:
-    """The case's records by fixed ratio (full reuse as 0)."""
+    """The case's records by fixed ratio (full reuse as 0): cacheblend's columns that set the ratio alone."""
     out = {0.0: case["methods"]["full_reuse"]}
     for label, record in case["methods"].items():
-        head, _, value = label.partition("@")
-        if head == "cacheblend" and value.replace(".", "", 1).isdigit():
-            out[float(value)] = record
+        spec = label_spec(label)
+        if (
+            spec is not None
+            and spec.method_class is CacheBlend
+            and len(spec.options) == 1
+            and spec.ratio is not None
+        ):
+            out[float(spec.ratio)] = record
     return out
 
 

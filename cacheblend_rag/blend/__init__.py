@@ -1,6 +1,6 @@
 """Position-independent caching: PIC methods, the fusor and the loading controller."""
 
-from .budget import CoverBudget, FixedBudget, MarginBudget
+from .budget import AdaptiveBudget, CoverBudget, FixedBudget, MarginBudget
 from .cacheblend import CacheBlend, CacheBlendHKVD
 from .controller import Decision, LoadingController, Profile
 from .fusor import FusionResult, Fusor
@@ -21,6 +21,7 @@ from .segments import ChunkKV, ChunkKVSource, DirectLayerKV, LayerKVProvider, Se
 from .spec import MethodSpec, ResolvedMethod, parse_method, resolve_method, reuse_of, split_specs
 
 __all__ = [
+    "AdaptiveBudget",
     "CacheBlend",
     "CacheBlendHKVD",
     "ChunkKV",

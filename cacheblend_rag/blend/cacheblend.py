@@ -13,7 +13,7 @@ it (:meth:`CacheBlend.respelled`), with a deprecation warning.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -24,10 +24,12 @@ from .budget import (
     BUDGET_HELP,
     FLAT_OPTIONS,
     FLAT_SPELLING,
+    AdaptiveBudget,
     Budget,
     FixedBudget,
     MarginBudget,
     fold_flat_budget,
+    request_budget,
     spelled_budget,
 )
 from .methods import RecomputeMethod, RoundSharing, register_method, share_budget
@@ -38,7 +40,7 @@ from .static_layout import DeviationNarrowing, HostRows, QueryTopK, StaticSelect
 # entry is r itself), for HKVD selection. See docs/fusor.md.
 DEFAULT_SCHEDULE: tuple[tuple[int, float], ...] = ((1, 1.0),)
 
-_QUERY_OPTIONS = ("score", "budget", "probe_depth", "chunk_rows", *FLAT_OPTIONS)
+_QUERY_OPTIONS = ("score", "budget", "probe_depth", "chunk_rows", "chunk_starts", *FLAT_OPTIONS)
 _HKVD_OPTIONS = ("signal", "schedule")
 
 
@@ -113,6 +115,14 @@ class CacheBlend(_Blend):
         "(default): the budget's best tokens wherever they are",
     )
 
+    chunk_starts: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="each chunk's first N cached tokens are recomputed first, out of the same budget; 0 "
+        "(default): none by position",
+    )
+
     @classmethod
     def respelled(cls, options: Mapping[str, Any]) -> tuple[str, dict[str, Any]] | None:
         # `selection` chose between the two rules when they were one method
@@ -177,6 +187,19 @@ class CacheBlend(_Blend):
     def uses_query_attention(self, plan: FusionPlan) -> bool:
         return True
 
+    def request_choice(self, chunk_lengths: Sequence[int]) -> dict[str, Any] | None:
+        if not isinstance(self.budget, AdaptiveBudget):
+            return None
+        chosen, share = self.budget.choose(chunk_lengths, self.ratio)
+        mean = sum(chunk_lengths) / len(chunk_lengths) if chunk_lengths else 0.0
+        return {
+            **chosen.model_dump(),
+            "ratio": round(share, 6),
+            "short": self.budget.is_short(chunk_lengths),
+            "chunks": len(chunk_lengths),
+            "mean_chunk_tokens": round(mean, 1),
+        }
+
     def probe_layers(self, num_layers: int) -> int:
         return min(self.probe_depth, num_layers) if self.probe_depth else num_layers
 
@@ -191,7 +214,7 @@ class CacheBlend(_Blend):
         if count and score is not None:
             ranked = torch.sort(score[cached], descending=True)
             count = self.budget.tokens(count, ranked.values, self.ratio, plan)
-            floor = self._chunk_floor(score, count, plan) if self.shift and self.chunk_rows else None
+            floor = self._floor(score, count, plan)
             if floor is None:
                 keep[cached[ranked.indices[:count]]] = True
             else:  # the floor first, then the best of the rest up to the budget
@@ -201,6 +224,27 @@ class CacheBlend(_Blend):
         elif count:  # no probe ran (nothing cached to look at): every candidate is recomputed
             keep[cached] = True
         return keep.nonzero().squeeze(1)
+
+    def _floor(self, score: torch.Tensor, budget: int, plan: FusionPlan) -> torch.Tensor | None:
+        """The cached tokens recomputed before the budget's best: each chunk's first ``chunk_starts``
+        and (with shift) its best ``chunk_rows``, within the budget; None when neither is asked."""
+        parts = [self._chunk_starts(budget, plan) if self.chunk_starts else None]
+        if self.shift and self.chunk_rows:
+            parts.append(self._chunk_floor(score, budget, plan))
+        found = [part for part in parts if part is not None]
+        if not found:
+            return None
+        return torch.unique(torch.cat(found))[:budget]
+
+    def _chunk_starts(self, budget: int, plan: FusionPlan) -> torch.Tensor | None:
+        """Each chunk's first ``chunk_starts`` cached tokens (fewer when the budget cannot give every chunk
+        as many): where a chunk prefilled apart was read as a beginning, and in the prompt is not."""
+        spans = plan.chunk_spans()
+        per_chunk = min(self.chunk_starts, budget // max(len(spans), 1))
+        if not spans or per_chunk <= 0:
+            return None
+        picks = [torch.arange(start, end)[plan.candidate_mask[start:end]][:per_chunk] for start, end in spans]
+        return torch.cat(picks)
 
     def _chunk_floor(self, score: torch.Tensor, budget: int, plan: FusionPlan) -> torch.Tensor | None:
         """The chunk floor: each chunk's best ``chunk_rows`` cached tokens by ``score`` (fewer when the
@@ -221,9 +265,10 @@ class CacheBlend(_Blend):
         return torch.cat(picks) if picks else None
 
     def static_selection(self, plan: FusionPlan, num_layers: int) -> StaticSelection | None:
-        if not isinstance(self.budget, FixedBudget) or self.chunk_rows:
+        chosen, share = request_budget(self.budget, plan, self.ratio)
+        if not isinstance(chosen, FixedBudget) or self.chunk_rows or self.chunk_starts:
             return None  # sizes read from the probe's scores or spread by chunk
-        budget = min(share_budget(self.ratio, plan), plan.num_cached)
+        budget = min(share_budget(share, plan), plan.num_cached) if self.ratio > 0 else 0
         if budget == 0:
             return HostRows(plan.must_compute.nonzero().squeeze(1))
         if budget == plan.num_cached:  # every candidate: no probe needed to choose among them

@@ -141,6 +141,11 @@ class RecomputeMethod(BaseModel, ABC):
             return None
         return HostRows(self.layer0_positions(plan))
 
+    def request_choice(self, chunk_lengths: Sequence[int]) -> dict[str, Any] | None:
+        """What the method chose for one request whose blended chunks hold ``chunk_lengths`` tokens,
+        JSON-able (results report it as ``budget``), or None when it chooses nothing per request."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """The method and its options, JSON-able (what results report as ``method_options``)."""
         return {"method": self.name, **self.options()}

@@ -99,6 +99,15 @@ def parse_method(text: str) -> MethodSpec:
     return MethodSpec.parse(text)
 
 
+DEFAULT_NAME = "default"  # names the settings' method where a list of specs is given (eval, check)
+
+
+def named_default(text: str, default: str) -> str:
+    """``text``, or ``default`` (the settings' method, as ``query`` runs it) where ``text`` is
+    ``default``."""
+    return default if text.strip() == DEFAULT_NAME else text
+
+
 def split_specs(text: str) -> list[str]:
     """A comma-separated list of method specs, e.g. ``full_reuse,cacheblend@ratio=0.3,shift=false,epic@32``:
     an ``option=value`` item without ``@`` continues the spec before it."""

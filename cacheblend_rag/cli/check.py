@@ -52,7 +52,8 @@ def check_command(
         ),
     ] = None,
     method: Annotated[
-        str | None, typer.Option(help="The KV-reuse method to check (default: the method setting).")
+        str | None,
+        typer.Option(help="The KV-reuse method to check (default, or 'default': the method setting)."),
     ] = None,
     target_agreement: Annotated[
         float | None,
@@ -160,6 +161,10 @@ def print_report(report: CheckReport, source: str) -> None:
         "tokens recomputed",
         highlight=False,
     )
+    for row in report.rows:
+        if row.budgets:
+            chosen = "; ".join(f"{key} ({count} questions)" for key, count in sorted(row.budgets.items()))
+            console.print(f"{shown(row.label)} chose per question: {chosen}", highlight=False)
     if report.target_agreement is None:
         return
     found = report.lowest_ratio_meeting_target

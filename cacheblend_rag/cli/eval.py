@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shlex
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -13,6 +13,9 @@ from rich.table import Table
 from ..config import DECISIVE_MARGIN, DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
 from .output import print_error, shown
+
+if TYPE_CHECKING:
+    from ..eval.records import CaseRecord, EvalResults
 
 console = Console()
 err_console = Console(stderr=True)
@@ -63,7 +66,8 @@ def eval_command(
         str,
         typer.Option(
             help="Comma-separated methods or specs (epic@32, cacheblend_hkvd@ratio=0.3,signal=v); a method "
-            "with a ratio given without one (cacheblend) runs once per --ratios value."
+            "with a ratio given without one (cacheblend) runs once per --ratios value; default: the method "
+            "setting, as query runs it."
         ),
     ] = "full_recompute,prefix_cache,full_reuse,cacheblend,epic",
     ratios: Annotated[str, typer.Option(help="CacheBlend recompute ratios.")] = "0,0.05,0.1,0.15,0.2,0.3,0.5",
@@ -138,20 +142,22 @@ def eval_command(
     ] = DECISIVE_MARGIN,
 ) -> None:
     """Answer each case with every method; score against the gold answers and the full_recompute answer."""
-    from ..blend.spec import split_specs
+    from ..blend.spec import named_default, split_specs
     from ..engine import ENGINE_KINDS
     from ..eval.datasets import load_dataset
     from ..eval.harness import EvalConfig, run_eval
     from ..eval.headline import HEADLINE_SECTION, render_headline
     from ..eval.markdown import update_markdown
     from ..eval.report import eval_section_name, plot_quality_vs_ttft, render_eval
+    from ..eval.summary import REFERENCE
     from ..eval.variants import CHUNK_CONTEXTS
+    from ..settings import get_settings
 
     if engine not in ENGINE_KINDS:
         raise typer.BadParameter(f"--engine: use {' or '.join(ENGINE_KINDS)}, got {engine!r}")
     if chunk_context is not None and chunk_context not in CHUNK_CONTEXTS:
         raise typer.BadParameter(f"--chunk-context: use {' or '.join(CHUNK_CONTEXTS)}, got {chunk_context!r}")
-    method_list = split_specs(methods)
+    method_list = [named_default(text, get_settings().method) for text in split_specs(methods)]
     if not method_list:
         raise typer.BadParameter("--methods: give at least one method")
     ratio_list = parse_list(ratios, float, "--ratios")
@@ -203,11 +209,12 @@ def eval_command(
             decisive_margin=decisive_margin,
         )
 
-        def progress(done: int, total: int, record: dict) -> None:
-            reference = record["methods"].get("full_recompute", {})
+        def progress(done: int, total: int, record: CaseRecord) -> None:
+            reference = record.methods.get(REFERENCE)
+            ttft = reference.ttft_s if reference is not None else float("nan")
             err_console.print(
-                f"[{done}/{total}] case {shown(record['id'])}: {record['prompt_tokens']} prompt tokens, "
-                f"full_recompute TTFT {reference.get('ttft_s', float('nan')):.2f} s",
+                f"[{done}/{total}] case {shown(record.id)}: {record.prompt_tokens} prompt tokens, "
+                f"full_recompute TTFT {ttft:.2f} s",
                 highlight=False,
             )
 
@@ -224,11 +231,11 @@ def eval_command(
     err_console.print(f"results: {shown(json_path)}")
 
 
-def _print_summary(results: dict) -> None:
+def _print_summary(results: EvalResults) -> None:
     from ..eval.report import split_cells
 
-    summary = results["summary"]
-    table = Table(title=f"{shown(results['config']['dataset'])}: {summary['cases']} cases")
+    summary = results.summarized()
+    table = Table(title=f"{shown(results.config.dataset)}: {summary.cases} cases")
     for column in (
         "method",
         "chunk recompute",
@@ -243,23 +250,21 @@ def _print_summary(results: dict) -> None:
     ):
         table.add_column(column, justify="right")
 
-    def cells(e: dict, *keys: str) -> list[str]:
-        return [f"{e[key]:.3f}" if e.get(key) is not None else "–" for key in keys]
+    def cells(*values: float | None) -> list[str]:
+        return [f"{value:.3f}" if value is not None else "–" for value in values]
 
-    for label, e in summary["methods"].items():
+    for label, e in summary.methods.items():
         table.add_row(
             shown(label),
-            *cells(
-                e, "chunk_recompute_ratio", "ttft_median_s", "gold", "agreement_f1", "first_token_agreement"
-            ),
+            *cells(e.chunk_recompute_ratio, e.ttft_median_s, e.gold, e.agreement_f1, e.first_token_agreement),
             *split_cells(e),
-            *cells(e, "kl_first_token", "nll_reference"),
+            *cells(e.kl_first_token, e.nll_reference),
         )
     console.print(table)
-    margin = summary.get("decisive_margin", DECISIVE_MARGIN)
+    margin = summary.decisive_margin if summary.decisive_margin is not None else DECISIVE_MARGIN
     console.print(
         f"decisive: full prefill's first token leads its runner-up by >= {margin:g} nats; near-tie: the rest",
         highlight=False,
     )
-    for check in summary["checks"]:
-        console.print(f"{'PASS' if check['passed'] else 'FAIL'}: {check['claim']}", highlight=False)
+    for check in summary.checks:
+        console.print(f"{'PASS' if check.passed else 'FAIL'}: {check.claim}", highlight=False)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import CacheBlendError
-from .output import print_error, shown
+from .output import budget_text, print_error, shown
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
 
 console = Console()
@@ -136,6 +136,8 @@ def query(
         f"{result.cache_read_blended_tokens} blended)",
     )
     table.add_row("recomputed", f"{result.computed_tokens} tokens")
+    if result.budget is not None:
+        table.add_row("budget", budget_text(result.budget))
     table.add_row("chunk KV computed now", f"{result.kv_computed_tokens} tokens")
     table.add_row("chunks", shown(", ".join(result.chunk_ids)))
     err_console.print(table)

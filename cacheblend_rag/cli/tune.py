@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -12,6 +12,9 @@ from ..config import DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
 from .eval import command_line
 from .output import print_error, shown
+
+if TYPE_CHECKING:
+    from ..eval.records import CaseRecord
 
 err_console = Console(stderr=True)
 
@@ -76,8 +79,8 @@ def tune_command(
             command=command,
         )
 
-        def progress(done: int, total: int, record: dict) -> None:
-            err_console.print(f"[{done}/{total}] case {shown(record['id'])}", highlight=False)
+        def progress(done: int, total: int, record: CaseRecord) -> None:
+            err_console.print(f"[{done}/{total}] case {shown(record.id)}", highlight=False)
 
         results = run_eval(config, on_case=progress)
         body = render_tune(results)

@@ -187,6 +187,8 @@ class GenerationResult(PromptAccounting):
     method_options: dict = field(default_factory=dict)
     load_wait_s: float = 0.0
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
+    # what the method chose for this request from its chunks (an adaptive budget's choice), else None
+    budget: dict | None = None
     diagnostics: FusionDiagnostics | None = None  # when the sampling params asked for them
 
     @classmethod
@@ -220,6 +222,7 @@ class GenerationResult(PromptAccounting):
             method_options=resolved.method.describe(),
             load_wait_s=fusion.load_wait_s,
             controller=resolved.controller,
+            budget=resolved.method.request_choice([len(s) for s in segments if s.is_cached and not s.exact]),
             cache_read_exact_tokens=accounting.read_exact_tokens,
             cache_read_blended_tokens=accounting.read_blended_tokens,
             kv_computed_tokens=accounting.kv_computed_tokens,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,23 +27,10 @@ from ..config import DECISIVE_MARGIN
 from .base import EngineProtocol
 from .metrics import agreement_split, kl_divergence, log_margin, qa_f1
 from .prompt import ChunkRef, PromptBuilder
+from .records import JsonRecord
 from .sampling import SamplingParams
 
 REFERENCE = "full_recompute"  # the column every other method is scored against
-
-# record fields averaged over prompts by method_table (times are summarised by their median)
-MEAN_FIELDS = (
-    "gold",
-    "agreement_f1",
-    "agreement_rouge_l",
-    "first_token_agreement",
-    "kl_first_token",
-    "nll_gold",
-    "nll_reference",
-    "recompute_ratio",
-    "chunk_recompute_ratio",
-    "compute_fraction",
-)
 
 
 @dataclass(frozen=True)
@@ -93,22 +80,23 @@ def chunk_recompute_ratio(
     return float(chunk_mask[selected].sum()) / max(1, int(chunk_mask.sum()))
 
 
-@dataclass
-class MethodRecord:
-    """One method's answer to one prompt and its scores against the reference (see the module's doc).
-    ``None``: not measured (an engine that does not report it, or a score not asked for)."""
+@dataclass(frozen=True, kw_only=True)
+class MethodRecord(JsonRecord):
+    """One method's answer to one prompt and its scores against the reference (see the module's doc): what
+    a results file holds per case and method. ``None``: not measured (an engine that does not report it, or
+    a score not asked for), and left out of the file."""
 
     answer: str
     answer_tokens: list[int]
     finish_reason: str
     ttft_s: float
     segments_s: float
-    fusion_s: float | None
+    fusion_s: float | None = None
     load_wait_s: float
     total_s: float
     recompute_ratio: float
-    chunk_recompute_ratio: float | None
-    compute_fraction: float | None
+    chunk_recompute_ratio: float | None = None
+    compute_fraction: float | None = None
     reused_tokens: int
     computed_tokens: int
     first_token: int
@@ -117,21 +105,20 @@ class MethodRecord:
     kl_first_token: float
     nll_reference: float | None = None
     # how sure the method's first token was: its probability minus the runner-up's (full reuse's is what
-    # cacheblend's budget=margin reads from its probe)
+    # cacheblend's budget=margin reads from its probe); results recorded before it lack it
     first_token_margin: float | None = None
     # full prefill's top first-token log-probability minus its runner-up's, in nats (the same for every
     # method of a case): the threshold splitting decisive cases from near-ties is applied when records are
-    # summarised (metrics.agreement_split), so a results file can be read again at another
+    # summarised (metrics.agreement_split), so a results file can be read again at another; results
+    # recorded before the split lack it
     reference_margin: float | None = None
     # eval's scores against the gold answers
     gold: float | None = None
     nll_gold: float | None = None
-    agreement_rouge_l: float | None = None
-    options: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record as a results file holds it: what was not measured is left out."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+    agreement_rouge_l: float | None = None  # summaries only
+    options: dict[str, Any] | None = None  # the spec's options (a plain method has none)
+    # the budget the method chose for this prompt's chunks, when it chooses one per request
+    budget: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -206,39 +193,78 @@ def compare_methods(
             reference_margin=log_margin(reference.logprobs),
             nll_gold=scores[0] if continuation is not None else None,
             options=dict(run.spec.options) if run.spec.options else None,
+            budget=result.budget,
         )
     return records, prompt_tokens
 
 
+@dataclass(frozen=True, kw_only=True)
+class MethodRow(JsonRecord):
+    """One method over a set of prompts (:func:`method_table`): what a results file's summary holds per
+    method. A mean is None where no prompt had the measure (left out of the file)."""
+
+    cases: int
+    gold: float | None = None
+    agreement_f1: float | None = None
+    agreement_rouge_l: float | None = None  # summaries only
+    first_token_agreement: float | None = None
+    kl_first_token: float | None = None
+    nll_gold: float | None = None
+    nll_reference: float | None = None
+    recompute_ratio: float | None = None
+    chunk_recompute_ratio: float | None = None
+    compute_fraction: float | None = None
+    # first-token agreement on decisive cases and on near-ties (metrics.agreement_split); summaries of
+    # records without full prefill's margin (results recorded before the split) lack them
+    decisive_cases: int | None = None
+    decisive_agreeing: int | None = None
+    first_token_agreement_decisive: float | None = None  # None: no decisive case
+    near_tie_cases: int | None = None
+    near_tie_agreeing: int | None = None
+    first_token_agreement_near_tie: float | None = None
+    ttft_median_s: float
+    ttft_mean_s: float
+    speedup_median: float | None = None  # None: no prompt has the reference's record beside this one
+    options: dict[str, Any] | None = None
+
+
 def method_table(
-    cases: Sequence[dict[str, Any]], labels: Sequence[str], decisive_margin: float = DECISIVE_MARGIN
-) -> dict[str, dict[str, Any]]:
-    """Per label over ``cases`` (each with its records under ``"methods"``): the means of
-    :data:`MEAN_FIELDS`, first-token agreement on decisive cases (full prefill's margin >=
-    ``decisive_margin`` nats) and near-ties (:func:`~.metrics.agreement_split`), the median and mean TTFT,
-    and the median per-case speed-up over the reference."""
-    table: dict[str, dict[str, Any]] = {}
+    cases: Sequence[Mapping[str, MethodRecord]],
+    labels: Sequence[str],
+    decisive_margin: float = DECISIVE_MARGIN,
+) -> dict[str, MethodRow]:
+    """Per label over ``cases`` (each case's records by label): the means of the scores, first-token
+    agreement on decisive cases (full prefill's margin >= ``decisive_margin`` nats) and near-ties
+    (:func:`~.metrics.agreement_split`), the median and mean TTFT, and the median per-case speed-up over
+    the reference (times are summarised by their median)."""
+    table: dict[str, MethodRow] = {}
     for label in labels:
-        rows = [c["methods"][label] for c in cases if label in c["methods"]]
+        rows = [c[label] for c in cases if label in c]
         if not rows:
             continue
-        entry: dict[str, Any] = {"cases": len(rows)}
-        for name in MEAN_FIELDS:
-            values = [float(r[name]) for r in rows if r.get(name) is not None]
-            if values:
-                entry[name] = statistics.fmean(values)
-        entry.update(agreement_split(rows, decisive_margin))
-        entry["ttft_median_s"] = statistics.median(r["ttft_s"] for r in rows)
-        entry["ttft_mean_s"] = statistics.fmean(r["ttft_s"] for r in rows)
-        speedups = [
-            c["methods"][REFERENCE]["ttft_s"] / c["methods"][label]["ttft_s"]
-            for c in cases
-            if label in c["methods"] and REFERENCE in c["methods"]
-        ]
-        if speedups:
-            entry["speedup_median"] = statistics.median(speedups)
-        options = rows[0].get("options")
-        if options:
-            entry["options"] = options
-        table[label] = entry
+        speedups = [c[REFERENCE].ttft_s / c[label].ttft_s for c in cases if label in c and REFERENCE in c]
+        table[label] = MethodRow(
+            cases=len(rows),
+            gold=_mean(r.gold for r in rows),
+            agreement_f1=_mean(r.agreement_f1 for r in rows),
+            agreement_rouge_l=_mean(r.agreement_rouge_l for r in rows),
+            first_token_agreement=_mean(r.first_token_agreement for r in rows),
+            kl_first_token=_mean(r.kl_first_token for r in rows),
+            nll_gold=_mean(r.nll_gold for r in rows),
+            nll_reference=_mean(r.nll_reference for r in rows),
+            recompute_ratio=_mean(r.recompute_ratio for r in rows),
+            chunk_recompute_ratio=_mean(r.chunk_recompute_ratio for r in rows),
+            compute_fraction=_mean(r.compute_fraction for r in rows),
+            **agreement_split(rows, decisive_margin),
+            ttft_median_s=statistics.median(r.ttft_s for r in rows),
+            ttft_mean_s=statistics.fmean(r.ttft_s for r in rows),
+            speedup_median=statistics.median(speedups) if speedups else None,
+            options=rows[0].options or None,
+        )
     return table
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    """The mean of the values measured; None when none was."""
+    measured = [float(v) for v in values if v is not None]
+    return statistics.fmean(measured) if measured else None

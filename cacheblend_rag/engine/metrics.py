@@ -18,8 +18,8 @@ import math
 import re
 import string
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -94,20 +94,31 @@ def is_decisive(reference_margin: float, margin: float = DECISIVE_MARGIN) -> boo
     return reference_margin >= margin
 
 
-def agreement_split(records: Iterable[Mapping[str, Any]], margin: float = DECISIVE_MARGIN) -> dict[str, Any]:
+class ScoredRecord(Protocol):
+    """What :func:`agreement_split` reads of a record (a :class:`~.fidelity.MethodRecord`)."""
+
+    @property
+    def first_token_agreement(self) -> bool: ...
+
+    @property
+    def reference_margin(self) -> float | None: ...
+
+
+def agreement_split(records: Iterable[ScoredRecord], margin: float = DECISIVE_MARGIN) -> dict[str, Any]:
     """First-token agreement apart on decisive cases and near-ties (:func:`is_decisive` on each record's
-    ``reference_margin``), from records holding ``first_token_agreement``: per kind its count
-    (``decisive_cases``, ``near_tie_cases``), how many agree (``..._agreeing``) and, where any, the share
-    (``first_token_agreement_decisive``, ``..._near_tie``). Records without a margin (results from before
-    it was recorded) are left out; with none, the split is empty, not zeros."""
-    scored = [r for r in records if r.get("reference_margin") is not None]
+    ``reference_margin``): per kind its count (``decisive_cases``, ``near_tie_cases``), how many agree
+    (``..._agreeing``) and, where any, the share (``first_token_agreement_decisive``, ``..._near_tie``),
+    named as :class:`~.fidelity.MethodRow`'s fields. Records without a margin (results from before it was
+    recorded) are left out; with none, the split is empty, not zeros."""
+    scored = [(r.reference_margin, r.first_token_agreement) for r in records]
+    scored = [(lead, agreed) for lead, agreed in scored if lead is not None]
     if not scored:
         return {}
     out: dict[str, Any] = {}
     for kind, decisive in (("decisive", True), ("near_tie", False)):
-        chosen = [r for r in scored if is_decisive(r["reference_margin"], margin) == decisive]
+        chosen = [agreed for lead, agreed in scored if is_decisive(lead, margin) == decisive]
         out[f"{kind}_cases"] = len(chosen)
-        out[f"{kind}_agreeing"] = sum(bool(r["first_token_agreement"]) for r in chosen)
+        out[f"{kind}_agreeing"] = sum(bool(agreed) for agreed in chosen)
         if chosen:
             out[f"first_token_agreement_{kind}"] = out[f"{kind}_agreeing"] / len(chosen)
     return out

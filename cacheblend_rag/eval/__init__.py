@@ -7,6 +7,7 @@ from .datasets import Dataset, EvalCase, load_dataset, select_cases
 from .harness import EvalConfig, run_eval
 from .markdown import update_markdown
 from .metrics import continuation_nll, kl_divergence, qa_f1, rouge_l
+from .records import EvalResults, load_results
 from .summary import summarize
 from .variants import Variant, method_specs, method_variants, parse_variant
 
@@ -15,10 +16,12 @@ __all__ = [
     "Dataset",
     "EvalCase",
     "EvalConfig",
+    "EvalResults",
     "Variant",
     "continuation_nll",
     "kl_divergence",
     "load_dataset",
+    "load_results",
     "method_specs",
     "method_variants",
     "parse_variant",

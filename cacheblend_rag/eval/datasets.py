@@ -2,7 +2,8 @@
 
 Three subsets ship with the package (see ``data/README.md``): ``musique`` (60 MuSiQue cases, short-answer
 QA; the development split), ``musique-heldout`` (the other 90 cases of the same file, held out) and
-``multinews`` (30 Multi-News cases, summarisation; none used to choose a default). Any file in the same
+``multinews`` (30 Multi-News cases, summarisation; none used to choose a default) and ``multinews-dev``
+(the next 30 of the same file, where rules for short passages are chosen). Any file in the same
 layout (``.json`` or ``.json.gz``) is accepted by path.
 
 How contexts are cut is the run's choice, not the set's (``--chunk-tokens``, ``--top-k``; one owner each):
@@ -28,6 +29,8 @@ BUNDLED = {
     # the 90 other MuSiQue cases: never used to choose a method's defaults (see docs/fusor.md)
     "musique-heldout": DATA_DIR / "musique_s.heldout-seed0-90.json.gz",
     "multinews": DATA_DIR / "multi_news.seed0-30.json.gz",
+    # the next 30 of the seeded order: where short-passage rules are chosen, so the 30 above stay held out
+    "multinews-dev": DATA_DIR / "multi_news.dev-seed0-30-60.json.gz",
 }
 TASKS = ("qa", "summary")
 

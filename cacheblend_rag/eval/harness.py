@@ -19,11 +19,10 @@ rerun skips cases already in it.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from ..blend.methods import METHODS_REVISION, Reuse
 from ..blend.spec import reuse_of
 from ..config import DECISIVE_MARGIN, DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
 from ..engine import ChunkRef, EngineProtocol, SamplingParams
-from ..engine.fidelity import MethodRecord, MethodRun, compare_methods, store_in_ram
+from ..engine.fidelity import MethodRun, compare_methods, store_in_ram
 from ..errors import EvalDataError
 from ..models.runtime import LayerwiseModel
 from ..settings import get_settings
@@ -48,33 +47,26 @@ from .engines import (
     vllm_engines,
 )
 from .metrics import check_decisive_margin, qa_f1, rouge_l
-from .results import machine_info, write_json_atomic
-from .retrieval import CaseChunk, EvalCorpus
+from .records import (
+    RESULTS_FORMAT,
+    CaseRecord,
+    EvalResults,
+    PromptRecord,
+    RetrievedRecord,
+    RunConfig,
+    load_results,
+    save_results,
+)
+from .results import machine_info
+from .retrieval import EvalCorpus
 from .summary import REFERENCE, summarize
 from .variants import Variant, method_variants
 
 log = logging.getLogger(__name__)
 
-RESULTS_FORMAT = "cacheblend-rag-eval/1"
 DEFAULT_METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
 DEFAULT_RATIOS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 DEFAULT_MAX_NEW_TOKENS = {"qa": 32, "summary": 64}
-# Settings that change per-case results: a results file can only be resumed when they match.
-_RESUME_KEYS = (
-    "dataset_sha256",
-    "task",
-    "top_k",
-    "chunk_tokens",
-    "max_new_tokens",
-    "model_fingerprint",
-    "kv_dtype",
-    "prompt",
-    "chunk_context",
-    "engine",
-    "methods_revision",
-)
-# what a results file made before a key was recorded ran with
-_RESUME_DEFAULTS = {"engine": "torch", "methods_revision": 1}
 
 
 def task_question(case: EvalCase, task: str) -> str:
@@ -122,7 +114,7 @@ class EvalRun:
     engines: dict[str, EngineProtocol]  # by engine_name(): chunk context [/codec], sharing the model
     corpus: EvalCorpus  # the data set's contexts, retrieved from as the product retrieves
     sampling: SamplingParams
-    config: dict[str, Any] = field(default_factory=dict)
+    config: RunConfig
 
 
 def setup_run(
@@ -168,39 +160,39 @@ def setup_run(
     engine = engines[engine_name(Variant(REFERENCE, specs[0].spec), context, codecs[0])]
     max_new = config.max_new_tokens or DEFAULT_MAX_NEW_TOKENS[task]
     builder = engine.prompts
-    run_config = {
-        "data": str(config.data),
-        "dataset": dataset.name,
-        "dataset_path": str(dataset.path),
-        "dataset_sha256": dataset.sha256,
-        "task": task,
-        "limit": config.limit,
-        "seed": config.seed,
-        "top_k": config.top_k,
-        "chunk_tokens": config.chunk_tokens,
-        "max_new_tokens": max_new,
-        "engine": config.engine,
-        "methods_revision": METHODS_REVISION,  # what a method label computes (blend/methods.py)
-        "model": engine.model.name,
-        "model_fingerprint": engine.model.fingerprint,
-        "compute_dtype": compute_dtype,
-        "kv_dtype": engine.store.kv_dtype_name,
-        "kv_dtypes": codecs,
-        "chunk_context": context,
-        "skip": config.skip,
-        "decisive_margin": config.decisive_margin,
-        "kv_dir": str(kv_dir),
-        "retrieval": (
+    run_config = RunConfig(
+        data=str(config.data),
+        dataset=dataset.name,
+        dataset_path=str(dataset.path),
+        dataset_sha256=dataset.sha256,
+        task=task,
+        limit=config.limit,
+        seed=config.seed,
+        top_k=config.top_k,
+        chunk_tokens=config.chunk_tokens,
+        max_new_tokens=max_new,
+        engine=config.engine,
+        methods_revision=METHODS_REVISION,  # what a method label computes (blend/methods.py)
+        model=engine.model.name,
+        model_fingerprint=engine.model.fingerprint,
+        compute_dtype=compute_dtype,
+        kv_dtype=engine.store.kv_dtype_name,
+        kv_dtypes=codecs,
+        chunk_context=context,
+        skip=config.skip,
+        decisive_margin=config.decisive_margin,
+        kv_dir=str(kv_dir),
+        retrieval=(
             "top-k by cosine similarity (all-MiniLM-L6-v2), the eval corpus's search filtered to the case"
             if task == "qa"
             else "first k chunks"
         ),
-        "prompt": {
-            "system": builder.system_prompt,
-            "user_template": builder.user_template,
-            "question": SUMMARY_INSTRUCTION if task == "summary" else "{question}",
-        },
-    }
+        prompt=PromptRecord(
+            system=builder.system_prompt,
+            user_template=builder.user_template,
+            question=SUMMARY_INSTRUCTION if task == "summary" else "{question}",
+        ),
+    )
     corpus_dir = config.corpus_dir or default_corpus_dir(kv_dir, dataset, config.chunk_tokens)
     return EvalRun(
         dataset=dataset,
@@ -221,46 +213,14 @@ def setup_run(
     )
 
 
-@dataclass
-class CaseRecord:
-    """One case of a results file: the question, what was retrieved and every method's record."""
-
-    id: int
-    question: str
-    answers: list[str]
-    chunks_total: int
-    retrieved: list[CaseChunk]
-    prompt_tokens: int
-    cached_tokens: int
-    precompute_s: float
-    methods: dict[str, MethodRecord]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The case as the results file holds it."""
-        return {
-            "id": self.id,
-            "question": self.question,
-            "answers": self.answers,
-            "chunks_total": self.chunks_total,
-            "retrieved": [
-                {"context": r.context, "chunk": r.chunk, "tokens": len(r.token_ids), "score": r.score}
-                for r in self.retrieved
-            ],
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "precompute_s": self.precompute_s,
-            "methods": {label: record.to_dict() for label, record in self.methods.items()},
-        }
-
-
 def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> CaseRecord:
     """Retrieve, precompute and answer ``case`` with each of ``specs`` (the reference must be first)."""
     engine, task = run.engine, run.task
     question = task_question(case, task)
-    retrieved, total_chunks = run.corpus.retrieve(case, run.config["top_k"], task)
+    retrieved, total_chunks = run.corpus.retrieve(case, run.config.top_k, task)
     refs = [ChunkRef(r.token_ids, r.chunk_id) for r in retrieved]
     started = time.perf_counter()
-    context, codec = run.config["chunk_context"], run.config["kv_dtypes"][0]
+    context, codec = run.config.chunk_context, run.config.codecs[0]
     needs: dict[str, set[Reuse]] = {}
     for variant in specs:
         needs.setdefault(engine_name(variant, context, codec), set()).add(reuse_of(variant.spec))
@@ -274,20 +234,24 @@ def evaluate_case(run: EvalRun, case: EvalCase, specs: Sequence[Variant]) -> Cas
     runs = [MethodRun(v.label, v.spec, run.engines[engine_name(v, context, codec)]) for v in specs]
     methods, prompt_tokens = compare_methods(runs, question, refs, run.sampling, continuation=gold_ids)
     reference = methods[REFERENCE].answer
-    for record in methods.values():
-        record.gold = gold_score(task, record.answer, case.answers)
-        if task == "summary":
-            record.agreement_rouge_l = rouge_l(record.answer, [reference])
+    scored = {
+        label: replace(
+            record,
+            gold=gold_score(task, record.answer, case.answers),
+            agreement_rouge_l=rouge_l(record.answer, [reference]) if task == "summary" else None,
+        )
+        for label, record in methods.items()
+    }
     return CaseRecord(
         id=case.case_id,
         question=case.question,
         answers=list(case.answers),
         chunks_total=total_chunks,
-        retrieved=retrieved,
+        retrieved=[RetrievedRecord.of(r) for r in retrieved],
         prompt_tokens=prompt_tokens,
         cached_tokens=sum(len(r.token_ids) for r in retrieved),
         precompute_s=precompute_s,
-        methods=methods,
+        methods=scored,
     )
 
 
@@ -299,11 +263,11 @@ def gold_score(task: str, answer: str, answers: Sequence[str]) -> float:
 def run_eval(
     config: EvalConfig,
     model: LayerwiseModel | None = None,
-    on_case: Callable[[int, int, dict[str, Any]], None] | None = None,
+    on_case: Callable[[int, int, CaseRecord], None] | None = None,
     engine: EngineProtocol | None = None,
-) -> dict[str, Any]:
-    """Run (or resume) an evaluation; returns the results object, also written to ``config.json_path``
-    after every case when given. ``model``, ``engine``: see :func:`setup_run`."""
+) -> EvalResults:
+    """Run (or resume) an evaluation; returns the results, also written to ``config.json_path`` after
+    every case when given. ``model``, ``engine``: see :func:`setup_run`."""
     run = setup_run(config, model, engine)
     try:
         return _run_cases(run, config, on_case)
@@ -311,70 +275,81 @@ def run_eval(
         run.corpus.close()
 
 
-def _run_cases(run: EvalRun, config: EvalConfig, on_case) -> dict[str, Any]:
+def _run_cases(
+    run: EvalRun, config: EvalConfig, on_case: Callable[[int, int, CaseRecord], None] | None
+) -> EvalResults:
     cases = select_cases(run.dataset.cases, config.limit, config.seed, config.skip)
     results = _start_results(run, config)
-    done = {c["id"]: c for c in results["cases"]}
+    done = {c.id: c for c in results.cases}
     labels = [s.label for s in run.specs]
     for position, case in enumerate(cases, start=1):
         previous = done.get(case.case_id)
-        missing = [s for s in run.specs if previous is None or s.label not in previous["methods"]]
+        missing = [s for s in run.specs if previous is None or s.label not in previous.methods]
         if missing:
             if previous is not None and missing[0].label != REFERENCE:
                 # the reference's answer and logits are needed again; its rerun is deterministic
                 missing.insert(0, next(s for s in run.specs if s.label == REFERENCE))
-            record = evaluate_case(run, case, missing).to_dict()
+            record = evaluate_case(run, case, missing)
             log.info("case %d: %s", case.case_id, ", ".join(s.label for s in missing))
-            if previous is not None:
-                previous["methods"].update(record["methods"])
-                record = previous
+            if previous is not None:  # the case as it was, with the new records (the reference's rerun)
+                record = replace(previous, methods={**previous.methods, **record.methods})
             done[case.case_id] = record
-            results["cases"] = sorted(done.values(), key=lambda c: c["id"])
-            results["summary"] = summarize(results, labels, decisive_margin=config.decisive_margin)
+            results = replace(results, cases=sorted(done.values(), key=lambda c: c.id))
+            summary = summarize(results.cases, run.task, labels, decisive_margin=config.decisive_margin)
+            results = replace(results, summary=summary)
             if config.json_path is not None:
                 save_results(results, config.json_path)
         if on_case is not None:
             on_case(position, len(cases), done[case.case_id])
     selected = {c.case_id for c in cases}
-    results["summary"] = summarize(results, labels, selected, config.decisive_margin)
+    results = replace(
+        results, summary=summarize(results.cases, run.task, labels, selected, config.decisive_margin)
+    )
     if config.json_path is not None:
         save_results(results, config.json_path)
     return results
 
 
-def _start_results(run: EvalRun, config: EvalConfig) -> dict[str, Any]:
+def _start_results(run: EvalRun, config: EvalConfig) -> EvalResults:
     path = config.json_path
-    if path is not None and Path(path).is_file():
-        results = load_results(path)
-        stored = results.get("config", {})
-        for key in _RESUME_KEYS:
-            if stored.get(key, _RESUME_DEFAULTS.get(key)) != run.config.get(key):
-                raise EvalDataError(
-                    f"{path} was produced with another {key} ({stored.get(key)!r}, now {run.config[key]!r}); "
-                    "give a new --json file to start over"
-                )
-        results["config"] = {**stored, **run.config}
+    commands = [config.command] if config.command else []
+    if path is None or not Path(path).is_file():
+        return EvalResults(
+            format=RESULTS_FORMAT, config=run.config, commands=commands, cases=[], machine=machine_info()
+        )
+    results = load_results(path)
+    changed = _changed_setting(results.config, run.config)
+    if changed is not None:
+        name, then, now = changed
+        raise EvalDataError(
+            f"{path} was produced with another {name} ({then!r}, now {now!r}); give a new --json file to "
+            "start over"
+        )
+    return replace(
+        results,
+        # the stored keys keep their places; keys the file lacked follow them
+        config=replace(run.config, key_order=results.config.key_order),
+        commands=[*results.commands, *commands],
         # the machine line reports the first start's load; each resume is recorded beside it
-        results.setdefault("resumes", []).append(machine_info())
-        results.setdefault("machine", results["resumes"][-1])
-    else:
-        results = {"format": RESULTS_FORMAT, "config": run.config, "commands": [], "cases": []}
-        results["machine"] = machine_info()
-    if config.command:
-        results["commands"].append(config.command)
-    return results
+        resumes=[*(results.resumes or []), machine_info()],
+    )
 
 
-def load_results(path: str | Path) -> dict[str, Any]:
-    try:
-        results = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise EvalDataError(f"cannot read results file {path}: {exc}") from exc
-    if not isinstance(results, dict) or results.get("format") != RESULTS_FORMAT:
-        raise EvalDataError(f"{path} is not a cacheblend-rag eval results file (format {RESULTS_FORMAT})")
-    return results
-
-
-def save_results(results: dict[str, Any], path: str | Path) -> None:
-    """Write atomically: a crash mid-write leaves the previous file."""
-    write_json_atomic(results, path)
+def _changed_setting(stored: RunConfig, run: RunConfig) -> tuple[str, Any, Any] | None:
+    """The first setting that changes per-case results and differs between a results file's run and this
+    one, as (name, then, now): a results file can only be resumed when none does. A file made before a
+    setting was recorded ran with its default."""
+    settings = (
+        ("dataset_sha256", stored.dataset_sha256, run.dataset_sha256),
+        ("task", stored.task, run.task),
+        ("top_k", stored.top_k, run.top_k),
+        ("chunk_tokens", stored.chunk_tokens, run.chunk_tokens),
+        ("max_new_tokens", stored.max_new_tokens, run.max_new_tokens),
+        ("model_fingerprint", stored.model_fingerprint, run.model_fingerprint),
+        ("kv_dtype", stored.kv_dtype, run.kv_dtype),
+        ("prompt", stored.prompt.to_dict(), run.prompt.to_dict()),
+        ("chunk_context", stored.chunk_context, run.chunk_context),
+        ("engine", stored.engine_kind, run.engine_kind),
+        ("methods_revision", stored.revision, run.revision),
+    )
+    return next(((name, then, now) for name, then, now in settings if then != now), None)

@@ -2,62 +2,70 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..config import DECISIVE_MARGIN, DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
+from ..engine.fidelity import MethodRow
 from .markdown import checks_list, fmt, machine_line, relative_link, table
 from .plots import log_x, pyplot, save_figure
+from .records import EvalResults, EvalSummary, RunConfig
+from .summary import label_spec
 
 
-def selection(config: dict[str, Any]) -> str:
+def selection(config: RunConfig) -> str:
     """The case-selection options of a run, as given on the command line."""
-    skip = f"--skip {config['skip']} " if config.get("skip") else ""
-    return f"{skip}--limit {config['limit']} --seed {config['seed']}"
+    skip = f"--skip {config.skip} " if config.skip else ""
+    return f"{skip}--limit {config.limit} --seed {config.seed}"
 
 
-def eval_section_name(results: dict[str, Any]) -> str:
+def eval_section_name(results: EvalResults) -> str:
     """BENCHMARKS.md's section of a run: one per data set, chunk size, top-k and codec comparison."""
-    config = results["config"]
-    tokens = config.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)
-    top_k = config.get("top_k", DEFAULT_TOP_K)
-    codecs = "-codecs" if len(config.get("kv_dtypes") or []) > 1 else ""  # beside the plain run's section
+    config = results.config
+    codecs = "-codecs" if len(config.codecs) > 1 else ""  # beside the plain run's section
     return (
-        f"eval-{config['dataset']}"
-        + (f"-{tokens}" if tokens != DEFAULT_CHUNK_TOKENS else "")
-        + (f"-top{top_k}" if top_k != DEFAULT_TOP_K else "")
+        f"eval-{config.dataset}"
+        + (f"-{config.chunk_tokens}" if config.chunk_tokens != DEFAULT_CHUNK_TOKENS else "")
+        + (f"-top{config.top_k}" if config.top_k != DEFAULT_TOP_K else "")
         + codecs
     )
 
 
-def _engine(config: dict[str, Any]) -> str:
-    """The engine that answered, when not ours (results files from before it was recorded are ours)."""
-    engine = config.get("engine", "torch")
-    return "" if engine == "torch" else f"on the {engine} engine, "
+def _engine(config: RunConfig) -> str:
+    """The engine that answered, when not ours."""
+    return "" if config.engine_kind == "torch" else f"on the {config.engine_kind} engine, "
 
 
-def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = None) -> str:
-    config, summary = results["config"], results["summary"]
-    summary_task = config["task"] == "summary"
+def ratio_of(label: str) -> float | None:
+    """The recompute ratio a column's label sets (its method's ratio option: cacheblend's and
+    cacheblend_hkvd's), or None: the columns of the CacheBlend curve."""
+    spec = label_spec(label)
+    return spec.ratio if spec is not None else None
+
+
+def render_eval(results: EvalResults, markdown: Path, plot: Path | None = None) -> str:
+    config, summary = results.config, results.summarized()
+    summary_task = config.task == "summary"
     gold = "Rouge-L" if summary_task else "F1"
     rows = []
-    for label, e in summary["methods"].items():
+    for label, e in summary.methods.items():
         row = [
             f"`{label}`",
-            fmt(e.get("chunk_recompute_ratio"), 2),
-            fmt(e.get("ttft_median_s"), 2),
-            fmt(e.get("speedup_median"), 2),
-            fmt(e.get("gold")),
-            fmt(e.get("agreement_f1")),
+            fmt(e.chunk_recompute_ratio, 2),
+            fmt(e.ttft_median_s, 2),
+            fmt(e.speedup_median, 2),
+            fmt(e.gold),
+            fmt(e.agreement_f1),
         ]
         if summary_task:
-            row.append(fmt(e.get("agreement_rouge_l")))
+            row.append(fmt(e.agreement_rouge_l))
         row += [
-            fmt(e.get("first_token_agreement"), 2),
+            fmt(e.first_token_agreement, 2),
             *split_cells(e),
-            fmt(e.get("kl_first_token")),
-            fmt(e.get("nll_gold")),
-            fmt(e.get("nll_reference")),
+            fmt(e.kl_first_token),
+            fmt(e.nll_gold),
+            fmt(e.nll_reference),
         ]
         rows.append(row)
     header = [
@@ -77,31 +85,27 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
         "NLL gold",
         "NLL full_recompute answer",
     ]
-    curve = [
-        (e["options"]["ratio"], e)
-        for label, e in summary["methods"].items()
-        if label.startswith("cacheblend@") and "options" in e
-    ]
-    codecs = config.get("kv_dtypes") or []
+    curve = [(r, e) for label, e in summary.methods.items() if (r := ratio_of(label)) is not None]
+    codecs = config.codecs
     by_codec = f", chunk KV codecs {' / '.join(codecs)}" if len(codecs) > 1 else ""
     parts = [
-        f"## Quality vs TTFT: {config['dataset']}{_layout(config)} ({summary['cases']} cases, "
-        f"{config['task']}{by_codec})",
+        f"## Quality vs TTFT: {config.dataset}{_layout(config)} ({summary.cases} cases, "
+        f"{config.task}{by_codec})",
         "",
         "Command(s):",
         "",
         "```bash",
-        *dict.fromkeys(results.get("commands") or []),
+        *dict.fromkeys(results.commands),
         "```",
         "",
-        f"Machine: {machine_line(results['machine'])}.",
+        f"Machine: {machine_line(results.machine)}.",
         "",
-        f"Model {config['model']} ({_engine(config)}{config['compute_dtype']} compute, chunk KV stored in "
-        f"{config['kv_dtype']}); "
-        f"contexts chunked to <= {config['chunk_tokens']} tokens, {config['top_k']} chunks per prompt "
-        f"({config['retrieval']}); greedy, at most {config['max_new_tokens']} new tokens. Data: "
-        f"`{Path(config['dataset_path']).name}` (sha256 {config['dataset_sha256'][:12]}…), cases chosen with "
-        f"`{selection(config)}`; chunk KV precomputed behind the {config.get('chunk_context', 'none')} chunk "
+        f"Model {config.model} ({_engine(config)}{config.compute_dtype} compute, chunk KV stored in "
+        f"{config.kv_dtype}); "
+        f"contexts chunked to <= {config.chunk_tokens} tokens, {config.top_k} chunks per prompt "
+        f"({config.retrieval}); greedy, at most {config.max_new_tokens} new tokens. Data: "
+        f"`{Path(config.dataset_path).name}` (sha256 {config.dataset_sha256[:12]}…), cases chosen with "
+        f"`{selection(config)}`; chunk KV precomputed behind the {config.chunk_context} chunk "
         "context unless a method's label names another (`none:`). Means over cases; TTFT is the median, "
         "and the speed-up is the median over cases of full_recompute's TTFT over the method's. Agreement and "
         "first-token agreement compare each answer with the full_recompute answer (first-token agreement "
@@ -129,53 +133,56 @@ def render_eval(results: dict[str, Any], markdown: Path, plot: Path | None = Non
                 [
                     [
                         f"{r:g}",
-                        fmt(e.get("agreement_f1")),
-                        fmt(e.get("first_token_agreement"), 2),
+                        fmt(e.agreement_f1),
+                        fmt(e.first_token_agreement, 2),
                         *split_cells(e),
-                        fmt(e.get("kl_first_token")),
-                        fmt(e.get("nll_reference")),
+                        fmt(e.kl_first_token),
+                        fmt(e.nll_reference),
                     ]
                     for r, e in curve
                 ],
             ),
         ]
     if len(codecs) > 1:
-        parts += ["", *codec_deltas(summary["methods"], codecs)]
-    if summary.get("checks"):
-        parts += ["", "The default's claims on these numbers:", "", checks_list(summary["checks"])]
+        parts += ["", *codec_deltas(summary.methods, codecs)]
+    if summary.checks:
+        checks = checks_list([c.to_dict() for c in summary.checks])
+        parts += ["", "The default's claims on these numbers:", "", checks]
     if plot is not None:
-        parts += ["", f"![quality vs TTFT, {config['dataset']}]({relative_link(plot, markdown)})"]
+        parts += ["", f"![quality vs TTFT, {config.dataset}]({relative_link(plot, markdown)})"]
     return "\n".join(parts)
 
 
 SPLIT_HEADER = ("decisive (n)", "near ties (n)")  # the columns of split_cells
 
 
-def split_cell(entry: dict[str, Any], kind: str) -> str:
+def split_cell(agreement: float | None, cases: int | None) -> str:
     """First-token agreement on one kind of case (decisive, near-tie) with the case count, e.g.
     ``0.97 (82)``; ``-`` where the results carry no split (recorded before the margin was)."""
-    cases = entry.get(f"{kind}_cases")
     if cases is None:
         return "-"
-    return f"{fmt(entry.get(f'first_token_agreement_{kind}'), 2)} ({cases})"
+    return f"{fmt(agreement, 2)} ({cases})"
 
 
-def split_cells(entry: dict[str, Any]) -> list[str]:
+def split_cells(entry: MethodRow) -> list[str]:
     """A method's first-token agreement on decisive cases and on near-ties, as :data:`SPLIT_HEADER`."""
-    return [split_cell(entry, "decisive"), split_cell(entry, "near_tie")]
+    return [
+        split_cell(entry.first_token_agreement_decisive, entry.decisive_cases),
+        split_cell(entry.first_token_agreement_near_tie, entry.near_tie_cases),
+    ]
 
 
-def split_note(summary: dict[str, Any]) -> str:
+def split_note(summary: EvalSummary) -> str:
     """What the split columns mean, at the margin the summary was split at (summaries from before it was
     recorded were split at the default, if at all)."""
-    margin = summary.get("decisive_margin", DECISIVE_MARGIN)
+    margin = summary.decisive_margin if summary.decisive_margin is not None else DECISIVE_MARGIN
     return (
         f"decisive cases, where full prefill's top log-probability leads the runner-up's by >= {margin:g} "
         "nats, and near-ties, each with its count; `-`: results recorded before the split"
     )
 
 
-def codec_deltas(methods: dict[str, Any], codecs: list[str]) -> list[str]:
+def codec_deltas(methods: dict[str, MethodRow], codecs: list[str]) -> list[str]:
     """Per codec and method: first-token KL and agreement F1 against the same method on the baseline
     codec (``codecs[0]``). Variants of codec c are labelled ``c:<method>``."""
     rows = []
@@ -188,11 +195,11 @@ def codec_deltas(methods: dict[str, Any], codecs: list[str]) -> list[str]:
             [
                 codec,
                 f"`{base}`",
-                fmt(e.get("kl_first_token"), 4),
-                _delta(e, ref, "kl_first_token", 4),
-                fmt(e.get("agreement_f1")),
-                _delta(e, ref, "agreement_f1", 3),
-                fmt(e.get("first_token_agreement"), 2),
+                fmt(e.kl_first_token, 4),
+                _delta(e.kl_first_token, ref.kl_first_token, 4),
+                fmt(e.agreement_f1),
+                _delta(e.agreement_f1, ref.agreement_f1, 3),
+                fmt(e.first_token_agreement, 2),
                 *split_cells(e),
             ]
         )
@@ -215,47 +222,44 @@ def codec_deltas(methods: dict[str, Any], codecs: list[str]) -> list[str]:
     ]
 
 
-def _delta(e: dict[str, Any], ref: dict[str, Any], key: str, digits: int) -> str:
-    if e.get(key) is None or ref.get(key) is None:
+def _delta(value: float | None, reference: float | None, digits: int) -> str:
+    if value is None or reference is None:
         return "–"
-    return f"{e[key] - ref[key]:+.{digits}f}"
+    return f"{value - reference:+.{digits}f}"
 
 
-def plot_quality_vs_ttft(results: dict[str, Any], path: Path) -> Path:
+def plot_quality_vs_ttft(results: EvalResults, path: Path) -> Path:
     """Agreement F1 and NLL of the full_recompute answer against median TTFT, one point per method."""
     plt = pyplot()
-    methods = results["summary"]["methods"]
+    summary = results.summarized()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, metric, title in (
-        (axes[0], "agreement_f1", "agreement F1 with full_recompute (higher is better)"),
-        (axes[1], "nll_reference", "NLL of the full_recompute answer (lower is better)"),
-    ):
-        blend = sorted(
-            (e["options"]["ratio"], e["ttft_median_s"], e[metric])
-            for label, e in methods.items()
-            if label.startswith("cacheblend@") and metric in e
-        )
+    panels: tuple[tuple[Any, Callable[[MethodRow], float | None], str], ...] = (
+        (axes[0], lambda e: e.agreement_f1, "agreement F1 with full_recompute (higher is better)"),
+        (axes[1], lambda e: e.nll_reference, "NLL of the full_recompute answer (lower is better)"),
+    )
+    for ax, metric, title in panels:
+        points = [
+            (label, ratio_of(label), e.ttft_median_s, metric(e)) for label, e in summary.methods.items()
+        ]
+        blend = sorted((ratio, x, y) for _, ratio, x, y in points if ratio is not None and y is not None)
         if blend:
             ax.plot(
                 [b[1] for b in blend], [b[2] for b in blend], "o-", color="tab:blue", label="cacheblend (r)"
             )
             for ratio, x, y in blend:
                 ax.annotate(f"{ratio:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        for label, e in methods.items():
-            if label.startswith("cacheblend@") or metric not in e:
-                continue
-            ax.plot(e["ttft_median_s"], e[metric], "s", label=label)
+        for label, ratio, x, y in points:
+            if ratio is None and y is not None:
+                ax.plot(x, y, "s", label=label)
         log_x(ax)
         ax.set_xlabel("TTFT, median (s, log scale)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"Quality vs TTFT: {results['config']['dataset']} ({results['summary']['cases']} cases)")
+    fig.suptitle(f"Quality vs TTFT: {results.config.dataset} ({summary.cases} cases)")
     return save_figure(fig, path)
 
 
-def _layout(config: dict) -> str:
-    """How the run cut and retrieved its contexts, as the headline names a set (older results: nothing)."""
-    if "chunk_tokens" not in config or "top_k" not in config:
-        return ""
-    return f", chunks ≤ {config['chunk_tokens']} tokens, top {config['top_k']}"
+def _layout(config: RunConfig) -> str:
+    """How the run cut and retrieved its contexts, as the headline names a set."""
+    return f", chunks ≤ {config.chunk_tokens} tokens, top {config.top_k}"

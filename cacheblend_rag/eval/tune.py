@@ -9,9 +9,9 @@ prefill on the same prompts by the eval harness.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from .markdown import fmt, machine_line, table
+from .records import EvalResults
 from .report import SPLIT_HEADER, selection, split_cells, split_note
 
 # The variants that chose the defaults (docs/fusor.md); `none:` marks chunk KV precomputed alone. Every
@@ -37,28 +37,27 @@ DEFAULT_VARIANTS = (
 )
 
 
-def tune_section_name(results: dict[str, Any]) -> str:
-    config = results["config"]
-    return f"tune-{config['dataset']}-{config['chunk_tokens']}"
+def tune_section_name(results: EvalResults) -> str:
+    return f"tune-{results.config.dataset}-{results.config.chunk_tokens}"
 
 
-def render_tune(results: dict[str, Any]) -> str:
+def render_tune(results: EvalResults) -> str:
     """The sweep's table: one row per variant, scored against full prefill."""
-    config, summary = results["config"], results["summary"]
-    gold = "Rouge-L" if config["task"] == "summary" else "F1"
+    config, summary = results.config, results.summarized()
+    gold = "Rouge-L" if config.task == "summary" else "F1"
     rows = [
         [
             f"`{label}`",
-            fmt(e.get("chunk_recompute_ratio"), 3),
-            fmt(e.get("ttft_median_s"), 2),
-            fmt(e.get("kl_first_token")),
-            fmt(e.get("first_token_agreement"), 2),
+            fmt(e.chunk_recompute_ratio, 3),
+            fmt(e.ttft_median_s, 2),
+            fmt(e.kl_first_token),
+            fmt(e.first_token_agreement, 2),
             *split_cells(e),
-            fmt(e.get("agreement_f1")),
-            fmt(e.get("nll_reference")),
-            fmt(e.get("gold")),
+            fmt(e.agreement_f1),
+            fmt(e.nll_reference),
+            fmt(e.gold),
         ]
-        for label, e in summary["methods"].items()
+        for label, e in summary.methods.items()
     ]
     header = [
         "variant",
@@ -73,15 +72,15 @@ def render_tune(results: dict[str, Any]) -> str:
     ]
     return "\n".join(
         [
-            f"#### Sweep: {config['dataset']}, {summary['cases']} cases, chunks of <= "
-            f"{config['chunk_tokens']} tokens, {config['top_k']} per prompt",
+            f"#### Sweep: {config.dataset}, {summary.cases} cases, chunks of <= "
+            f"{config.chunk_tokens} tokens, {config.top_k} per prompt",
             "",
             "```bash",
-            *dict.fromkeys(results.get("commands") or []),
+            *dict.fromkeys(results.commands),
             "```",
             "",
-            f"Machine: {machine_line(results['machine'])}. Cases `{selection(config)}` of "
-            f"`{Path(config['dataset_path']).name}`; chunk KV behind the {config['chunk_context']} chunk "
+            f"Machine: {machine_line(results.machine)}. Cases `{selection(config)}` of "
+            f"`{Path(config.dataset_path).name}`; chunk KV behind the {config.chunk_context} chunk "
             "context unless the label starts with `none:` (chunks prefilled alone). Means over cases (TTFT: "
             "median); KL is KL(full prefill || variant) of the first-token distribution, agreement compares "
             f"with the full-prefill answer (first-token agreement split into {split_note(summary)}), NLL is "

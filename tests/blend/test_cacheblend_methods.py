@@ -63,7 +63,15 @@ def test_two_registered_methods():
     assert {"cacheblend", "cacheblend_hkvd"} <= set(available_methods())
     assert type(get_method("cacheblend")) is CacheBlend
     assert type(get_method("cacheblend_hkvd")) is CacheBlendHKVD
-    assert set(CacheBlend.model_fields) == {"ratio", "score", "budget", "probe_depth", "shift", "chunk_rows"}
+    assert set(CacheBlend.model_fields) == {
+        "ratio",
+        "score",
+        "budget",
+        "probe_depth",
+        "shift",
+        "chunk_rows",
+        "chunk_starts",
+    }
     assert set(CacheBlendHKVD.model_fields) == {"ratio", "signal", "schedule", "shift"}
     assert CacheBlendHKVD().shift  # what cacheblend@selection=hkvd computed: the shift on
 
@@ -321,3 +329,18 @@ def test_the_sweeps_and_benchmarks_name_the_hkvd_method_directly():
         warnings.simplefilter("ignore", DeprecationWarning)
         old = parse_variant("none:cacheblend@ratio=0.15,selection=hkvd")
     assert old == parse_variant("none:cacheblend_hkvd@0.15") and old.label == "none:cacheblend_hkvd@0.15"
+
+
+def test_chunk_starts_recompute_every_chunks_first_tokens_within_the_budget():
+    plan = scored_plan(chunks=3, length=40)
+    starts = CacheBlend(ratio=0.25, chunk_starts=4).layer0_positions(plan)
+    plain = CacheBlend(ratio=0.25).layer0_positions(plan)
+    assert starts.numel() == plain.numel()  # the same budget: 30 of 120 cached tokens
+    for start, _ in plan.chunk_spans():
+        assert set(range(start, start + 4)) <= set(starts.tolist())
+    assert not torch.equal(starts, plain)
+    # a budget too small for every chunk's N gives each the same fewer
+    few = CacheBlend(ratio=0.05, chunk_starts=4).layer0_positions(plan)
+    cached = few[plan.candidate_mask[few]].tolist()
+    assert cached == [0, 1, 40, 41, 80, 81]
+    assert CacheBlend(chunk_starts=4).static_selection(plan, 30) is None

@@ -54,3 +54,20 @@ def test_scripts_are_few_and_each_is_run_by_make_or_a_test():
         if p not in run and f"import {p.stem}" not in imported and f"from {p.stem} import" not in imported
     ]
     assert unrun == []
+
+
+def test_the_records_read_as_today_s_truth():
+    """BENCHMARKS.md has no two sections of one title, README.md stays short, and no issue numbers reach
+    the code or the user docs (they mean nothing to a reader)."""
+    import re
+    from collections import Counter
+
+    titles = Counter(
+        line.strip() for line in (ROOT / "BENCHMARKS.md").read_text().splitlines() if line.startswith("#")
+    )
+    assert [title for title, n in titles.items() if n > 1] == []
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+    numbered = re.compile(r"issue #?[0-9]+", re.IGNORECASE)
+    paths = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "cacheblend_rag").rglob("*.py")]
+    paths += [*(ROOT / "integrations").rglob("*.py")]
+    assert [str(p.relative_to(ROOT)) for p in paths if numbered.search(p.read_text())] == []

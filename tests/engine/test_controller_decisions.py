@@ -8,8 +8,10 @@ import shutil
 
 import pytest
 
+from cacheblend_rag.blend import parse_method
 from cacheblend_rag.blend.controller import LoadingController, Profile
-from cacheblend_rag.engine import Engine, SamplingParams
+from cacheblend_rag.config import DEFAULT_METHOD
+from cacheblend_rag.engine import ChunkRef, Engine, SamplingParams
 from cacheblend_rag.frontend import DocumentRef, PromptFrontend, text_request
 from cacheblend_rag.rag import CacheBlendRAG
 from cacheblend_rag.store.keys import kv_bytes_per_token_per_layer
@@ -100,3 +102,31 @@ def test_without_a_profile_the_floor_ratio_is_reported(engine, rag_store):
     assert result.controller["ratio"] == 0.15 and not result.controller["profiled"]
     assert "no profile" in result.controller["reason"]
     assert result.method_options["ratio"] == 0.15
+
+
+def test_the_default_reports_the_budget_it_chose_for_the_chunks(engine, rag_store):
+    rag = CacheBlendRAG(rag_store, engine=engine)
+    lengths = [len(c.token_ids) for c in rag.retrieve(QUESTIONS[0], top_k=2)]
+    result = rag.query(QUESTIONS[0], top_k=2, sampling=SAMPLING)  # the default method, no ratio
+    asked = parse_method(DEFAULT_METHOD).build().model_copy(update={"ratio": result.method_options["ratio"]})
+    choice = asked.request_choice(lengths)
+    assert result.budget == choice and choice["chunks"] == 2
+    assert choice["mean_chunk_tokens"] == pytest.approx(sum(lengths) / 2, abs=0.05)
+    assert result.recompute_ratio == pytest.approx(choice["ratio"], abs=0.01)
+    assert result.to_dict()["budget"] == choice  # what query --json prints
+    fixed = rag.query(QUESTIONS[0], top_k=2, method="cacheblend@0.15", sampling=SAMPLING)
+    assert fixed.budget is None
+
+
+def test_short_chunks_get_more_than_the_ratio_asked(engine, rag_store):
+    rag = CacheBlendRAG(rag_store, engine=engine)
+    chunks = rag.retrieve(QUESTIONS[0], top_k=2)
+    # both chunks cut to their first 100 tokens: short for the default's budget
+    segments = engine.rag_segments(
+        QUESTIONS[0], [ChunkRef(tuple(c.token_ids[:100])) for c in chunks], parse_method(DEFAULT_METHOD)
+    )
+    low = engine.generate(segments, parse_method(DEFAULT_METHOD).build(), SAMPLING)
+    assert low.budget["short"] and low.budget["ratio"] == 0.25
+    assert low.recompute_ratio == pytest.approx(0.25, abs=0.01)
+    high = engine.generate(segments, parse_method("cacheblend@budget=adaptive,ratio=0.6").build(), SAMPLING)
+    assert high.budget["ratio"] == 0.7 and high.recompute_ratio == pytest.approx(0.7, abs=0.01)

@@ -9,7 +9,9 @@ import math
 import pytest
 from typer.testing import CliRunner
 
+from cacheblend_rag.blend import parse_method
 from cacheblend_rag.check import (
+    CheckReport,
     CheckRow,
     more_questions_needed,
     sample_questions,
@@ -17,9 +19,10 @@ from cacheblend_rag.check import (
     wilson_interval,
 )
 from cacheblend_rag.cli import app
+from cacheblend_rag.config import DEFAULT_METHOD
 from cacheblend_rag.corpus.corpus import Corpus
 from cacheblend_rag.engine import Engine
-from cacheblend_rag.engine.fidelity import method_table
+from cacheblend_rag.engine.fidelity import MethodRecord, method_table
 from cacheblend_rag.eval.datasets import load_dataset
 from cacheblend_rag.eval.harness import EvalConfig, evaluate_case, setup_run
 from cacheblend_rag.eval.report import split_cell
@@ -69,7 +72,8 @@ def rag(corpus_dir, model):
 
 def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
     report = rag.check(QUESTIONS[:2], ratios=(0.15,), max_new_tokens=MAX_TOKENS, top_k=TOP_K)
-    assert [r.label for r in report.rows] == ["full_recompute", "cacheblend@0.15"]
+    default = parse_method(DEFAULT_METHOD).with_ratio(0.15).label  # the method setting at that ratio
+    assert [r.label for r in report.rows] == ["full_recompute", default]
     assert report.questions == QUESTIONS[:2] and not report.sampled
 
     # the same questions as an eval data set over the same documents, through eval's own setup and runner
@@ -81,7 +85,7 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
     data.write_text(json.dumps(items))
     config = EvalConfig(
         data=str(data),
-        methods=("full_recompute", "cacheblend"),
+        methods=("full_recompute", default),
         ratios=(0.15,),
         top_k=TOP_K,
         chunk_tokens=CHUNK_TOKENS,
@@ -92,13 +96,16 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
     run = setup_run(config, model)
     for engine in run.engines.values():  # check answers with the product's prompt, eval with its QA prompt
         engine.prompts = rag.engine.prompts
-    eval_cases = [evaluate_case(run, case, run.specs) for case in load_dataset(str(data)).cases]
+    cases = load_dataset(str(data)).cases
+    eval_cases = [evaluate_case(run, case, run.specs) for case in cases]
+    retrieved = [run.corpus.retrieve(case, TOP_K, "qa")[0] for case in cases]  # what eval answered over
 
-    for checked, evaluated in zip(report.cases, eval_cases, strict=True):
+    for checked, evaluated, eval_chunks in zip(report.cases, eval_cases, retrieved, strict=True):
         chunks = rag.corpus.get_chunks(checked["chunk_ids"])
-        assert [c.token_ids for c in chunks] == [r.token_ids for r in evaluated.retrieved]
+        assert [c.token_ids for c in chunks] == [r.token_ids for r in eval_chunks]
+        assert [len(c.token_ids) for c in chunks] == [r.tokens for r in evaluated.retrieved]
         assert checked["prompt_tokens"] == evaluated.prompt_tokens
-        for label in ("full_recompute", "cacheblend@0.15"):
+        for label in ("full_recompute", default):
             ours, theirs = checked["methods"][label], evaluated.methods[label].to_dict()
             keys = ("answer", "first_token", "first_token_agreement", "agreement_f1", "kl_first_token")
             for key in (*keys, "reference_margin"):
@@ -106,32 +113,35 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
             # every method of a case carries full prefill's margin, which decides decisive vs near-tie
             assert ours["reference_margin"] == checked["methods"]["full_recompute"]["reference_margin"] > 0
             assert ours["chunk_recompute_ratio"] == theirs["chunk_recompute_ratio"]
-    summary = summarize({"cases": [c.to_dict() for c in eval_cases], "config": {"task": "qa"}})["methods"]
+    summary = summarize(eval_cases, "qa").methods
     for row in report.rows:
         entry = summary[row.label]
-        assert row.first_token_agreement == entry["first_token_agreement"]
-        assert row.kl_first_token == entry["kl_first_token"]
-        assert row.agreement_f1 == entry["agreement_f1"]
-        assert row.decisive_questions == entry["decisive_cases"] <= row.questions
-        assert row.decisive_agreeing == entry["decisive_agreeing"]
-        assert (row.near_tie_questions, row.near_tie_agreeing) == (
-            entry["near_tie_cases"],
-            entry["near_tie_agreeing"],
-        )
-        assert entry["decisive_cases"] + entry["near_tie_cases"] == row.questions
+        assert row.first_token_agreement == entry.first_token_agreement
+        assert row.kl_first_token == entry.kl_first_token
+        assert row.agreement_f1 == entry.agreement_f1
+        assert row.decisive_questions == entry.decisive_cases <= row.questions
+        assert row.decisive_agreeing == entry.decisive_agreeing
+        assert row.near_tie_questions == entry.near_tie_cases
+        assert row.near_tie_agreeing == entry.near_tie_agreeing
+        assert entry.decisive_cases + entry.near_tie_cases == row.questions
         assert row.decisive_agreeing + row.near_tie_agreeing == row.agreeing
     reference = report.row("full_recompute")
     assert reference.first_token_agreement == 1.0 and reference.kl_first_token == 0.0
     assert reference.speedup_median == 1.0
-    blend = report.row("cacheblend@0.15")
-    assert 0 < blend.chunk_recompute_ratio <= 0.2 and blend.compute_fraction < 1.0
+    blend = report.row(default)
+    assert sum(blend.budgets.values()) == 2  # the default's choice for each question's chunks
+    # the default recomputes 0.15 of long chunks, 0.25 of short ones (these questions' chunks are short)
+    assert 0 < blend.chunk_recompute_ratio <= 0.26 and blend.compute_fraction < 1.0
     assert math.isfinite(blend.speedup_median) and blend.speedup_median > 0
 
 
 def test_one_question_gives_no_verdict_but_how_many_more_are_needed(rag):
+    with pytest.raises(KeyError, match="no row"):
+        CheckReport([], [], False, None, None, "", 1).row("cacheblend@0.15")
     report = rag.check(QUESTIONS[:1], ratios=(1.0, 0.0), target_agreement=0.9, max_new_tokens=2, top_k=TOP_K)
     assert [r.ratio for r in report.rows] == [None, 1.0, 0.0]
-    full_ratio = report.row("cacheblend@1")  # recomputes every token: agrees with full prefill
+    # the method setting at ratio 1 recomputes every token: agrees with full prefill
+    full_ratio = report.row(parse_method(DEFAULT_METHOD).with_ratio(1.0).label)
     assert (full_ratio.agreeing, full_ratio.questions) == (1, 1)
     assert full_ratio.agreement_low == pytest.approx(wilson_interval(1, 1)[0])
     assert full_ratio.agreement_low < 0.9
@@ -228,6 +238,7 @@ def test_cli_prints_the_table_for_a_questions_file(corpus_dir, tmp_path):
         app,
         [
             *("check", "--corpus", str(corpus_dir), "--questions", str(questions), "--ratios", "0.15,0.5"),
+            *("--method", "cacheblend"),
             *("--max-tokens", "4", "--top-k", str(TOP_K), "--target-agreement", "0.5"),
         ],
     )
@@ -252,7 +263,8 @@ def test_cli_table_reads_at_80_columns(corpus_dir, tmp_path):
     questions = tmp_path / "questions.txt"
     questions.write_text("\n".join(QUESTIONS[:2]) + "\n")
     command = ["check", "--corpus", str(corpus_dir), "--questions", str(questions), "--ratios", "0.15"]
-    command += ["--max-tokens", "2", "--top-k", str(TOP_K), "--target-agreement", "0.9"]
+    command += ["--method", "cacheblend", "--max-tokens", "2", "--top-k", str(TOP_K)]
+    command += ["--target-agreement", "0.9"]
     result = CliRunner().invoke(app, command, env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
@@ -292,7 +304,9 @@ def test_cli_json_with_sampled_questions(corpus_dir):
         assert (row["decisive_questions"], row["near_tie_questions"]) == (2, 0)
         assert row["decisive_agreeing"] == row["agreeing"]
     assert report["questions"] == sample_questions(Corpus.open(corpus_dir), 2)
-    assert [r["label"] for r in report["rows"]] == ["full_recompute", "cacheblend@0.15"]
+    default = parse_method(DEFAULT_METHOD).with_ratio(0.15).label  # the method setting
+    assert [r["label"] for r in report["rows"]] == ["full_recompute", default]
+    assert sum(report["rows"][1]["budgets"].values()) == 2 and report["rows"][0]["budgets"] == {}
     assert report["lowest_ratio_meeting_target"] is None and report["target_note"]
 
 
@@ -330,19 +344,40 @@ def test_api_refuses_bad_input(rag):
         rag.check(QUESTIONS[:1], method="full_recompute")
 
 
+def scored(agree: bool, margin: float | None) -> MethodRecord:
+    """A record holding what the split reads (the rest placeholders)."""
+    return MethodRecord(
+        answer="",
+        answer_tokens=[],
+        finish_reason="length",
+        ttft_s=1.0,
+        segments_s=0.0,
+        load_wait_s=0.0,
+        total_s=1.0,
+        recompute_ratio=0.0,
+        reused_tokens=0,
+        computed_tokens=0,
+        first_token=0,
+        agreement_f1=1.0,
+        first_token_agreement=agree,
+        kl_first_token=0.0,
+        reference_margin=margin,
+    )
+
+
 def test_agreement_is_split_into_decisive_cases_and_near_ties():
     def case(margin, agree):
-        record = {"first_token_agreement": agree, "reference_margin": margin, "ttft_s": 1.0}
-        return {"methods": {"full_recompute": {**record, "first_token_agreement": True}, "m": record}}
+        return {"full_recompute": scored(True, margin), "m": scored(agree, margin)}
 
     cases = [case(2.0, True), case(0.9, False), case(0.5, True), case(0.1, False), case(0.49, True)]
     entry = method_table(cases, ["full_recompute", "m"])["m"]
-    assert (entry["decisive_cases"], entry["decisive_agreeing"]) == (3, 2)
-    assert (entry["near_tie_cases"], entry["near_tie_agreeing"]) == (2, 1)
-    assert entry["first_token_agreement_decisive"] == pytest.approx(2 / 3)
-    assert entry["first_token_agreement_near_tie"] == 0.5
-    assert entry["first_token_agreement"] == pytest.approx(3 / 5)
+    assert (entry.decisive_cases, entry.decisive_agreeing) == (3, 2)
+    assert (entry.near_tie_cases, entry.near_tie_agreeing) == (2, 1)
+    assert entry.first_token_agreement_decisive == pytest.approx(2 / 3)
+    assert entry.first_token_agreement_near_tie == 0.5
+    assert entry.first_token_agreement == pytest.approx(3 / 5)
     # results recorded before the split carry no margin: no split, not a zero
-    old = [{"methods": {"m": {"first_token_agreement": True, "ttft_s": 1.0}}}]
-    assert "decisive_cases" not in method_table(old, ["m"])["m"]
-    assert split_cell({}, "decisive") == "-" and split_cell(entry, "decisive") == "0.67 (3)"
+    old = method_table([{"m": scored(True, None)}], ["m"])["m"]
+    assert old.decisive_cases is None and "decisive_cases" not in old.to_dict()
+    assert split_cell(None, None) == "-"
+    assert split_cell(entry.first_token_agreement_decisive, entry.decisive_cases) == "0.67 (3)"

@@ -44,6 +44,20 @@ def test_bundled_subset_is_what_the_seed_selects(tmp_path):
     assert [c.case_id for c in chosen] == [c.case_id for c in bundled.cases]
 
 
+def test_the_development_news_cases_are_the_next_of_the_seeded_order(tmp_path):
+    """``multinews-dev`` holds the 30 cases after the held-out 30 in the seeded order of the full file (here
+    the union of the two bundled subsets stands for it): disjoint from them, chosen by --skip 30."""
+    held, dev = load_dataset("multinews"), load_dataset("multinews-dev")
+    assert len(dev.cases) == 30 and dev.task == "summary"
+    assert not {c.case_id for c in held.cases} & {c.case_id for c in dev.cases}
+    both = [json.loads(gzip.decompress(d.path.read_bytes())) for d in (held, dev)]
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps(both[0] + both[1]))
+    cases = load_dataset(path).cases
+    assert [c.case_id for c in select_cases(cases, 30, seed=0)] == [c.case_id for c in held.cases]
+    assert [c.case_id for c in select_cases(cases, 30, seed=0, skip=30)] == [c.case_id for c in dev.cases]
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,12 @@ from typer.testing import CliRunner
 
 from cacheblend_rag.blend.spec import parse_method
 from cacheblend_rag.cli import app
+from cacheblend_rag.config import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
 from cacheblend_rag.errors import EvalDataError
 from cacheblend_rag.eval.datasets import load_dataset
 from cacheblend_rag.eval.harness import EvalConfig, run_eval
 from cacheblend_rag.eval.metrics import normalize_answer
+from cacheblend_rag.eval.records import load_results
 from cacheblend_rag.eval.report import render_eval
 from cacheblend_rag.eval.summary import summarize
 from cacheblend_rag.eval.tune import render_tune
@@ -75,70 +78,68 @@ def qa_run(tmp_path_factory, model):
 
 def test_eval_scores_every_method_against_the_reference(qa_run):
     config, results = qa_run
-    assert len(results["cases"]) == 2
-    for case in results["cases"]:
-        assert set(case["methods"]) == LABELS
-        assert len(case["retrieved"]) == 3 and all(r["tokens"] <= 48 for r in case["retrieved"])
-        scores = [r["score"] for r in case["retrieved"]]
+    assert len(results.cases) == 2
+    for case in results.cases:
+        methods = case.methods
+        assert set(methods) == LABELS
+        assert len(case.retrieved) == 3 and all(r.tokens <= 48 for r in case.retrieved)
+        scores = [r.score for r in case.retrieved]
         assert scores == sorted(scores, reverse=True)
-        reference = case["methods"]["full_recompute"]
-        assert reference["agreement_f1"] == 1.0 or not normalize_answer(reference["answer"])
-        assert reference["first_token_agreement"] is True
-        assert reference["kl_first_token"] == pytest.approx(0.0, abs=1e-6)
-        assert reference["chunk_recompute_ratio"] == 1.0
-        assert case["methods"]["full_reuse"]["chunk_recompute_ratio"] == 0.0
-        assert 0.1 <= case["methods"]["cacheblend@0.15"]["chunk_recompute_ratio"] <= 0.25
+        reference = methods["full_recompute"]
+        assert reference.agreement_f1 == 1.0 or not normalize_answer(reference.answer)
+        assert reference.first_token_agreement is True
+        assert reference.kl_first_token == pytest.approx(0.0, abs=1e-6)
+        assert reference.chunk_recompute_ratio == 1.0
+        assert methods["full_reuse"].chunk_recompute_ratio == 0.0
+        assert 0.1 <= methods["cacheblend@0.15"].chunk_recompute_ratio <= 0.25
         # prefix_cache reuses the first chunk only
-        first = case["retrieved"][0]["tokens"] / case["cached_tokens"]
-        assert case["methods"]["prefix_cache"]["chunk_recompute_ratio"] == pytest.approx(1 - first)
+        first = case.retrieved[0].tokens / case.cached_tokens
+        assert methods["prefix_cache"].chunk_recompute_ratio == pytest.approx(1 - first)
         # prefix reuse is exact up to the stored codec's error: with float16 KV the same first-token
         # distribution as full prefill; with quantized KV (the int8 default) within the codec's error
-        lossless = not get_codec(results["config"]["kv_dtype"]).quantized
-        assert case["methods"]["prefix_cache"]["kl_first_token"] < (1e-4 if lossless else 1e-3)
-        for label, m in case["methods"].items():
-            assert m["ttft_s"] > 0 and m["nll_gold"] > 0, label
-            assert 0 <= m["gold"] <= 1 and 0 <= m["agreement_f1"] <= 1
-            assert m["kl_first_token"] >= 0
-            assert 0.0 <= m["first_token_margin"] <= 1.0, label
+        lossless = not get_codec(results.config.kv_dtype).quantized
+        assert methods["prefix_cache"].kl_first_token < (1e-4 if lossless else 1e-3)
+        for label, m in methods.items():
+            assert m.ttft_s > 0 and m.nll_gold > 0, label
+            assert 0 <= m.gold <= 1 and 0 <= m.agreement_f1 <= 1
+            assert m.kl_first_token >= 0
+            assert 0.0 <= m.first_token_margin <= 1.0, label
         # prefix reuse is exact up to the codec: its first token is as sure as full prefill's
-        assert reference["first_token_margin"] == pytest.approx(
-            case["methods"]["prefix_cache"]["first_token_margin"], abs=5e-3
+        assert reference.first_token_margin == pytest.approx(
+            methods["prefix_cache"].first_token_margin, abs=5e-3
         )
-    summary = results["summary"]
-    assert summary["cases"] == 2 and set(summary["methods"]) == LABELS
+    summary = results.summarized()
+    assert summary.cases == 2 and set(summary.methods) == LABELS
     # first-token agreement split at the default margin: every case decisive or a near-tie, per method
-    assert summary["decisive_margin"] == results["config"]["decisive_margin"] == 0.5
-    for label, entry in summary["methods"].items():
-        assert entry["decisive_cases"] + entry["near_tie_cases"] == 2, label
-        assert entry["decisive_agreeing"] + entry["near_tie_agreeing"] == round(
-            2 * entry["first_token_agreement"]
-        )
-    margins = sorted(case["methods"]["full_recompute"]["reference_margin"] for case in results["cases"])
+    assert summary.decisive_margin == results.config.decisive_margin == 0.5
+    for label, entry in summary.methods.items():
+        assert entry.decisive_cases + entry.near_tie_cases == 2, label
+        assert entry.decisive_agreeing + entry.near_tie_agreeing == round(2 * entry.first_token_agreement)
+    margins = sorted(case.methods["full_recompute"].reference_margin for case in results.cases)
     # the same records split at another margin: between the two cases' margins, one each side
-    between = summarize(results, decisive_margin=(margins[0] + margins[1]) / 2)
-    assert between["decisive_margin"] == (margins[0] + margins[1]) / 2
-    assert {e["decisive_cases"] for e in between["methods"].values()} == (
-        {1} if margins[0] < margins[1] else {2}
-    )
-    assert summary["methods"]["full_recompute"]["speedup_median"] == 1.0
-    assert {c["claim"][:30] for c in summary["checks"]} and all("passed" in c for c in summary["checks"])
-    on_disk = json.loads(config.json_path.read_text())
-    assert on_disk["cases"] == results["cases"] and on_disk["config"]["top_k"] == 3
+    between = summarize(results.cases, results.config.task, decisive_margin=(margins[0] + margins[1]) / 2)
+    assert between.decisive_margin == (margins[0] + margins[1]) / 2
+    assert {e.decisive_cases for e in between.methods.values()} == ({1} if margins[0] < margins[1] else {2})
+    assert summary.methods["full_recompute"].speedup_median == 1.0
+    assert {c.claim[:30] for c in summary.checks} and all(isinstance(c.passed, bool) for c in summary.checks)
+    on_disk = load_results(config.json_path)
+    assert on_disk == results and on_disk.config.top_k == 3
+    assert json.loads(config.json_path.read_text()) == results.to_dict()
 
 
 def test_rerun_skips_finished_cases_and_adds_new_methods(qa_run, model):
     config, first = qa_run
     again = run_eval(config, model=model)
-    assert again["cases"] == first["cases"]  # nothing recomputed: timings identical
+    assert again.cases == first.cases  # nothing recomputed: timings identical
     # the machine line keeps the first start's load (what the timings ran under); the rerun is beside it
-    assert again["machine"] == first["machine"] and len(again["resumes"]) == 1
+    assert again.machine == first.machine and len(again.resumes) == 1
 
     extended = EvalConfig(**{**config.__dict__, "ratios": (0.0, 0.15, 0.3), "limit": 1})
     results = run_eval(extended, model=model)
-    case = next(c for c in results["cases"] if "cacheblend@0.3" in c["methods"])
-    before = next(c for c in first["cases"] if c["id"] == case["id"])
-    assert case["methods"]["cacheblend@0.15"] == before["methods"]["cacheblend@0.15"]
-    assert results["summary"]["cases"] == 1
+    case = next(c for c in results.cases if "cacheblend@0.3" in c.methods)
+    before = next(c for c in first.cases if c.id == case.id)
+    assert case.methods["cacheblend@0.15"] == before.methods["cacheblend@0.15"]
+    assert results.summarized().cases == 1
 
     with pytest.raises(EvalDataError, match="top_k"):
         run_eval(EvalConfig(**{**config.__dict__, "top_k": 2}), model=model)
@@ -173,20 +174,20 @@ def test_eval_cli_summary_task_writes_json_markdown_and_plot(tmp_path):
     ]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    results = json.loads(out.read_text())
-    assert results["config"]["task"] == "summary"
+    results = load_results(out)
+    assert results.config.task == "summary"
     # the margin is a value passed down: recorded with the run and its summary, and in the command
-    assert results["config"]["decisive_margin"] == results["summary"]["decisive_margin"] == 0.25
-    assert "--decisive-margin 0.25" in results["commands"][0]
-    margin = results["cases"][0]["methods"]["full_recompute"]["reference_margin"]
-    kind = "decisive" if margin >= 0.25 else "near_tie"
-    for label, entry in results["summary"]["methods"].items():
-        assert entry[f"{kind}_cases"] == 1 and entry["decisive_cases"] + entry["near_tie_cases"] == 1, label
+    assert results.config.decisive_margin == results.summarized().decisive_margin == 0.25
+    assert "--decisive-margin 0.25" in results.commands[0]
+    decisive = results.cases[0].methods["full_recompute"].reference_margin >= 0.25
+    for label, entry in results.summarized().methods.items():
+        assert (entry.decisive_cases, entry.near_tie_cases) == ((1, 0) if decisive else (0, 1)), label
     words = " ".join(result.output.split())  # the table's headers wrap at the runner's width
     assert "full prefill's first token leads its runner-up by >= 0.25 nats; near-tie: the rest" in words
-    case = results["cases"][0]
-    assert all(r["score"] is None for r in case["retrieved"])  # summaries take chunks in document order
-    assert {"agreement_rouge_l", "gold", "nll_gold"} <= set(case["methods"]["cacheblend@0.15"])
+    case = results.cases[0]
+    assert all(r.score is None for r in case.retrieved)  # summaries take chunks in document order
+    blend = case.methods["cacheblend@0.15"]
+    assert None not in (blend.agreement_rouge_l, blend.gold, blend.nll_gold)
     text = markdown.read_text()
     assert (
         "<!-- BEGIN other -->\nkept" in text and "<!-- BEGIN eval-multinews-64-top2 -->" in text
@@ -210,17 +211,17 @@ def test_eval_compares_codecs_against_float16_with_one_full_prefill_per_case(tmp
     ]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    results = json.loads(out.read_text())
-    assert results["config"]["kv_dtypes"] == ["float16", "int8", "int4"]
-    labels = set(results["summary"]["methods"])
+    results = load_results(out)
+    assert results.config.kv_dtypes == ["float16", "int8", "int4"]
+    labels = set(results.summarized().methods)
     assert labels == {
         "full_recompute",
         *(f"{prefix}{m}" for prefix in ("", "int8:", "int4:") for m in ("full_reuse", "cacheblend@0.15")),
     }
-    for case in results["cases"]:
-        methods = case["methods"]
-        assert methods["full_recompute"]["kl_first_token"] == 0.0
-        assert methods["int8:full_reuse"]["kl_first_token"] >= 0.0
+    for case in results.cases:
+        methods = case.methods
+        assert methods["full_recompute"].kl_first_token == 0.0
+        assert methods["int8:full_reuse"].kl_first_token >= 0.0
     stored = {p.name.split(".")[0] for p in (tmp_path / "kv" / "chunks").glob("??/*.safetensors")}
     assert len(stored) % 3 == 0  # every chunk once per codec, under its own key
     text = markdown.read_text()
@@ -231,8 +232,13 @@ def test_eval_compares_codecs_against_float16_with_one_full_prefill_per_case(tmp
 def test_eval_sections_differ_by_chunk_size_top_k_and_codecs():
     from cacheblend_rag.eval.report import eval_section_name
 
+    published = load_results(RESULTS / "eval-musique-heldout-512-shift.json")
+
+    default = {"dataset": "musique-heldout", "chunk_tokens": DEFAULT_CHUNK_TOKENS, "top_k": DEFAULT_TOP_K}
+
     def name(**config) -> str:
-        return eval_section_name({"config": {"dataset": "musique-heldout", **config}})
+        settings = {**default, "kv_dtypes": None, **config}
+        return eval_section_name(replace(published, config=replace(published.config, **settings)))
 
     assert name() == name(chunk_tokens=512, top_k=6) == "eval-musique-heldout"
     assert name(chunk_tokens=128) == "eval-musique-heldout-128"
@@ -245,11 +251,11 @@ def test_results_recorded_before_the_split_still_render(path, tmp_path):
     """Published results recorded before the split carry no first-token margin: their tables show ``-``
     for it, summarised again or as stored, rather than failing or showing zeros; those recorded since show
     the split's counts either way."""
-    results = json.loads(path.read_text())
-    split = any("decisive_cases" in entry for entry in results["summary"]["methods"].values())
-    again = {**results, "summary": summarize(results)}
-    for summary in (results["summary"], again["summary"]):
-        assert split == any("decisive_cases" in entry for entry in summary["methods"].values())
+    results = load_results(path)
+    split = any(entry.decisive_cases is not None for entry in results.summarized().methods.values())
+    again = replace(results, summary=summarize(results.cases, results.config.task))
+    for summary in (results.summarized(), again.summarized()):
+        assert split == any(entry.decisive_cases is not None for entry in summary.methods.values())
     render = render_tune if path.name.startswith("tune-") else render_eval
     for version in (results, again):
         text = render(version) if render is render_tune else render(version, tmp_path / "B.md")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -80,18 +81,26 @@ def _full_prefill(margin: float) -> torch.Tensor:
     return torch.log_softmax(torch.tensor([-3.0, 2.0, 2.0 - margin, -1.0]), dim=-1)
 
 
+@dataclass(frozen=True)
+class Scored:
+    """The two fields of a method record the split reads."""
+
+    first_token_agreement: bool
+    reference_margin: float | None
+
+
 def test_agreement_is_split_at_the_decisive_margin():
     above, below = log_margin(_full_prefill(0.51)), log_margin(_full_prefill(0.49))
     assert above == pytest.approx(0.51, abs=1e-5) and below == pytest.approx(0.49, abs=1e-5)
     assert DECISIVE_MARGIN == 0.5 and is_decisive(above) and not is_decisive(below)
     assert is_decisive(DECISIVE_MARGIN)  # at the threshold: decisive
     records = [
-        {"first_token_agreement": True, "reference_margin": above},
-        {"first_token_agreement": False, "reference_margin": above},
-        {"first_token_agreement": True, "reference_margin": 4.0},
-        {"first_token_agreement": False, "reference_margin": below},
-        {"first_token_agreement": True, "reference_margin": 0.0},
-        {"first_token_agreement": False},  # recorded before the margin was: left out, not guessed
+        Scored(True, above),
+        Scored(False, above),
+        Scored(True, 4.0),
+        Scored(False, below),
+        Scored(True, 0.0),
+        Scored(False, None),  # recorded before the margin was: left out, not guessed
     ]
     split = agreement_split(records)
     assert split == {
@@ -107,7 +116,7 @@ def test_agreement_is_split_at_the_decisive_margin():
     at_five = agreement_split(records, 5.0)
     assert at_five["decisive_cases"] == 0 and at_five["near_tie_cases"] == 5
     assert "first_token_agreement_decisive" not in at_five  # no share of nothing
-    assert agreement_split([{"first_token_agreement": True}]) == {}
+    assert agreement_split([Scored(True, None)]) == {}
 
 
 @pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf])

@@ -87,7 +87,7 @@ def test_through_the_eval_harness(tmp_path, model):
         kv_dir=tmp_path / "kv",
     )
     results = run_eval(config, model=model)
-    entry = results["summary"]["methods"]["test_every_nth@3"]
-    assert entry["options"] == {"stride": 3}
-    assert entry["chunk_recompute_ratio"] == pytest.approx(share(3), abs=0.05)
-    assert set(results["summary"]["methods"]) == {"full_recompute", "test_every_nth@3"}
+    entry = results.summarized().methods["test_every_nth@3"]
+    assert entry.options == {"stride": 3}
+    assert entry.chunk_recompute_ratio == pytest.approx(share(3), abs=0.05)
+    assert set(results.summarized().methods) == {"full_recompute", "test_every_nth@3"}

@@ -46,22 +46,22 @@ def run(engine, kind: str, data, tmp_path):
 def test_eval_runs_on_vllm_and_matches_the_pytorch_engine(vllm_engine, torch_engine, tiny_data, tmp_path):
     on_vllm = run(vllm_engine, "vllm", tiny_data, tmp_path)
     on_torch = run(torch_engine, "torch", tiny_data, tmp_path)
-    assert on_vllm["config"]["engine"] == "vllm" and on_torch["config"]["engine"] == "torch"
-    assert len(on_vllm["cases"]) == len(on_torch["cases"]) == 2
-    for ours, theirs in zip(on_vllm["cases"], on_torch["cases"], strict=True):
-        assert ours["retrieved"] == theirs["retrieved"]  # one retrieval: the corpus's
-        assert ours["prompt_tokens"] == theirs["prompt_tokens"]
+    assert on_vllm.config.engine == "vllm" and on_torch.config.engine == "torch"
+    assert len(on_vllm.cases) == len(on_torch.cases) == 2
+    for ours, theirs in zip(on_vllm.cases, on_torch.cases, strict=True):
+        assert ours.retrieved == theirs.retrieved  # one retrieval: the corpus's
+        assert ours.prompt_tokens == theirs.prompt_tokens
         for label in ("full_recompute", "cacheblend@0.15"):
-            v, t = ours["methods"][label], theirs["methods"][label]
-            assert v["first_token"] == t["first_token"], label
-            assert v["kl_first_token"] == pytest.approx(t["kl_first_token"], abs=2e-3), label
-            assert v["chunk_recompute_ratio"] == pytest.approx(t["chunk_recompute_ratio"]), label
+            v, t = ours.methods[label], theirs.methods[label]
+            assert v.first_token == t.first_token, label
+            assert v.kl_first_token == pytest.approx(t.kl_first_token, abs=2e-3), label
+            assert v.chunk_recompute_ratio == pytest.approx(t.chunk_recompute_ratio), label
             # vLLM scores no continuation: the NLLs are left out, not made up
-            assert "nll_gold" not in v and "nll_reference" not in v
-            assert t["nll_gold"] > 0 and "nll_reference" in t
-        assert ours["methods"]["full_recompute"]["answer"] == theirs["methods"]["full_recompute"]["answer"]
-        assert ours["methods"]["full_recompute"]["chunk_recompute_ratio"] == 1.0
-        assert 0 < ours["methods"]["cacheblend@0.15"]["chunk_recompute_ratio"] <= 0.2
-    summary = on_vllm["summary"]["methods"]
-    assert summary["full_recompute"]["first_token_agreement"] == 1.0
-    assert "nll_reference" not in summary["cacheblend@0.15"]
+            assert v.nll_gold is None and v.nll_reference is None
+            assert t.nll_gold > 0 and t.nll_reference is not None
+        assert ours.methods["full_recompute"].answer == theirs.methods["full_recompute"].answer
+        assert ours.methods["full_recompute"].chunk_recompute_ratio == 1.0
+        assert 0 < ours.methods["cacheblend@0.15"].chunk_recompute_ratio <= 0.2
+    summary = on_vllm.summarized().methods
+    assert summary["full_recompute"].first_token_agreement == 1.0
+    assert summary["cacheblend@0.15"].nll_reference is None
