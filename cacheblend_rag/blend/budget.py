@@ -121,9 +121,7 @@ class AdaptiveBudget(_Budget):
         return self.choose([end - start for start, end in plan.chunk_spans()], ratio)
 
     def tokens(self, most: int, ranked: torch.Tensor, ratio: float, plan: FusionPlan) -> int:
-        chosen, share = self.for_plan(plan, ratio)
-        if share == ratio:
-            return chosen.tokens(most, ranked, ratio, plan)
+        chosen, share = self.for_plan(plan, ratio)  # (``most`` is this at share == ratio)
         return chosen.tokens(min(share_budget(share, plan), ranked.numel()), ranked, share, plan)
 
 
