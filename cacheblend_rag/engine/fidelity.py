@@ -213,6 +213,7 @@ class MethodRow(JsonRecord):
     nll_reference: float | None = None
     recompute_ratio: float | None = None
     chunk_recompute_ratio: float | None = None
+    budget_ratio: float | None = None  # the share of the cached tokens the budget chose (its records')
     compute_fraction: float | None = None
     # first-token agreement on decisive cases and on near-ties (metrics.agreement_split); summaries of
     # records without full prefill's margin (results recorded before the split) lack them
@@ -254,6 +255,7 @@ def method_table(
             nll_reference=_mean(r.nll_reference for r in rows),
             recompute_ratio=_mean(r.recompute_ratio for r in rows),
             chunk_recompute_ratio=_mean(r.chunk_recompute_ratio for r in rows),
+            budget_ratio=_mean(r.budget.get("ratio") if r.budget else None for r in rows),
             compute_fraction=_mean(r.compute_fraction for r in rows),
             **agreement_split(rows, decisive_margin),
             ttft_median_s=statistics.median(r.ttft_s for r in rows),

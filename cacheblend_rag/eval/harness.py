@@ -329,7 +329,7 @@ def _start_results(run: EvalRun, config: EvalConfig) -> EvalResults:
         results,
         # the stored keys keep their places; keys the file lacked follow them
         config=replace(run.config, key_order=results.config.key_order),
-        commands=[*results.commands, *commands],
+        commands=list(dict.fromkeys([*results.commands, *commands])),  # each command once, first run's place
         # the machine line reports the first start's load; each resume is recorded beside it
         resumes=[*(results.resumes or []), machine_info()],
     )

@@ -20,6 +20,7 @@ from ..config import DEFAULT_KV_DTYPE, DEFAULT_METHOD, DEFAULT_RATIO
 from ..engine.fidelity import REFERENCE, MethodRow
 from .markdown import fmt, table
 from .records import CaseRecord, load_results
+from .variants import run_spec
 
 HEADLINE_SECTION = "headline"
 BENCH_FILE = "bench.json"
@@ -28,9 +29,7 @@ GPU_FILE = "gpu-check-h100.json"
 GPU_SHAPE = ("llama-3.1-8b", "6x512")
 _DEFAULT = MethodSpec.parse(DEFAULT_METHOD)
 # the label eval gives the default (``--methods default``): the spec as it is, or with the default ratio
-DEFAULT_LABEL = (
-    _DEFAULT.label if _DEFAULT.options else _DEFAULT.with_ratio(DEFAULT_RATIO, where_taken=True).label
-)
+DEFAULT_LABEL = run_spec(_DEFAULT, DEFAULT_RATIO).label
 # The default's method at the default ratio with a fixed budget: what the default computes for a request
 # whose chunks its budget does not count as short (blend/budget.py, AdaptiveBudget); rows of files run
 # before the budget adapted are the default's where every case's chunks were long.

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..blend.spec import MethodSpec, parse_method
-from .summary import REFERENCE
+from ..engine.fidelity import REFERENCE
 
 CHUNK_CONTEXTS = ("neutral", "none")
 
@@ -52,14 +52,13 @@ def method_variants(
     variants: list[Variant] = []
     for text in methods:
         variant = parse_variant(text)
-        spec = variant.spec
-        if not spec.options and spec.method_class.ratio_option is not None:
-            for ratio in ratios:
-                with_ratio = spec.with_ratio(ratio, where_taken=True)
-                prefix = f"{variant.context}:" if variant.context else ""
-                variants.append(Variant(prefix + with_ratio.label, with_ratio, variant.context))
-        else:
+        if not takes_ratio(variant.spec):
             variants.append(variant)
+            continue
+        for ratio in ratios:
+            spec = run_spec(variant.spec, ratio)
+            prefix = f"{variant.context}:" if variant.context else ""
+            variants.append(Variant(prefix + spec.label, spec, variant.context))
     variants = list({v.label: v for v in variants}.values())
     for codec in kv_dtypes[1:]:
         variants += [
@@ -70,6 +69,17 @@ def method_variants(
     if not any(v.label == REFERENCE for v in variants):
         variants.insert(0, Variant(REFERENCE, MethodSpec(REFERENCE, REFERENCE)))
     return sorted(variants, key=lambda v: v.label != REFERENCE)
+
+
+def takes_ratio(spec: MethodSpec) -> bool:
+    """Whether a run sets ``spec``'s ratio: a plain method with a ratio option (a spec with options runs
+    as it is written)."""
+    return not spec.options and spec.method_class.ratio_option is not None
+
+
+def run_spec(spec: MethodSpec, ratio: float) -> MethodSpec:
+    """The spec a run of ``spec`` at ``ratio`` uses, and labels its results with."""
+    return spec.with_ratio(ratio, where_taken=True) if takes_ratio(spec) else spec
 
 
 def method_specs(methods: Sequence[str], ratios: Sequence[float]) -> list[MethodSpec]:

@@ -12,10 +12,11 @@ from typer.testing import CliRunner
 
 from cacheblend_rag.blend.spec import parse_method
 from cacheblend_rag.cli import app
-from cacheblend_rag.config import DEFAULT_CHUNK_TOKENS, DEFAULT_TOP_K
+from cacheblend_rag.config import DEFAULT_CHUNK_TOKENS, DEFAULT_METHOD, DEFAULT_TOP_K
 from cacheblend_rag.errors import EvalDataError
 from cacheblend_rag.eval.datasets import load_dataset
 from cacheblend_rag.eval.harness import EvalConfig, run_eval
+from cacheblend_rag.eval.headline import DEFAULT_LABEL
 from cacheblend_rag.eval.metrics import normalize_answer
 from cacheblend_rag.eval.records import load_results
 from cacheblend_rag.eval.report import render_eval
@@ -24,9 +25,10 @@ from cacheblend_rag.eval.tune import render_tune
 from cacheblend_rag.eval.variants import method_specs
 from cacheblend_rag.store.codec import get_codec
 
-METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
+METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic", DEFAULT_METHOD)
 RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
 LABELS = {"full_recompute", "prefix_cache", "full_reuse", "cacheblend@0", "cacheblend@0.15", "epic"}
+LABELS |= {DEFAULT_LABEL}
 
 
 def tiny_data(tmp_path, name: str, cases: int, contexts: int, chars: int):
@@ -121,7 +123,16 @@ def test_eval_scores_every_method_against_the_reference(qa_run):
     assert between.decisive_margin == (margins[0] + margins[1]) / 2
     assert {e.decisive_cases for e in between.methods.values()} == ({1} if margins[0] < margins[1] else {2})
     assert summary.methods["full_recompute"].speedup_median == 1.0
-    assert {c.claim[:30] for c in summary.checks} and all(isinstance(c.passed, bool) for c in summary.checks)
+    # the default's claims are on its own column: every claim names it, and its budget held
+    claims = [c.claim for c in summary.checks if not c.claim.startswith("monotone")]
+    assert claims and all(DEFAULT_LABEL in claim for claim in claims)
+    assert all(isinstance(c.passed, bool) for c in summary.checks)
+    budget = summary.checks[0]
+    assert "than its budget chose" in budget.claim and budget.passed
+    assert budget.detail["budget_ratio"] == summary.methods[DEFAULT_LABEL].budget_ratio
+    # the tiny cases' 48-token chunks are short: the default recomputed more than the fixed ratio
+    fixed = summary.methods["cacheblend@0.15"].chunk_recompute_ratio
+    assert summary.methods[DEFAULT_LABEL].budget_ratio > fixed
     on_disk = load_results(config.json_path)
     assert on_disk == results and on_disk.config.top_k == 3
     assert json.loads(config.json_path.read_text()) == results.to_dict()

@@ -10,6 +10,9 @@ from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.schema import TextNode
 from llama_index.vector_stores.cacheblend import CacheBlendVectorStore as LlamaVectorStore
 
+from cacheblend_rag.blend.spec import MethodSpec
+from cacheblend_rag.config import DEFAULT_METHOD
+
 pytestmark = pytest.mark.slow
 
 TEXTS = [
@@ -18,6 +21,8 @@ TEXTS = [
     "The Amazon rainforest is home to millions of species of insects, plants, birds and animals.",
 ]
 QUESTIONS = ["What did Marie Curie research?", "Where is Mount Everest?"]
+# check sweeps the default method's ratio: its row is the default at the ratio asked
+SWEPT = MethodSpec.parse(DEFAULT_METHOD).with_ratio(0.15).label
 
 
 def test_langchain_store_check(tmp_path):
@@ -28,7 +33,7 @@ def test_langchain_store_check(tmp_path):
     finally:
         store.close()
     assert report.questions == QUESTIONS and len(report.cases) == 2
-    assert [r.label for r in report.rows] == ["full_recompute", "cacheblend@0.15"]
+    assert [r.label for r in report.rows] == ["full_recompute", SWEPT]
     assert all(len(case["chunk_ids"]) == 2 for case in report.cases)
     assert report.row("full_recompute").kl_first_token == 0.0
 
@@ -41,4 +46,4 @@ def test_llamaindex_store_check(tmp_path):
     finally:
         store.close()
     assert report.questions == QUESTIONS[:1]
-    assert 0 <= report.row("cacheblend@0.15").first_token_agreement <= 1
+    assert 0 <= report.row(SWEPT).first_token_agreement <= 1
