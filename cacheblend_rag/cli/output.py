@@ -19,12 +19,3 @@ def print_error(console: Console, message: object, **options: Any) -> None:
     the middle, and the path could not be copied or searched for as printed. The message is printed as
     written (no markup read from it). ``options`` go to :meth:`Console.print`."""
     console.print(f"[red]error:[/red] {shown(message)}", soft_wrap=True, **options)
-
-
-def budget_text(choice: dict) -> str:
-    """What a method chose for one request's chunks, in words (``query``'s and ``check``'s tables)."""
-    length = "short" if choice.get("short") else "long"
-    share = f"{choice['ratio']:g} of the cached tokens"
-    if choice.get("target"):
-        share = f"those covering {choice['target']:g} of the question's attention, at most {share}"
-    return f"{share} ({length} chunks: {choice['chunks']} averaging {choice['mean_chunk_tokens']:g} tokens)"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cacheblend_rag.blend import AdaptiveBudget, CacheBlend, CoverBudget, FixedBudget, Segment, parse_method
+from cacheblend_rag.blend.budget import choice_text
 from cacheblend_rag.blend.plan import FusionPlan
 from cacheblend_rag.blend.static_layout import QueryTopK
 from cacheblend_rag.config import DEFAULT_METHOD
@@ -102,3 +103,20 @@ def test_the_choice_is_reported_per_request():
         "mean_chunk_tokens": 120.5,
     }
     assert parse_method("cacheblend@0.15").build().request_choice([120] * 10) is None
+
+
+def test_the_choice_in_words_briefly_and_in_full():
+    fixed = parse_method("cacheblend@budget=adaptive,ratio=0.2").build()
+    long, short = fixed.request_choice([512] * 6), fixed.request_choice([120, 121])
+    assert choice_text(long, brief=True) == "long chunks: 0.2"
+    assert choice_text(short, brief=True) == "short chunks: 0.3"
+    assert choice_text(short) == "0.3 of the cached tokens (short chunks: 2 averaging 120.5 tokens)"
+    cover = parse_method("cacheblend@budget=adaptive,ratio=0.2,target=0.8").build()
+    covered = cover.request_choice([100] * 4)
+    assert choice_text(covered, brief=True) == "short chunks: cover 0.8 within 0.3"
+    assert choice_text(covered) == (
+        "those covering 0.8 of the question's attention, at most 0.3 of the cached tokens "
+        "(short chunks: 4 averaging 100 tokens)"
+    )
+    # long chunks get the fixed share even with a target: no cover in the words
+    assert choice_text(cover.request_choice([512] * 2), brief=True) == "long chunks: 0.2"

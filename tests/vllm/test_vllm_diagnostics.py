@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cacheblend_rag.blend import CacheBlend, register_method
+from cacheblend_rag.blend.budget import AdaptiveBudget
 from cacheblend_rag.blend.spec import reuse_of
 from cacheblend_rag.engine import SamplingParams
 
@@ -102,7 +103,8 @@ class _MainProcessOnly(CacheBlend):
 
 def test_a_blend_vllm_prefilled_instead_reports_every_position(vllm_engine, prompts):
     register_method(
-        _MainProcessOnly.name, lambda **options: _MainProcessOnly(ratio=options.get("ratio", 0.15))
+        _MainProcessOnly.name,
+        lambda **options: _MainProcessOnly(ratio=options.get("ratio", 0.15), budget=AdaptiveBudget()),
     )
     segments = prompts[1]
     got = vllm_engine.generate(segments, _MainProcessOnly.name, DIAGNOSTICS)
@@ -110,6 +112,9 @@ def test_a_blend_vllm_prefilled_instead_reports_every_position(vllm_engine, prom
     check_distribution(got, vllm_engine.shape.vocab_size)
     assert got.diagnostics.recomputed_positions == tuple(range(sum(len(s) for s in segments)))
     assert got.diagnostics.compute_fraction == 1.0 and got.diagnostics.fusion_s is None
+    # vLLM recomputed every position, so no budget chose anything (the method chooses one when it fuses)
+    assert got.budget is None
+    assert _MainProcessOnly(ratio=0.15, budget=AdaptiveBudget()).request_choice([20, 20]) is not None
 
 
 def test_diagnostics_refuse_a_vllm_started_without_raw_full_vocabulary_logprobs():

@@ -180,6 +180,8 @@ def build_result(
             diagnostics(request, stats, cached, vocab_size) if request.sampling.diagnostics else None
         ),
     )
+    if "error" in stats:  # vLLM prefilled it: no budget chose what was recomputed
+        result.budget = None
     # the worker reused the template's opening exactly (its own segments had it as an exact head, these
     # have it fresh): counted as the PyTorch engine counts its exact head (docs/accounting.md)
     head = stats.get("exact_head") or {}
