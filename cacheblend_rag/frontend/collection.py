@@ -30,7 +30,8 @@ from ..ingest.kv import precompute_pending
 from ..models.tokenizer import load_model_tokenizer
 from ..store.shared import KVStoreOptions
 from .corpora import acquire_corpus, release_corpus
-from .prompt_frontend import PromptFrontend, acquire_frontend, release_frontend
+from .frontends import acquire_frontend, release_frontend
+from .prompt_frontend import PromptFrontend
 
 
 class CollectionOptions(TypedDict, total=False):

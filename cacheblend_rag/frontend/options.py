@@ -5,7 +5,7 @@
 counts and a report; a framework class only adapts types (its methods are named apart from the
 frameworks' own ``stream``, ``generate``, ``batch``, since an integration class inherits from both).
 Every object over the same corpus, model and engine kind shares one engine in the process
-(:func:`~.prompt_frontend.acquire_frontend`), and every engine the model's weights; ``close()`` gives the
+(:func:`~.frontends.acquire_frontend`), and every engine the model's weights; ``close()`` gives the
 object's hold back. ``engine="vllm"`` serves it with vLLM.
 
 :class:`GenerationOptions` is the integrations' edge: its fields are the integration classes' own, so it
@@ -30,14 +30,8 @@ from ..engine.bounds import check_request
 from ..engine.session import Session
 from ..settings import get_settings
 from .collection import ensure_corpus
-from .prompt_frontend import (
-    DocumentRef,
-    PromptFrontend,
-    TextRequest,
-    acquire_frontend,
-    release_frontend,
-    text_request,
-)
+from .frontends import acquire_frontend, release_frontend
+from .prompt_frontend import DocumentRef, PromptFrontend, TextRequest, text_request
 from .structured import constraint_of
 
 log = logging.getLogger(__name__)

@@ -15,14 +15,8 @@ included) sees the same token ids for one prompt, so their answers are comparabl
 
 The frontend uses only the engine contract (:class:`~cacheblend_rag.engine.EngineProtocol`), so either
 engine serves it; over a corpus, it holds the corpus and engine as a checked
-:class:`~cacheblend_rag.engine.session.Session`. :func:`acquire_frontend` (:func:`get_frontend`) shares
-one frontend, so one engine, per (corpus, model, engine kind, settings) across the process (a
-:class:`~cacheblend_rag.models.registry.SharedRegistry`), and :func:`~.corpora.acquire_corpus` one corpus
-per corpus directory, so every LLM, chat model, retriever and vector store object over a corpus uses the
-same model and the same corpus (a holder passing other settings gets an engine of its own, built with
-them). Engines over different corpora share the model's weights too
-(:func:`cacheblend_rag.models.shared.acquire_model`). A frontend acquired is released by its holder (an
-integration object's ``close()``); the last release closes it and frees the model.
+:class:`~cacheblend_rag.engine.session.Session`. The process shares one frontend per (corpus, model,
+engine kind, settings) (:mod:`.frontends`) and one corpus per directory (:mod:`.corpora`).
 
 Batching is the engine's: requests go to its ``submit`` / ``generate_batch``, which the PyTorch engine
 serves through its one :class:`~cacheblend_rag.engine.scheduler.BatchScheduler` (continuous batching
@@ -42,7 +36,6 @@ from ..blend.spec import MethodSpec
 from ..config import DEFAULT_MAX_TOKENS, DEFAULT_METHOD, DEFAULTS, Config
 from ..corpus.corpus import Corpus, RetrievedChunk
 from ..engine import (
-    ENGINE_KINDS,
     BatchRequest,
     BatchScheduler,
     ChunkRef,
@@ -59,10 +52,9 @@ from ..engine.bounds import check_request
 from ..engine.prompt import part_ids
 from ..engine.session import Session
 from ..errors import ChunkNotFoundError, InvalidChunkIdError
-from ..models.registry import SharedRegistry
 from ..rag import CacheBlendRAG
 from ..text.chunker import Chunker, validate_chunk_id
-from .corpora import acquire_corpus, corpus_key, release_corpus
+from .corpora import acquire_corpus, release_corpus
 from .recognition import ANCHOR_CHARS, ChunkSpan, ChunkTextIndex
 
 log = logging.getLogger(__name__)
@@ -395,61 +387,3 @@ class PromptFrontend:
         if not spans and not request.documents and unrecognised is not None:
             unrecognised()
         return self._segments(text, spans, request.method)
-
-
-# (corpus directory, model, engine kind, the configuration's values): a holder with other settings gets
-# a frontend of its own (its engine built with its values), never another holder's
-_FrontendKey = tuple[str | None, str | None, str, tuple[tuple[str, object], ...]]
-_frontends: SharedRegistry[_FrontendKey, PromptFrontend] = SharedRegistry(close=PromptFrontend.close)
-
-
-def _frontend_key(
-    corpus_dir: str | Path | None, model: str | Path | None, engine_kind: str | None, config: Config
-) -> _FrontendKey:
-    kind = engine_kind or config.engine
-    if kind not in ENGINE_KINDS:
-        raise ValueError(f"unknown engine {kind!r}; available: {', '.join(ENGINE_KINDS)}")
-    directory = corpus_key(corpus_dir) if corpus_dir is not None else None
-    return (directory, str(model) if model else None, kind, config.value_key())
-
-
-def acquire_frontend(
-    corpus_dir: str | Path | None = None,
-    model: str | Path | None = None,
-    engine_kind: str | None = None,
-    config: Config = DEFAULTS,
-) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), loaded
-    on first use; give it back with :func:`release_frontend`. ``engine_kind``: "torch" or "vllm" (default:
-    ``config.engine``); ``config``: the caller's settings, part of the key by value (every edge passes the
-    process's, so every holder shares one engine, as a retriever, a chat model and an LLM object over one
-    corpus do; a holder with other values gets a frontend built with them)."""
-    key = _frontend_key(corpus_dir, model, engine_kind, config)
-    return _frontends.acquire(
-        key, lambda: PromptFrontend(key[0], model, engine_kind=key[2], config=config), _usable
-    )
-
-
-def release_frontend(frontend: PromptFrontend) -> None:
-    """Give back one hold on ``frontend``; the last one closes it (and gives its model back)."""
-    _frontends.release(frontend)
-
-
-def shared_frontends() -> dict[_FrontendKey, int]:
-    """(corpus directory, model, engine kind, configuration values) -> holds, of the frontends shared now."""
-    return _frontends.references()
-
-
-def _usable(frontend: PromptFrontend) -> bool:
-    return not frontend.closed  # closed by hand (frontend.close()): load it again
-
-
-def get_frontend(
-    corpus_dir: str | Path | None = None,
-    model: str | Path | None = None,
-    engine_kind: str | None = None,
-    config: Config = DEFAULTS,
-) -> PromptFrontend:
-    """The process-wide :class:`PromptFrontend` for (corpus, model, engine kind, configuration), kept for
-    the rest of the process (``config``: as for :func:`acquire_frontend`)."""
-    return acquire_frontend(corpus_dir, model, engine_kind, config)

@@ -2,7 +2,7 @@
 
 Behind every process-wide share: the loaded models (:mod:`.shared`), the open chunk KV stores
 (:mod:`cacheblend_rag.store.shared`) and the prompt frontends the integrations hold
-(:mod:`cacheblend_rag.frontend.prompt_frontend`).
+(:mod:`cacheblend_rag.frontend.frontends`).
 """
 
 from __future__ import annotations

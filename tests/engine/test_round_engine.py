@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cacheblend_rag.blend.methods import get_method
-from cacheblend_rag.config import DEFAULT_RATIO
+from cacheblend_rag.config import DEFAULT_METHOD, DEFAULT_RATIO
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.engine.prompt import ChunkRef
 from cacheblend_rag.engine.scheduler import BatchRequest, BatchScheduler
@@ -77,6 +77,18 @@ def test_the_scheduler_blends_shared_chunks_once_by_default(engine, refs):
         assert (result.cached_tokens, result.computed_tokens) == (alone.cached_tokens, alone.computed_tokens)
     off = engine.generate_batch(requests(engine, refs, "cacheblend"), rounds=False)
     assert all(r.round_requests == 0 for r in off)
+
+
+def test_a_round_under_the_default_reports_the_budget_its_chunks_got(engine, refs):
+    """The default's budget adapts to the round's chunks (four of 100 tokens: short), and each agent
+    reports the choice it would have got alone."""
+    engine.generate_batch(requests(engine, refs, DEFAULT_METHOD))  # the chunks' KV stored
+    results = engine.generate_round(requests(engine, refs, DEFAULT_METHOD))
+    alone = engine.generate(engine.rag_segments(QUESTIONS[0], refs, DEFAULT_METHOD), DEFAULT_METHOD, SAMPLING)
+    assert alone.budget is not None and alone.budget["short"] and alone.budget["chunks"] == 4
+    for result in results:
+        assert result.round_requests == 3 and result.budget == alone.budget
+        assert result.round_recomputed_tokens == math.floor(alone.budget["ratio"] * 400 + 1e-9)
 
 
 def test_a_round_reads_its_chunks_through_one_loader(engine, refs, monkeypatch):
