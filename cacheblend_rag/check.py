@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from .blend.budget import choice_text
 from .blend.spec import DEFAULT_NAME, MethodSpec, named_default
 from .config import DECISIVE_MARGIN, DEFAULT_CHECK_MAX_TOKENS, Config
 from .corpus.corpus import Corpus, RetrievedChunk
@@ -87,8 +86,8 @@ class CheckRow:
     decisive_high: float = 1.0
     near_tie_questions: int = 0
     near_tie_agreeing: int = 0
-    # what the method chose per question (``choice_text``, brief) with how many questions it chose it for
-    # (empty when it chooses nothing per request)
+    # what the method chose per question (``BudgetChoice.text``, brief) with how many questions it chose
+    # it for (empty when it chooses nothing per request)
     budgets: dict[str, int] = field(default_factory=dict)
 
 
@@ -275,7 +274,7 @@ def _row(label: str, ratio: float | None, entry: MethodRow, records: Sequence[Me
         decisive_high=decisive_high,
         near_tie_questions=entry.near_tie_cases or 0,
         near_tie_agreeing=entry.near_tie_agreeing or 0,
-        budgets=dict(Counter(choice_text(r.budget, brief=True) for r in records if r.budget is not None)),
+        budgets=dict(Counter(r.budget.text(brief=True) for r in records if r.budget is not None)),
     )
 
 

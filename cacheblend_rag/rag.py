@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .blend.budget_choice import BudgetChoice
 from .blend.spec import MethodSpec
 from .config import DECISIVE_MARGIN, DEFAULT_CHECK_MAX_TOKENS, Config
 from .corpus.corpus import Corpus, RetrievedChunk
@@ -50,10 +51,12 @@ class QueryResult(PromptAccounting):
     finish_reason: str
     method_options: dict
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
-    budget: dict | None = None  # the budget the method chose for this request's chunks, when it chose one
+    budget: BudgetChoice | None = None  # what the method's budget chose for this request's chunks, if any
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "cached_tokens": self.cached_tokens}
+        out = asdict(replace(self, budget=None))
+        out["budget"] = self.budget.to_dict() if self.budget is not None else None
+        return {**out, "cached_tokens": self.cached_tokens}
 
 
 @dataclass

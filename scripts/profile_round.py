@@ -1,4 +1,4 @@
-"""Where a round's time goes (issue 21): per-phase wall time of one round of N agents.
+"""Where a round's time goes: per-phase wall time of one round of N agents.
 
     .venv/bin/python scripts/profile_round.py [--agents 8] [--chunks 6] [--chunk-tokens 512]
         [--no-scheduler] [--old]

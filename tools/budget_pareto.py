@@ -1,4 +1,4 @@
-"""The per-request budget against fixed ratios (issue 23): fidelity against compute on the same cases.
+"""The per-request budget against fixed ratios: fidelity against compute on the same cases.
 
     .venv/bin/python tools/budget_pareto.py RESULTS.json [RESULTS.json ...] [--markdown BENCHMARKS.md]
 

@@ -9,7 +9,7 @@ packages the import-linter layers contract (pyproject.toml) already forbids cycl
 modules within each package.
 
 :data:`KNOWN_CYCLES` lists cycles tolerated while they are untied (reported, not failed); it is empty:
-issue 24's three (``check`` <-> ``rag``, ``corpus`` <-> ``documents``, the remote tier's ``admin`` <->
+the three it had (``check`` <-> ``rag``, ``corpus`` <-> ``documents``, the remote tier's ``admin`` <->
 ``source`` <-> ``tier``) are gone, and any cycle fails.
 
     python tools/check_import_cycles.py [ROOT_DIR]     # default: the cacheblend_rag package folder
@@ -23,7 +23,7 @@ from collections import defaultdict
 from pathlib import Path
 
 PACKAGE = "cacheblend_rag"
-# (package, its children in the cycle) of cycles tolerated while they are untied; issue 24's three are
+# (package, its children in the cycle) of cycles tolerated while they are untied; the three it had are
 # gone, and a new one is untied rather than added here
 KNOWN_CYCLES: set[tuple[str, tuple[str, ...]]] = set()
 

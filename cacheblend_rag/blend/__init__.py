@@ -1,6 +1,7 @@
 """Position-independent caching: PIC methods, the fusor and the loading controller."""
 
 from .budget import AdaptiveBudget, CoverBudget, FixedBudget, MarginBudget
+from .budget_choice import BudgetChoice
 from .cacheblend import CacheBlend, CacheBlendHKVD
 from .controller import Decision, LoadingController, Profile
 from .fusor import FusionResult, Fusor
@@ -22,6 +23,7 @@ from .spec import MethodSpec, ResolvedMethod, parse_method, resolve_method, reus
 
 __all__ = [
     "AdaptiveBudget",
+    "BudgetChoice",
     "CacheBlend",
     "CacheBlendHKVD",
     "ChunkKV",

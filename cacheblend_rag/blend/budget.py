@@ -125,20 +125,6 @@ class AdaptiveBudget(_Budget):
         return chosen.tokens(min(share_budget(share, plan), ranked.numel()), ranked, share, plan)
 
 
-def choice_text(choice: Mapping[str, Any], *, brief: bool = False) -> str:
-    """One request's budget choice (a method's ``request_choice`` record) in words. Brief, as ``check``
-    tallies questions by it: ``short chunks: 0.25``; in full, as ``query`` shows it: the share, what
-    bounds it, and the chunks it was chosen for."""
-    length = "short" if choice.get("short") else "long"
-    target = choice.get("target")
-    if brief:
-        return f"{length} chunks: {f'cover {target:g} within ' if target else ''}{choice['ratio']:g}"
-    share = f"{choice['ratio']:g} of the cached tokens"
-    if target:
-        share = f"those covering {target:g} of the question's attention, at most {share}"
-    return f"{share} ({length} chunks: {choice['chunks']} averaging {choice['mean_chunk_tokens']:g} tokens)"
-
-
 Budget = Annotated[FixedBudget | CoverBudget | MarginBudget | AdaptiveBudget, Field(discriminator="kind")]
 
 

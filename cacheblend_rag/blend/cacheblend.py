@@ -32,6 +32,7 @@ from .budget import (
     request_budget,
     spelled_budget,
 )
+from .budget_choice import BudgetChoice
 from .methods import RecomputeMethod, RoundSharing, register_method, share_budget
 from .plan import FusionPlan, LayerState
 from .static_layout import DeviationNarrowing, HostRows, QueryTopK, StaticSelection
@@ -187,18 +188,18 @@ class CacheBlend(_Blend):
     def uses_query_attention(self, plan: FusionPlan) -> bool:
         return True
 
-    def request_choice(self, chunk_lengths: Sequence[int]) -> dict[str, Any] | None:
+    def request_choice(self, chunk_lengths: Sequence[int]) -> BudgetChoice | None:
         if not isinstance(self.budget, AdaptiveBudget):
             return None
         chosen, share = self.budget.choose(chunk_lengths, self.ratio)
         mean = sum(chunk_lengths) / len(chunk_lengths) if chunk_lengths else 0.0
-        return {
+        return BudgetChoice(
             **chosen.model_dump(),
-            "ratio": round(share, 6),
-            "short": self.budget.is_short(chunk_lengths),
-            "chunks": len(chunk_lengths),
-            "mean_chunk_tokens": round(mean, 1),
-        }
+            ratio=round(share, 6),
+            short=self.budget.is_short(chunk_lengths),
+            chunks=len(chunk_lengths),
+            mean_chunk_tokens=round(mean, 1),
+        )
 
     def probe_layers(self, num_layers: int) -> int:
         return min(self.probe_depth, num_layers) if self.probe_depth else num_layers

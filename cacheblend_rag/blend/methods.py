@@ -29,6 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import MethodOptionError
+from .budget_choice import BudgetChoice
 from .plan import FusionPlan, LayerState
 from .static_layout import HostRows, StaticSelection
 
@@ -141,9 +142,9 @@ class RecomputeMethod(BaseModel, ABC):
             return None
         return HostRows(self.layer0_positions(plan))
 
-    def request_choice(self, chunk_lengths: Sequence[int]) -> dict[str, Any] | None:
-        """What the method chose for one request whose blended chunks hold ``chunk_lengths`` tokens,
-        JSON-able (results report it as ``budget``), or None when it chooses nothing per request."""
+    def request_choice(self, chunk_lengths: Sequence[int]) -> BudgetChoice | None:
+        """What the method chose for one request whose blended chunks hold ``chunk_lengths`` tokens
+        (results report it as ``budget``), or None when it chooses nothing per request."""
         return None
 
     def describe(self) -> dict[str, Any]:

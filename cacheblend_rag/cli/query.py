@@ -64,7 +64,6 @@ def query(
     kv_remote: Annotated[str | None, KV_REMOTE_OPTION] = None,
 ) -> None:
     """Retrieve the top chunks, blend their cached KV and answer."""
-    from ..blend.budget import choice_text
     from ..engine import SamplingParams
     from ..engine.bounds import check_request
     from ..rag import CacheBlendRAG
@@ -138,7 +137,7 @@ def query(
     )
     table.add_row("recomputed", f"{result.computed_tokens} tokens")
     if result.budget is not None:
-        table.add_row("budget", choice_text(result.budget))
+        table.add_row("budget", result.budget.text())
     table.add_row("chunk KV computed now", f"{result.kv_computed_tokens} tokens")
     table.add_row("chunks", shown(", ".join(result.chunk_ids)))
     err_console.print(table)

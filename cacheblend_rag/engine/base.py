@@ -33,6 +33,7 @@ from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
 
 import torch
 
+from ..blend.budget_choice import BudgetChoice
 from ..blend.controller import LoadingController
 from ..blend.fusor import FusionResult
 from ..blend.methods import RecomputeMethod, Reuse
@@ -59,7 +60,9 @@ class TokenEvent:
 @dataclass(frozen=True)
 class FusionStats:
     """What fusing a prompt cost, as results report it. ``kept_per_segment``: per segment, the tokens
-    whose cached KV was kept (empty when the fusion is not known per segment)."""
+    whose cached KV was kept (empty when the fusion is not known per segment). ``blended``: whether the
+    request's method fused it (False where it was prefilled instead, as vLLM does with a request its
+    worker could not blend: then no budget of the method chose what was computed)."""
 
     reused_tokens: int
     computed_tokens: int
@@ -69,6 +72,7 @@ class FusionStats:
     round_requests: int = 0
     round_shared_tokens: int = 0
     round_recomputed_tokens: int = 0
+    blended: bool = True
 
     @classmethod
     def of(cls, fusion: FusionResult) -> FusionStats:
@@ -188,7 +192,7 @@ class GenerationResult(PromptAccounting):
     load_wait_s: float = 0.0
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
     # what the method chose for this request from its chunks (an adaptive budget's choice), else None
-    budget: dict | None = None
+    budget: BudgetChoice | None = None
     diagnostics: FusionDiagnostics | None = None  # when the sampling params asked for them
 
     @classmethod
@@ -222,7 +226,11 @@ class GenerationResult(PromptAccounting):
             method_options=resolved.method.describe(),
             load_wait_s=fusion.load_wait_s,
             controller=resolved.controller,
-            budget=resolved.method.request_choice([len(s) for s in segments if s.is_cached and not s.exact]),
+            budget=(
+                resolved.method.request_choice([len(s) for s in segments if s.is_cached and not s.exact])
+                if fusion.blended
+                else None
+            ),
             cache_read_exact_tokens=accounting.read_exact_tokens,
             cache_read_blended_tokens=accounting.read_blended_tokens,
             kv_computed_tokens=accounting.kv_computed_tokens,
@@ -234,8 +242,9 @@ class GenerationResult(PromptAccounting):
 
     def to_dict(self) -> dict:
         """The result's fields as plain values, without its diagnostics (which hold a tensor)."""
-        out = asdict(replace(self, diagnostics=None))
+        out = asdict(replace(self, diagnostics=None, budget=None))
         del out["diagnostics"]
+        out["budget"] = self.budget.to_dict() if self.budget is not None else None
         return {**out, "cached_tokens": self.cached_tokens}
 
 

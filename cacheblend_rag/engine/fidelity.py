@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
+from ..blend.budget_choice import BudgetChoice
 from ..blend.methods import Reuse, next_token_lead
 from ..blend.spec import MethodSpec
 from ..config import DECISIVE_MARGIN
+from ..records import JsonRecord
 from .base import EngineProtocol
 from .metrics import agreement_split, kl_divergence, log_margin, qa_f1
 from .prompt import ChunkRef, PromptBuilder
-from .records import JsonRecord
 from .sampling import SamplingParams
 
 REFERENCE = "full_recompute"  # the column every other method is scored against
@@ -118,7 +119,7 @@ class MethodRecord(JsonRecord):
     agreement_rouge_l: float | None = None  # summaries only
     options: dict[str, Any] | None = None  # the spec's options (a plain method has none)
     # the budget the method chose for this prompt's chunks, when it chooses one per request
-    budget: dict[str, Any] | None = None
+    budget: BudgetChoice | None = None
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ def method_table(
             nll_reference=_mean(r.nll_reference for r in rows),
             recompute_ratio=_mean(r.recompute_ratio for r in rows),
             chunk_recompute_ratio=_mean(r.chunk_recompute_ratio for r in rows),
-            budget_ratio=_mean(r.budget.get("ratio") if r.budget else None for r in rows),
+            budget_ratio=_mean(r.budget.ratio if r.budget else None for r in rows),
             compute_fraction=_mean(r.compute_fraction for r in rows),
             **agreement_split(rows, decisive_margin),
             ttft_median_s=statistics.median(r.ttft_s for r in rows),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,10 @@ from ..blend.methods import METHODS_REVISION
 from ..blend.spec import MethodSpec
 from ..config import DEFAULT_KV_DTYPE, DEFAULT_METHOD, DEFAULT_RATIO
 from ..engine.fidelity import REFERENCE, MethodRow
+from .bench.codec import CodecResult
+from .bench.record import SectionFrame
+from .bench.throughput import ThroughputResult, scheduler_speedup
+from .bench.ttft import TtftResult
 from .markdown import fmt, table
 from .records import CaseRecord, load_results
 from .variants import run_spec
@@ -80,15 +85,38 @@ def _read(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+@dataclass(frozen=True)
+class GpuHeadline:
+    """The default's speed-up the GPU check measured at :data:`GPU_SHAPE`, read from its results file
+    (written by scripts/gpu_check.py, which runs where only torch is installed: plain JSON)."""
+
+    speedup: float
+    int8: bool  # the default codec in device memory (the run timed it), else float16 chunk KV
+    fusion: str  # the first fusion path the run timed
+    device: str
+    torch: str
+
+    @classmethod
+    def read(cls, gpu: dict[str, Any]) -> GpuHeadline | None:
+        row = next((r for r in gpu["rows"] if (r["config"], r["workload"]) == GPU_SHAPE), None)
+        if row is None:
+            return None
+        int8 = row.get("cacheblend_int8_hbm_speedup") is not None
+        speedup = row["cacheblend_int8_hbm_speedup"] if int8 else row.get("cacheblend_hbm_speedup")
+        if speedup is None:
+            return None
+        fusion = gpu.get("fusion", "layers").split(",")[0]
+        return cls(speedup, int8, fusion, gpu["device"], gpu["torch"])
+
+
 def _speed_rows(bench: dict[str, Any] | None, gpu: dict[str, Any] | None) -> list[list[str]]:
     rows: list[list[str]] = []
     sections = (bench or {}).get("sections") or {}
-    ttft = sections.get("ttft")
-    if ttft:
-        point = ttft.get("headline")  # the bench's own size, when its sweep holds it
+    if "ttft" in sections:
+        point = TtftResult.from_dict(sections["ttft"]).headline  # the bench's size, when swept
         if point is not None:
-            times, when = point["ttft_s"], _when(ttft)
-            size = f"{point['num_chunks']} × {point['chunk_tokens']} tokens"
+            times, when = point.ttft_s, _when(sections["ttft"])
+            size = f"{point.num_chunks} × {point.chunk_tokens} tokens"
             rows.append(
                 [f"CPU TTFT, full prefill / default, {size}, RAM tier", _times(times, "cacheblend_ram"), when]
             )
@@ -100,46 +128,43 @@ def _speed_rows(bench: dict[str, Any] | None, gpu: dict[str, Any] | None) -> lis
                         when,
                     ]
                 )
-    if gpu:
-        row = next((r for r in gpu["rows"] if (r["config"], r["workload"]) == GPU_SHAPE), None)
+    measured = GpuHeadline.read(gpu) if gpu else None
+    if measured is not None:
         # the default as an accelerator runs it: the static fusion (the first path timed) and, where the
         # run timed it, the default codec (int8) in device memory
-        tier = "int8_hbm" if row is not None and "cacheblend_int8_hbm_speedup" in row else "hbm"
-        if row is not None and row.get(f"cacheblend_{tier}_speedup") is not None:
-            fusion = gpu.get("fusion", "layers").split(",")[0]
-            kv = "int8 chunk KV" if tier == "int8_hbm" else "chunk KV"
-            rows.append(
-                [
-                    f"GPU TTFT, full prefill / default, {GPU_SHAPE[1].replace('x', ' × ')} tokens, "
-                    f"{GPU_SHAPE[0]} shape, {kv} in HBM ({fusion} fusion)",
-                    f"{row[f'cacheblend_{tier}_speedup']:.2f}×",
-                    f"`{GPU_FILE}`, {gpu['device']}, torch {gpu['torch']}",
-                ]
-            )
-    codec = sections.get("codec")
-    if codec:
-        sizes = codec["bytes_per_token"].get("512_token_chunks") or next(
-            iter(codec["bytes_per_token"].values())
+        kv = "int8 chunk KV" if measured.int8 else "chunk KV"
+        rows.append(
+            [
+                f"GPU TTFT, full prefill / default, {GPU_SHAPE[1].replace('x', ' × ')} tokens, "
+                f"{GPU_SHAPE[0]} shape, {kv} in HBM ({measured.fusion} fusion)",
+                f"{measured.speedup:.2f}×",
+                f"`{GPU_FILE}`, {measured.device}, torch {measured.torch}",
+            ]
+        )
+    if "codec" in sections:
+        codec = CodecResult.from_dict(sections["codec"])
+        sizes = codec.bytes_per_token.get(f"{codec.chunk_tokens}_token_chunks") or next(
+            iter(codec.bytes_per_token.values())
         )
         if DEFAULT_KV_DTYPE in sizes:
             own = sizes[DEFAULT_KV_DTYPE]
             rows.append(
                 [
                     f"chunk KV bytes per token ({DEFAULT_KV_DTYPE})",
-                    f"{own['bytes_per_token']:,.0f} ({own['vs_float16']:.2f} of float16)",
-                    _when(codec),
+                    f"{own.bytes_per_token:,.0f} ({own.vs_float16:.2f} of float16)",
+                    _when(sections["codec"]),
                 ]
             )
-    throughput = sections.get("throughput")
-    if throughput:
-        check = next((c for c in throughput["checks"] if c["claim"].startswith("scheduler throughput")), None)
-        if check is not None and check.get("value") is not None:
+    if "throughput" in sections:
+        throughput = ThroughputResult.from_dict(sections["throughput"])
+        speedup = scheduler_speedup(throughput.runners, throughput.requests)
+        if speedup is not None:
             rows.append(
                 [
-                    f"requests/s through the scheduler, default / full prefill, {throughput['requests']} "
-                    f"requests of {throughput['chunks_per_request']} × {throughput['chunk_tokens']} tokens",
-                    f"{check['value']:.2f}×",
-                    _when(throughput),
+                    f"requests/s through the scheduler, default / full prefill, {throughput.requests} "
+                    f"requests of {throughput.chunks_per_request} × {throughput.chunk_tokens} tokens",
+                    f"{speedup:.2f}×",
+                    _when(sections["throughput"]),
                 ]
             )
     return rows
@@ -151,7 +176,7 @@ def _times(times: dict[str, float], method: str) -> str:
 
 
 def _when(section: dict[str, Any]) -> str:
-    machine = section.get("machine") or {}
+    machine = SectionFrame.from_dict(section).machine
     day = str(machine.get("timestamp", "?"))[:10]
     return f"`{BENCH_FILE}`, {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {day}"
 
@@ -198,6 +223,6 @@ def _default_chose_fixed(cases: Sequence[CaseRecord]) -> bool:
     method = _DEFAULT.build()
     for case in cases:
         choice = method.request_choice([chunk.tokens for chunk in case.retrieved])
-        if choice is not None and (choice["kind"] != "fixed" or choice["ratio"] != DEFAULT_RATIO):
+        if choice is not None and (choice.kind != "fixed" or choice.ratio != DEFAULT_RATIO):
             return False
     return True

@@ -4,7 +4,7 @@ the headline and the tools read.
 :class:`EvalResults` holds the run's :class:`RunConfig`, a :class:`CaseRecord` per case (with a
 :class:`~cacheblend_rag.engine.fidelity.MethodRecord` per method) and the :class:`EvalSummary` (a
 :class:`~cacheblend_rag.engine.fidelity.MethodRow` per method and the default's claims). Each is a
-:class:`~cacheblend_rag.engine.records.JsonRecord`: a key it does not know, or a required key missing,
+:class:`~cacheblend_rag.records.JsonRecord`: a key it does not know, or a required key missing,
 fails the read naming it, and a file read and written again is the same bytes.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.fidelity import MethodRecord, MethodRow
-from ..engine.records import JsonRecord
 from ..errors import EvalDataError
+from ..records import JsonRecord
 from .results import write_json_atomic
 from .retrieval import CaseChunk
 

@@ -43,7 +43,8 @@ def summarize(
 def _checks(table: dict[str, MethodRow], task: str) -> list[Check]:
     """The claims on the default method (cacheblend at the default ratio), evaluated on this run's
     numbers (pass or fail, with the numbers). Claims whose columns the run lacks are left out."""
-    default = default_label()
+    spec, default_ratio = _default_run()
+    default = spec.label
     blend, reference = table.get(default), table.get(REFERENCE)
     if blend is None or reference is None:
         return []
@@ -54,7 +55,7 @@ def _checks(table: dict[str, MethodRow], task: str) -> list[Check]:
     reuse, epic = (table[plain[method]] if method in plain else None for method in (FullReuse, Epic))
     recomputed = blend.chunk_recompute_ratio
     # the share its budget chose (more where chunks are short); records without one: the default ratio
-    chosen = blend.budget_ratio if blend.budget_ratio is not None else _default_ratio()
+    chosen = blend.budget_ratio if blend.budget_ratio is not None else default_ratio
     checks = [
         _check(
             f"{default} recomputes no more of the cached tokens than its budget chose "
@@ -130,17 +131,16 @@ def _checks(table: dict[str, MethodRow], task: str) -> list[Check]:
 
 def default_spec() -> MethodSpec:
     """The default method at the default ratio, as the settings name them."""
+    return _default_run()[0]
+
+
+def _default_run() -> tuple[MethodSpec, float]:
+    """The default's spec as eval runs it and its ratio (the settings' where the spec names none)."""
     from ..settings import get_settings
 
     settings = get_settings()
-    return run_spec(MethodSpec.parse(settings.method), settings.ratio)
-
-
-def _default_ratio() -> float:
-    from ..settings import get_settings
-
-    ratio = default_spec().ratio
-    return float(get_settings().ratio if ratio is None else ratio)
+    spec = run_spec(MethodSpec.parse(settings.method), settings.ratio)
+    return spec, float(settings.ratio if spec.ratio is None else spec.ratio)
 
 
 def default_label() -> str:

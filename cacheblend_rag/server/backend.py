@@ -100,7 +100,8 @@ class RunningRequest:
             "method": result.method,
             "method_options": result.method_options,
             "controller": result.controller,
-            "budget": result.budget,  # what the method chose for this request's chunks (or null)
+            # what the method chose for this request's chunks (or null)
+            "budget": result.budget.to_dict() if result.budget is not None else None,
             # from the server's receipt of the request: recognition, KV lookups, queueing, fusion
             "ttft_s": self.submitted - self.received + result.ttft_s,
             "engine_ttft_s": result.ttft_s,  # from the engine's receipt of the segments

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from cacheblend_rag.blend import AdaptiveBudget, CacheBlend, CoverBudget, FixedBudget, Segment, parse_method
-from cacheblend_rag.blend.budget import choice_text
+from cacheblend_rag.blend.budget_choice import BudgetChoice
 from cacheblend_rag.blend.plan import FusionPlan
 from cacheblend_rag.blend.static_layout import QueryTopK
 from cacheblend_rag.config import DEFAULT_METHOD
-from cacheblend_rag.errors import MethodOptionError
+from cacheblend_rag.errors import EvalDataError, MethodOptionError
 
 
 def plan_of(lengths: list[int], seed: int = 0) -> FusionPlan:
@@ -88,35 +88,53 @@ def test_the_threshold_is_the_mean_chunk_length():
 
 def test_the_choice_is_reported_per_request():
     method = parse_method("cacheblend@budget=adaptive,ratio=0.2").build()
-    assert method.request_choice([512] * 6) == {
-        "kind": "fixed",
-        "ratio": 0.2,
-        "short": False,
-        "chunks": 6,
-        "mean_chunk_tokens": 512.0,
-    }
-    assert method.request_choice([120, 121]) == {
+    assert method.request_choice([512] * 6) == BudgetChoice(
+        kind="fixed", ratio=0.2, short=False, chunks=6, mean_chunk_tokens=512.0
+    )
+    short = method.request_choice([120, 121])
+    # as results and `query --json` report it: a cover budget's options only where it chose one
+    assert short.to_dict() == {
         "kind": "fixed",
         "ratio": 0.3,
         "short": True,
         "chunks": 2,
         "mean_chunk_tokens": 120.5,
     }
+    assert BudgetChoice.from_dict(short.to_dict()) == short
+    covered = parse_method("cacheblend@budget=adaptive,target=0.8").build().request_choice([100] * 4)
+    assert list(covered.to_dict()) == [
+        "kind",
+        "target",
+        "min_ratio",
+        "ratio",
+        "short",
+        "chunks",
+        "mean_chunk_tokens",
+    ]
     assert parse_method("cacheblend@0.15").build().request_choice([120] * 10) is None
+
+
+def test_a_misspelt_choice_is_refused_by_name():
+    with pytest.raises(EvalDataError, match="no field 'ratios'"):
+        BudgetChoice.from_dict(
+            {"kind": "fixed", "ratios": 0.2, "short": False, "chunks": 1, "mean_chunk_tokens": 9}
+        )
+    with pytest.raises(EvalDataError, match="lacks field 'ratio'"):
+        BudgetChoice.from_dict({"kind": "fixed", "short": False, "chunks": 1, "mean_chunk_tokens": 9})
 
 
 def test_the_choice_in_words_briefly_and_in_full():
     fixed = parse_method("cacheblend@budget=adaptive,ratio=0.2").build()
     long, short = fixed.request_choice([512] * 6), fixed.request_choice([120, 121])
-    assert choice_text(long, brief=True) == "long chunks: 0.2"
-    assert choice_text(short, brief=True) == "short chunks: 0.3"
-    assert choice_text(short) == "0.3 of the cached tokens (short chunks: 2 averaging 120.5 tokens)"
+    assert long.text(brief=True) == "long chunks: 0.2"
+    assert short.text(brief=True) == "short chunks: 0.3"
+    assert short.text() == "0.3 of the cached tokens (short chunks: 2 averaging 120.5 tokens)"
     cover = parse_method("cacheblend@budget=adaptive,ratio=0.2,target=0.8").build()
     covered = cover.request_choice([100] * 4)
-    assert choice_text(covered, brief=True) == "short chunks: cover 0.8 within 0.3"
-    assert choice_text(covered) == (
+    assert covered.text(brief=True) == "short chunks: cover 0.8 within 0.3"
+    assert covered.text() == (
         "those covering 0.8 of the question's attention, at most 0.3 of the cached tokens "
         "(short chunks: 4 averaging 100 tokens)"
     )
     # long chunks get the fixed share even with a target: no cover in the words
-    assert choice_text(cover.request_choice([512] * 2), brief=True) == "long chunks: 0.2"
+    assert cover.request_choice([512] * 2).text(brief=True) == "long chunks: 0.2"

@@ -78,7 +78,7 @@ def test_an_error_naming_a_long_path_keeps_it_on_one_line(tmp_path):
 
 
 def test_a_folder_ingest_skips_unreadable_files_names_them_and_exits_1(tmp_path, embedder, monkeypatch):
-    """Issue 25, item 5: two good files, one empty, one not UTF-8."""
+    """Two good files, one empty, one not UTF-8."""
     monkeypatch.setenv("COLUMNS", "400")  # the table's paths on one line each
     folder = tmp_path / "docs"
     folder.mkdir()

@@ -1,5 +1,5 @@
 """Cache accounting (docs/accounting.md): KV read from a tier, recomputed, and computed for this request
-are three numbers; ``cached_tokens`` never counts chunk KV computed while answering (issue 25, item 1)."""
+are three numbers; ``cached_tokens`` never counts chunk KV computed while answering."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Request bounds checked before any model loads, worded alike on every entry point (issue 25, items 2,
-4 and 9): top_k 0 is refused (never "the default"), a ratio a method does not take is refused by name,
-and the CLI names bad input before loading a model."""
+"""Request bounds checked before any model loads, worded alike on every entry point: top_k 0 is refused
+(never "the default"), a ratio a method does not take is refused by name, and the CLI names bad input
+before loading a model."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ decision it applied."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -110,10 +111,11 @@ def test_the_default_reports_the_budget_it_chose_for_the_chunks(engine, rag_stor
     result = rag.query(QUESTIONS[0], top_k=2, sampling=SAMPLING)  # the default method, no ratio
     asked = parse_method(DEFAULT_METHOD).build().model_copy(update={"ratio": result.method_options["ratio"]})
     choice = asked.request_choice(lengths)
-    assert result.budget == choice and choice["chunks"] == 2
-    assert choice["mean_chunk_tokens"] == pytest.approx(sum(lengths) / 2, abs=0.05)
-    assert result.recompute_ratio == pytest.approx(choice["ratio"], abs=0.01)
-    assert result.to_dict()["budget"] == choice  # what query --json prints
+    assert result.budget == choice and choice.chunks == 2
+    assert choice.mean_chunk_tokens == pytest.approx(sum(lengths) / 2, abs=0.05)
+    assert result.recompute_ratio == pytest.approx(choice.ratio, abs=0.01)
+    assert result.to_dict()["budget"] == choice.to_dict()  # what query --json prints
+    assert json.loads(json.dumps(result.to_dict()))["budget"]["ratio"] == choice.ratio
     fixed = rag.query(QUESTIONS[0], top_k=2, method="cacheblend@0.15", sampling=SAMPLING)
     assert fixed.budget is None
 
@@ -126,7 +128,7 @@ def test_short_chunks_get_more_than_the_ratio_asked(engine, rag_store):
         QUESTIONS[0], [ChunkRef(tuple(c.token_ids[:100])) for c in chunks], parse_method(DEFAULT_METHOD)
     )
     low = engine.generate(segments, parse_method(DEFAULT_METHOD).build(), SAMPLING)
-    assert low.budget["short"] and low.budget["ratio"] == 0.25
+    assert low.budget.short and low.budget.ratio == 0.25
     assert low.recompute_ratio == pytest.approx(0.25, abs=0.01)
     high = engine.generate(segments, parse_method("cacheblend@budget=adaptive,ratio=0.6").build(), SAMPLING)
-    assert high.budget["ratio"] == 0.7 and high.recompute_ratio == pytest.approx(0.7, abs=0.01)
+    assert high.budget.ratio == 0.7 and high.recompute_ratio == pytest.approx(0.7, abs=0.01)

@@ -85,10 +85,10 @@ def test_a_round_under_the_default_reports_the_budget_its_chunks_got(engine, ref
     engine.generate_batch(requests(engine, refs, DEFAULT_METHOD))  # the chunks' KV stored
     results = engine.generate_round(requests(engine, refs, DEFAULT_METHOD))
     alone = engine.generate(engine.rag_segments(QUESTIONS[0], refs, DEFAULT_METHOD), DEFAULT_METHOD, SAMPLING)
-    assert alone.budget is not None and alone.budget["short"] and alone.budget["chunks"] == 4
+    assert alone.budget is not None and alone.budget.short and alone.budget.chunks == 4
     for result in results:
         assert result.round_requests == 3 and result.budget == alone.budget
-        assert result.round_recomputed_tokens == math.floor(alone.budget["ratio"] * 400 + 1e-9)
+        assert result.round_recomputed_tokens == math.floor(alone.budget.ratio * 400 + 1e-9)
 
 
 def test_a_round_reads_its_chunks_through_one_loader(engine, refs, monkeypatch):

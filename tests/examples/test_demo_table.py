@@ -68,7 +68,7 @@ def test_matching_a_gold_answer_takes_whole_words():
 
 
 def test_the_default_model_answers_most_demo_questions_right_with_full_prefill(rag_store):
-    """The demo's questions are ones full prefill answers right (issue 25, item 11): at least 3."""
+    """The demo's questions are ones full prefill answers right: at least 3."""
     demo = load_demo()
     questions = json.loads((DEMO.parent / "data" / "demo_questions.json").read_text())
     rag = CacheBlendRAG(rag_store)

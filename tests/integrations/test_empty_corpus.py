@@ -1,4 +1,4 @@
-"""LLMs over an empty or missing folder (issue 25, item 6): the folder becomes a corpus, as for the vector
+"""LLMs over an empty or missing folder: the folder becomes a corpus, as for the vector
 stores (README), in both frameworks; documents passed with a call are then remembered in it."""
 
 from __future__ import annotations

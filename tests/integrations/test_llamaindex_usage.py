@@ -1,4 +1,4 @@
-"""Reuse through LlamaIndex's instrumentation (issue 25, item 8): CacheBlendUsageHandler totals what each
+"""Reuse through LlamaIndex's instrumentation: CacheBlendUsageHandler totals what each
 answer read from a cache, recomputed and computed for the request; TokenCountingHandler cannot."""
 
 from __future__ import annotations

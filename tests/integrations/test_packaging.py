@@ -1,5 +1,5 @@
-"""The LangChain package's metadata as PyPI and LangChain's integration listing expect it (issue 25,
-packaging): name, a version matching cacheblend-rag's, classifiers, keywords, its README."""
+"""The LangChain package's metadata as PyPI and LangChain's integration listing expect it:
+name, a version matching cacheblend-rag's, classifiers, keywords, its README."""
 
 from __future__ import annotations
 

@@ -92,6 +92,10 @@ def test_chat_reuses_stored_chunks_streamed_or_not(client, model_id, chunks):
     assert extension["chunk_ids"] == [c.chunk_id for c in chunks[:2]]  # both recognised in the text
     assert extension["method"] == "cacheblend" and 0 < extension["recompute_ratio"] < 0.5
     assert extension["ttft_s"] >= extension["engine_ttft_s"] > 0
+    # the default's budget, chosen for these two chunks, as plain JSON (no empty cover options)
+    budget = extension["budget"]
+    assert list(budget) == ["kind", "ratio", "short", "chunks", "mean_chunk_tokens"]
+    assert budget["chunks"] == 2 and budget["ratio"] == (0.25 if budget["short"] else 0.15)
 
     text, events = stream_text(
         client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True})
@@ -255,6 +259,8 @@ def test_chunk_content_parts_place_stored_chunks_by_id(server, client, model_id,
     assert extension["chunk_ids"] == [c.chunk_id for c in chunks[:2]]
     assert extension["reused_tokens"] == pasted.model_extra["cacheblend"]["reused_tokens"]
     assert cached(response.usage) == extension["cached_tokens"] > 0 and extension["kv_computed_tokens"] == 0
+    streamed, _ = stream_text(client.chat.completions.create(messages=named, stream=True, **request))
+    assert streamed == response.choices[0].message.content  # a stream places the named chunks alike
     # a stored chunk's text pasted beside the named chunks stays text: nothing is searched for
     beside = [named[0], {"role": "user", "content": [*content[:2], {"type": "text", "text": chunks[2].text}]}]
     alone = client.chat.completions.create(messages=beside, **request)
@@ -410,10 +416,10 @@ def test_errors_are_openai_error_bodies(server, client, model_id):
             "response_format",
             "unsupported_schema",
         ),
-        # more than the context holds beside the prompt: refused, not generated until EOS (issue 25, 3)
+        # more than the context holds beside the prompt: refused, not generated until EOS
         ({**chat, "max_tokens": 10**9}, 400, "max_tokens", "context_length_exceeded"),
         ({**chat, "max_completion_tokens": 10**6}, 400, "max_tokens", "context_length_exceeded"),
-        # a ratio the method does not take (issue 25, 4)
+        # a ratio the method does not take
         ({**chat, "method": "full_recompute", "ratio": 0.3}, 400, "method", "invalid_value"),
     ]
     for body, status, param, code in cases:

@@ -1,6 +1,6 @@
 """A Redis restarted without persistence (``save ""``, no AOF) loses the pinned corpus KV; a replica over
-the corpus notices (the pins marker is gone), says so and re-pins what the corpus holds (issue 25, item
-7). Real Redis, killed and started again on its port."""
+the corpus notices (the pins marker is gone), says so and re-pins what the corpus holds.
+Real Redis, killed and started again on its port."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ CHUNK_TOKENS = 100  # 3 chunks: a ~360-token prompt whose blended span ends insi
 def _vllm_engines_closed_in_session():
     """Engines left open (those integrations share for the rest of the process) are closed before pytest
     closes the streams vLLM's loggers write to; at interpreter exit their shutdown would log into closed
-    files (issue 25, item 10)."""
+    files."""
     yield
     try:
         from cacheblend_rag.engine.vllm.engine import close_open_engines

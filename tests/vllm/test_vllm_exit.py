@@ -1,4 +1,4 @@
-"""A process that used the vLLM engine ends cleanly (issue 25, item 10): an engine left open is shut down
+"""A process that used the vLLM engine ends cleanly: an engine left open is shut down
 before the interpreter exits, so vLLM's shutdown hooks never log into closed streams ("--- Logging error
 --- ValueError: I/O operation on closed file")."""
 

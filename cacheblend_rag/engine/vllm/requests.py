@@ -145,7 +145,7 @@ def build_result(
     if "error" in stats:
         # the worker could not blend it and vLLM prefilled it instead: the answer is exact
         log.warning("request %s was prefilled in full: %s", request.key, stats["error"])
-        fusion, claimed = FusionStats(0, prompt_tokens, 1.0), 0
+        fusion, claimed = FusionStats(0, prompt_tokens, 1.0, blended=False), 0
     elif stats:
         fusion = FusionStats(
             int(stats["reused_tokens"]),
@@ -158,7 +158,7 @@ def build_result(
     else:
         # nothing was claimed: whatever vLLM's prefix cache served (exact KV, or for a repeated blend
         # request the blocks it blended before) is reused, the rest prefilled
-        fusion, claimed = FusionStats(cached, prompt_tokens - cached, 1.0), 0
+        fusion, claimed = FusionStats(cached, prompt_tokens - cached, 1.0, blended=False), 0
     finished = time.perf_counter()
     result = VLLMGenerationResult.build(
         text=completion.text,
@@ -180,8 +180,6 @@ def build_result(
             diagnostics(request, stats, cached, vocab_size) if request.sampling.diagnostics else None
         ),
     )
-    if "error" in stats:  # vLLM prefilled it: no budget chose what was recomputed
-        result.budget = None
     # the worker reused the template's opening exactly (its own segments had it as an exact head, these
     # have it fresh): counted as the PyTorch engine counts its exact head (docs/accounting.md)
     head = stats.get("exact_head") or {}

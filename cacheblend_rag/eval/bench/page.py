@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..markdown import checks_list, machine_line, relative_link
-from .record import Check
+from .record import Check, SectionFrame
 
 
 @dataclass(frozen=True)
@@ -20,16 +20,16 @@ class Page:
     plots: dict[str, Path]
 
     def header(self, title: str, name: str) -> list[str]:
-        section = self.results["sections"][name]
-        load = section["load_average"]
+        frame = SectionFrame.from_dict(self.results["sections"][name])
+        load = frame.load_average
         command = self.results.get("commands", {}).get(name) or "cacheblend-rag bench"
         return [
             "",
             f"### {title}",
             "",
-            f"`{command}` (section `{name}`, {section['seconds']:.0f} s). "
-            f"Machine: {machine_line(section['machine'])}; 1-min load average "
-            f"{load['before'][0]:.1f} before, {load['after'][0]:.1f} after.",
+            f"`{command}` (section `{name}`, {frame.seconds:.0f} s). "
+            f"Machine: {machine_line(frame.machine)}; 1-min load average "
+            f"{load.before[0]:.1f} before, {load.after[0]:.1f} after.",
             "",
         ]
 

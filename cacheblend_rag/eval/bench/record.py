@@ -69,6 +69,24 @@ class Check(Record):
     value: float | None = field(default=None, metadata=OPTIONAL)
 
 
+@dataclass(frozen=True)
+class LoadAverage(Record):
+    """The 1-, 5- and 15-minute load averages before and after a section ran."""
+
+    before: list[float]
+    after: list[float]
+
+
+@dataclass(frozen=True)
+class SectionFrame(Record):
+    """What the bench adds to every section's results beside the section's own record: the seconds it
+    took, the load averages around it and the machine it ran on (:func:`..results.machine_info`)."""
+
+    seconds: float
+    load_average: LoadAverage
+    machine: dict[str, Any]
+
+
 @functools.cache
 def _fields(cls: type[Record]) -> tuple[Any, ...]:
     return tuple(f for f in fields(cls) if f.name != "extra")

@@ -17,7 +17,7 @@ from .config import BenchConfig, BenchContext, make_context
 from .deviation import section_deviation
 from .ingest import section_ingest
 from .prefill import section_prefill
-from .record import Record
+from .record import LoadAverage, Record, SectionFrame
 from .results import new_results
 from .round import section_round
 from .serve import section_serve
@@ -61,11 +61,13 @@ def run_bench(
                 on_section(name, "start")
             started, load_before = time.perf_counter(), os.getloadavg()
             section = SECTION_FUNCTIONS[name](ctx).to_dict()
-            section["seconds"] = time.perf_counter() - started
-            log.info("bench section %s took %.1f s", name, section["seconds"])
-            section["load_average"] = {"before": list(load_before), "after": list(os.getloadavg())}
-            section["machine"] = results["machine"]
-            results["sections"][name] = section
+            frame = SectionFrame(
+                seconds=time.perf_counter() - started,
+                load_average=LoadAverage(before=list(load_before), after=list(os.getloadavg())),
+                machine=results["machine"],
+            )
+            log.info("bench section %s took %.1f s", name, frame.seconds)
+            results["sections"][name] = section | frame.to_dict()
             results["commands"][name] = command
             if on_section is not None:
                 on_section(name, "done")

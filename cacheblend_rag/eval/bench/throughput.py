@@ -234,14 +234,21 @@ def _batched_fusion_rows(
     return rows
 
 
+def scheduler_speedup(runners: Runners, batch: int) -> float | None:
+    """cacheblend's requests/s through the scheduler over full prefill's, ``batch`` requests at once;
+    None where the run timed only one of them."""
+    scheduled = runners.scheduler
+    if not {"cacheblend", "full_recompute"} <= set(scheduled):
+        return None
+    level = str(batch)
+    return scheduled["cacheblend"][level].requests_per_s / scheduled["full_recompute"][level].requests_per_s
+
+
 def _throughput_checks(runners: Runners, batch: int) -> list[Check]:
     scheduled, sequential = runners.scheduler, runners.sequential
     checks = []
-    if {"cacheblend", "full_recompute"} <= set(scheduled):
-        ratio = (
-            scheduled["cacheblend"][str(batch)].requests_per_s
-            / scheduled["full_recompute"][str(batch)].requests_per_s
-        )
+    ratio = scheduler_speedup(runners, batch)
+    if ratio is not None:
         checks.append(
             Check(
                 f"scheduler throughput of cacheblend at {batch} requests >= 3x full prefill's",

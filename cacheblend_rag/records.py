@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self, get_args, get_origin, get_type_hints
 
-from ..errors import EvalDataError
+from .errors import EvalDataError
 
 
 @dataclass(frozen=True, kw_only=True)
