@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,11 +52,6 @@ class QueryResult(PromptAccounting):
     method_options: dict
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
     budget: BudgetChoice | None = None  # what the method's budget chose for this request's chunks, if any
-
-    def to_dict(self) -> dict:
-        out = asdict(replace(self, budget=None))
-        out["budget"] = self.budget.to_dict() if self.budget is not None else None
-        return {**out, "cached_tokens": self.cached_tokens}
 
 
 @dataclass

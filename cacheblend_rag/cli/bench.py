@@ -38,9 +38,9 @@ def bench_command(
         str | None,
         typer.Option(
             "--only",
-            help="Comma-separated sections (ttft, prefill, store, deviation, ingest, throughput, serve; "
-            "vllm, which needs the [vllm] extra, runs only when named); the others are kept from OUT's "
-            "results.",
+            help="Comma-separated sections (ttft, prefill, store, deviation, ingest, throughput, round, "
+            "serve; codec, and vllm, which needs the [vllm] extra, run only when named); the others are "
+            "kept from OUT's results.",
         ),
     ] = None,
     repeats: Annotated[

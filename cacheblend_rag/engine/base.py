@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection, Generator, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, Generic, Protocol, Self, TypeVar, runtime_checkable
 
 import torch
@@ -41,6 +41,7 @@ from ..blend.segments import ChunkContext, ChunkKVSource, Segment
 from ..blend.spec import MethodSpec, ResolvedMethod
 from ..config import DEFAULT_METHOD
 from ..errors import ContextLengthError, FusionInputError, MaxTokensError, RequestCancelledError
+from ..records import plain
 from ..store.kvstore import KVStore
 from .prompt import ChunkRef, PromptBuilder, PromptPart
 from .sampling import SamplingParams
@@ -122,6 +123,10 @@ class CacheAccounting:
         return cls(exact, max(0, blended - fusion.round_recomputed_tokens), computed)
 
 
+# the metadata of a result field that :meth:`PromptAccounting.to_dict` leaves out (not plain data)
+NOT_JSON = {"not_json": True}
+
+
 @dataclass(kw_only=True)
 class PromptAccounting:
     """Where a prompt's KV came from (docs/accounting.md) and what a round shared (docs/rounds.md); the
@@ -146,6 +151,12 @@ class PromptAccounting:
     def accounting(self) -> dict[str, int]:
         """These fields by name (to carry them to another result type)."""
         return {f.name: getattr(self, f.name) for f in fields(PromptAccounting)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result's fields as plain JSON values (records as their objects) and ``cached_tokens``;
+        a field whose metadata says ``NOT_JSON`` is left out."""
+        out = {f.name: plain(getattr(self, f.name)) for f in fields(self) if not f.metadata.get("not_json")}
+        return {**out, "cached_tokens": self.cached_tokens}
 
 
 @dataclass(frozen=True)
@@ -193,7 +204,8 @@ class GenerationResult(PromptAccounting):
     controller: dict | None = None  # the loading controller's decision, when it chose the ratio
     # what the method chose for this request from its chunks (an adaptive budget's choice), else None
     budget: BudgetChoice | None = None
-    diagnostics: FusionDiagnostics | None = None  # when the sampling params asked for them
+    # when the sampling params asked for them; not in to_dict (it holds a tensor)
+    diagnostics: FusionDiagnostics | None = field(default=None, metadata=NOT_JSON)
 
     @classmethod
     def build(
@@ -239,13 +251,6 @@ class GenerationResult(PromptAccounting):
             round_recomputed_tokens=fusion.round_recomputed_tokens,
             **extra,
         )
-
-    def to_dict(self) -> dict:
-        """The result's fields as plain values, without its diagnostics (which hold a tensor)."""
-        out = asdict(replace(self, diagnostics=None, budget=None))
-        del out["diagnostics"]
-        out["budget"] = self.budget.to_dict() if self.budget is not None else None
-        return {**out, "cached_tokens": self.cached_tokens}
 
 
 @dataclass

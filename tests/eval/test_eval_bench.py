@@ -10,7 +10,14 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cacheblend_rag.cli import app
-from cacheblend_rag.eval.bench import QUERY_METHODS, SECTIONS, THROUGHPUT_METHODS, TTFT_COLUMNS, render_bench
+from cacheblend_rag.eval.bench import (
+    ALL_SECTIONS,
+    QUERY_METHODS,
+    SECTIONS,
+    THROUGHPUT_METHODS,
+    TTFT_COLUMNS,
+    render_bench,
+)
 from cacheblend_rag.eval.bench.report import RENDERERS
 from cacheblend_rag.eval.markdown import update_markdown
 
@@ -26,6 +33,14 @@ def test_update_markdown_replaces_only_its_section(tmp_path):
     assert text.startswith("# Benchmarks")
     assert "<!-- BEGIN a -->\nsecond $1 \\1\n<!-- END a -->" in text and "first" not in text
     assert text.index("BEGIN a") < text.index("BEGIN b") and "other" in text
+
+
+def test_the_only_option_names_every_section():
+    result = CliRunner().invoke(app, ["bench", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.replace("│", " ").split())
+    only = text[text.index("--only") : text.index("--repeats")]
+    assert [name for name in ALL_SECTIONS if not re.search(rf"\b{name}\b", only)] == []
 
 
 def test_bench_quick_runs_every_section(tmp_path):

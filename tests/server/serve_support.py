@@ -45,6 +45,19 @@ def rag_messages(texts: list[str], question: str) -> list[dict[str, str]]:
     ]
 
 
+def chunk_part_messages(chunk_ids: list[str], question: str) -> list[dict[str, Any]]:
+    """The same prompt as :func:`rag_messages` with the passages named by id: a ``chunk`` content part
+    per stored chunk, the template's text around them."""
+    before, after = DEFAULT_USER_TEMPLATE.split("{passages}")
+    content: list[dict[str, str]] = [{"type": "text", "text": before}]
+    for i, chunk_id in enumerate(chunk_ids):
+        if i:
+            content.append({"type": "text", "text": CHUNK_SEPARATOR})
+        content.append({"type": "chunk", "chunk_id": chunk_id})
+    content.append({"type": "text", "text": after.format(question=question)})
+    return [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": content}]
+
+
 def cli_query(
     corpus: Path, question: str, chunk_ids: list[str], max_tokens: int, *args: str
 ) -> dict[str, Any]:

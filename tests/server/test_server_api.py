@@ -13,9 +13,15 @@ from langchain_cacheblend import CacheBlendRetriever, format_documents
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_openai import ChatOpenAI
-from serve_support import cli_query, error_of, post, rag_messages, start_server
+from serve_support import (
+    chunk_part_messages,
+    cli_query,
+    error_of,
+    post,
+    rag_messages,
+    start_server,
+)
 
-from cacheblend_rag.engine.prompt import CHUNK_SEPARATOR, DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
 from cacheblend_rag.frontend import get_corpus
 
 pytestmark = pytest.mark.slow
@@ -239,15 +245,8 @@ def test_extension_fields_name_chunks_and_documents(server, client, model_id, ch
 def test_chunk_content_parts_place_stored_chunks_by_id(server, client, model_id, chunks):
     """A ``chunk`` content part is the stored chunk's token ids where it is named: the same prompt, and
     the same greedy answer, as the chunk texts pasted in; its text is never searched for."""
-    before, after = DEFAULT_USER_TEMPLATE.split("{passages}")
-    content = [
-        {"type": "text", "text": before},
-        {"type": "chunk", "chunk_id": chunks[0].chunk_id},
-        {"type": "text", "text": CHUNK_SEPARATOR},
-        {"type": "chunk", "chunk_id": chunks[1].chunk_id},
-        {"type": "text", "text": after.format(question=QUESTION)},
-    ]
-    named = [{"role": "system", "content": DEFAULT_SYSTEM_PROMPT}, {"role": "user", "content": content}]
+    named = chunk_part_messages([c.chunk_id for c in chunks[:2]], QUESTION)
+    content = named[1]["content"]
     request = {"model": model_id, "max_tokens": MAX_TOKENS, "temperature": 0}
     pasted = client.chat.completions.create(
         messages=rag_messages([c.text for c in chunks[:2]], QUESTION), **request

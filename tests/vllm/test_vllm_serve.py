@@ -1,6 +1,7 @@
 """``cacheblend-rag serve --engine vllm``: the same API over the vLLM engine (a real server process).
-Stored chunks pasted into a chat prompt are blended through the KV connector; the answer equals the
-PyTorch engine's; structured output goes through vLLM's guided decoding; SIGTERM exits 0."""
+Stored chunks pasted into a chat prompt, or named by id in content parts, are blended through the KV
+connector; the answer equals the PyTorch engine's; structured output goes through vLLM's guided decoding;
+SIGTERM exits 0."""
 
 from __future__ import annotations
 
@@ -72,6 +73,14 @@ def test_serve_over_the_vllm_engine(corpus_dir, model, tmp_path):
             lines = [line for line in r.iter_lines() if line.startswith("data: {")]
         pieces = [json.loads(line[6:])["choices"][0]["delta"].get("content") or "" for line in lines]
         assert "".join(pieces) == answer["choices"][0]["message"]["content"]
+
+        # the same chunks named by id in content parts: the same prompt, placed without a text search
+        named = {**body, "messages": support.chunk_part_messages(extension["chunk_ids"], QUESTION)}
+        by_id = support.post(server, "/chat/completions", named).json()
+        assert by_id["choices"][0]["message"]["content"] == answer["choices"][0]["message"]["content"]
+        assert by_id["usage"]["prompt_tokens"] == answer["usage"]["prompt_tokens"]
+        assert by_id["cacheblend"]["chunk_ids"] == extension["chunk_ids"]
+        assert by_id["cacheblend"]["reused_tokens"] == extension["reused_tokens"]
 
         # structured output through vLLM's guided decoding (a bounded schema, so it closes in the budget)
         schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 24}}}

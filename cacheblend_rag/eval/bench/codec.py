@@ -15,6 +15,7 @@ from typing import Any
 from ...blend.segments import prefill_chunk_kv
 from ...engine import ChunkRef, Engine
 from ...engine.fidelity import store_in_ram
+from ...records import OpenRecord
 from ...settings import get_settings
 from ...store.keys import chunk_key
 from ...store.kvstore import KVStore
@@ -23,7 +24,6 @@ from ..engines import settings_store
 from ..markdown import fmt, table
 from .config import BenchContext
 from .page import Page
-from .record import Record
 from .ttft import _engine_ttft
 
 CODECS = ("float16", "int8", "int4")
@@ -31,7 +31,7 @@ SAMPLE_CORPUS = Path(__file__).parents[3] / "examples" / "data" / "corpus"
 
 
 @dataclass(frozen=True)
-class CodecBytes(Record):
+class CodecBytes(OpenRecord):
     """Stored file bytes (metadata included) of some chunks in one codec."""
 
     file_bytes: int
@@ -40,7 +40,7 @@ class CodecBytes(Record):
 
 
 @dataclass(frozen=True)
-class CodecIngest(Record):
+class CodecIngest(OpenRecord):
     """Precompute and store of the sample corpus in one codec."""
 
     seconds: float
@@ -49,7 +49,7 @@ class CodecIngest(Record):
 
 
 @dataclass(frozen=True)
-class CodecTtft(Record):
+class CodecTtft(OpenRecord):
     """cacheblend TTFT per codec and tier (``ram``, ``disk``): median, samples, and vs float16."""
 
     median_s: dict[str, dict[str, float]]
@@ -58,7 +58,7 @@ class CodecTtft(Record):
 
 
 @dataclass(frozen=True)
-class CodecResult(Record):
+class CodecResult(OpenRecord):
     """The codecs side by side: bytes per token per set of chunks (the sample corpus, N-token chunks),
     ingest, TTFT, and the remote read (:func:`remote_read`: ``skipped`` saying why, or per codec)."""
 

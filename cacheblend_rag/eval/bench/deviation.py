@@ -11,15 +11,16 @@ from typing import Any
 from ...blend.diagnostics import measure_deviation
 from ...blend.methods import Reuse
 from ...blend.spec import parse_method
+from ...records import OpenRecord
 from ..markdown import fmt, table
 from .config import BenchContext
 from .page import Page, checks_lines
 from .prompts import eval_engine, rag_prompts
-from .record import Check, Record
+from .record import Check
 
 
 @dataclass(frozen=True)
-class MethodDeviation(Record):
+class MethodDeviation(OpenRecord):
     """One method's deviation, averaged over layers then prompts, and its share of tokens recomputed;
     ``ratio`` is the method's recompute ratio (None for the methods without one)."""
 
@@ -30,7 +31,7 @@ class MethodDeviation(Record):
 
 
 @dataclass(frozen=True)
-class DeviationResult(Record):
+class DeviationResult(OpenRecord):
     """The summary per method label, and every prompt's numbers (per layer too) as measured."""
 
     prompts: int

@@ -13,18 +13,18 @@ from ...engine import Engine, SamplingParams
 from ...errors import EvalDataError
 from ...ingest import ingest
 from ...rag import CacheBlendRAG
+from ...records import OpenRecord
 from ...settings import get_settings
 from ..markdown import fmt, table
 from .config import BenchConfig, BenchContext
 from .page import Page
-from .record import Record
 
 SAMPLE_CORPUS = Path(__file__).resolve().parents[3] / "examples" / "data"
 QUERY_METHODS = ("full_recompute", "prefix_cache", "full_reuse", "cacheblend", "epic")
 
 
 @dataclass(frozen=True)
-class IngestResult(Record):
+class IngestResult(OpenRecord):
     """The ingest summary of the sample corpus (KV included), the median query TTFT per method, and
     every query's answer and numbers per method."""
 

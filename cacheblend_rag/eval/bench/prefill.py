@@ -8,14 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ...records import OpenRecord
 from ..markdown import fmt, table
 from .config import BenchContext
 from .page import Page, checks_lines
-from .record import Check, Record
+from .record import Check
 
 
 @dataclass(frozen=True)
-class PrefillResult(Record):
+class PrefillResult(OpenRecord):
     """Median seconds of each side over ``repeats`` interleaved runs, every sample, and how far apart
     their last logits are."""
 

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...records import OpenRecord
 from .codec import CodecResult, render_codec
 from .config import ALL_SECTIONS
 from .deviation import DeviationResult, render_deviation
 from .ingest import IngestResult, render_ingest
 from .page import Page
 from .prefill import PrefillResult, render_prefill
-from .record import Record
 from .round import RoundResult, render_round
 from .serve import ServeResult, render_serve
 from .store import StoreResult, render_store
@@ -30,7 +30,7 @@ class SectionRenderer:
     """A section's title, the record its results are read into, and its renderer."""
 
     title: str
-    result: type[Record]
+    result: type[OpenRecord]
     render: Callable[[Page, Any], list[str]]
 
     def __call__(self, page: Page, name: str) -> list[str]:

@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ...blend.round import PROBE_QUESTIONS
@@ -24,6 +24,7 @@ from ...blend.spec import parse_method
 from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
 from ...engine.fidelity import store_in_ram
 from ...engine.prompt import ChunkRef, PromptBuilder
+from ...records import OpenRecord
 from ...store.keys import kv_bytes_per_token
 from ..datasets import load_dataset, select_cases
 from ..engines import QA_TEMPLATE
@@ -32,7 +33,7 @@ from ..metrics import kl_divergence
 from .config import BenchContext
 from .page import Page, checks_lines
 from .prompts import eval_corpus, eval_engine, rag_prompts
-from .record import OPTIONAL, Check, Record
+from .record import Check
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ FIDELITY_AGENTS = 8
 
 
 @dataclass(frozen=True)
-class RoundTiming(Record):
+class RoundTiming(OpenRecord):
     """One runner at one agent count: medians over the repeats, every sample of the time to all first
     tokens, and (from the first repeat) the peak KV, the round's size and the tokens computed by the
     round and by the agents (older results lack the last two)."""
@@ -77,12 +78,12 @@ class RoundTiming(Record):
     samples_all_first_tokens_s: list[float]
     peak_kv_bytes: int
     round_requests: int
-    agent_computed_tokens: int | None = field(default=None, metadata=OPTIONAL)
-    round_recomputed_tokens: int | None = field(default=None, metadata=OPTIONAL)
+    agent_computed_tokens: int | None = None
+    round_recomputed_tokens: int | None = None
 
 
 @dataclass(frozen=True)
-class RoundFidelity(Record):
+class RoundFidelity(OpenRecord):
     """Mean first-token KL and agreement against each agent's own full prefill, per-request cacheblend vs
     the round (None without cases)."""
 
@@ -95,7 +96,7 @@ class RoundFidelity(Record):
 
 
 @dataclass(frozen=True)
-class RoundResult(Record):
+class RoundResult(OpenRecord):
     """Timing per runner label and agent count (``str(n)``), fidelity, the claims checked and the bound on
     the questions a round's probe scores."""
 
@@ -107,7 +108,7 @@ class RoundResult(Record):
     timing: dict[str, dict[str, RoundTiming]]
     fidelity: RoundFidelity
     checks: list[Check]
-    probe_questions: int | None = field(default=None, metadata=OPTIONAL)  # older results lack it
+    probe_questions: int | None = None  # older results lack it
 
 
 def agent_requests(

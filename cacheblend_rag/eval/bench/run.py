@@ -11,13 +11,14 @@ from typing import Any
 
 from ...models.loader import load_model
 from ...models.runtime import LayerwiseModel
+from ...records import OpenRecord
 from ...settings import get_settings
 from .codec import section_codec
 from .config import BenchConfig, BenchContext, make_context
 from .deviation import section_deviation
 from .ingest import section_ingest
 from .prefill import section_prefill
-from .record import LoadAverage, Record, SectionFrame
+from .record import LoadAverage, SectionFrame
 from .results import new_results
 from .round import section_round
 from .serve import section_serve
@@ -29,7 +30,7 @@ from .vllm import section_vllm
 log = logging.getLogger(__name__)
 
 # each returns its section's record (the results file holds its to_dict(), which the renderer reads back)
-SECTION_FUNCTIONS: dict[str, Callable[[BenchContext], Record]] = {
+SECTION_FUNCTIONS: dict[str, Callable[[BenchContext], OpenRecord]] = {
     "ttft": section_ttft,
     "prefill": section_prefill,
     "store": section_store,

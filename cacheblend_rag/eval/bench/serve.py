@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +31,12 @@ from ...corpus.corpus import Corpus
 from ...engine import Engine
 from ...engine.prompt import CHUNK_SEPARATOR, DEFAULT_SYSTEM_PROMPT, DEFAULT_USER_TEMPLATE
 from ...ingest import ingest
+from ...records import OpenRecord
 from ...settings import get_settings
 from ..markdown import fmt, table
 from .config import BenchContext
 from .ingest import copy_sample_corpus
 from .page import Page
-from .record import OPTIONAL, Record
 from .throughput import ThroughputRow, throughput_row
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class ServeRow(ThroughputRow):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeResult(Record):
+class ServeResult(OpenRecord):
     """The load test: what it sent, a row per method and level, and the server scheduler's counters.
     ``ratio`` None: the server chose; ``chunk_tokens`` is the bench's (the section sets it;
     :func:`run_serve_load` does not know it)."""
@@ -98,13 +98,13 @@ class ServeResult(Record):
     rounds: int
     max_tokens: int
     top_k: int
-    ratio: float | None = None
+    ratio: float | None  # written as null when the server chose
     max_batch: int
     prompts: int
     methods: dict[str, dict[str, ServeRow]]
     speedup_cacheblend_vs_full: dict[str, float]
     scheduler: dict[str, Any]
-    chunk_tokens: int | None = field(default=None, metadata=OPTIONAL)
+    chunk_tokens: int | None = None
 
 
 def load_summary(samples: Sequence[RequestSample], seconds: float) -> ServeRow:

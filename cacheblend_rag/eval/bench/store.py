@@ -17,6 +17,7 @@ import torch
 from ...blend.segments import ChunkKVSource, prefill_chunk_kv
 from ...models.attention import AttentionMask
 from ...models.runtime import LayerwiseModel, ModelShape
+from ...records import OpenRecord
 from ...settings import get_settings
 from ...store.keys import KV_DTYPES, chunk_payload_bytes, kv_bytes_per_token
 from ...store.pipeline import LayerKV
@@ -25,11 +26,10 @@ from ..engines import settings_store
 from ..markdown import fmt, table
 from .config import BenchContext
 from .page import Page
-from .record import Record
 
 
 @dataclass(frozen=True)
-class LoadingResult(Record):
+class LoadingResult(OpenRecord):
     """The loading benchmark (:func:`bench_loading`): full prefill of the chunks, loading all their layers
     per tier, and the layer loop with prefetch off and on per tier (its wall, load and wait seconds, and
     the share of the load hidden), fastest of ``repeats`` runs each."""
@@ -48,7 +48,7 @@ class LoadingResult(Record):
 
 
 @dataclass(frozen=True)
-class StorageCost(Record):
+class StorageCost(OpenRecord):
     """Bytes of one chunk in one storage dtype."""
 
     bytes_per_token: int
@@ -57,7 +57,7 @@ class StorageCost(Record):
 
 
 @dataclass(frozen=True)
-class StoreResult(Record):
+class StoreResult(OpenRecord):
     """The loading benchmark on real chunks and the storage cost per dtype."""
 
     loading: LoadingResult

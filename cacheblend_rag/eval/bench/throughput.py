@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -13,19 +13,20 @@ import numpy as np
 from ...blend.spec import parse_method
 from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
 from ...engine.fidelity import store_in_ram
+from ...records import OpenRecord
 from ...settings import get_settings
 from ..datasets import load_dataset, select_cases
 from ..markdown import fmt, table
 from .config import BenchConfig, BenchContext
 from .page import Page, checks_lines
 from .prompts import RagQuestion, eval_engine, overlapping_musique_requests
-from .record import OPTIONAL, Check, Record
+from .record import Check
 
 THROUGHPUT_METHODS = ("full_recompute", "prefix_cache", "cacheblend")
 
 
 @dataclass(frozen=True)
-class ThroughputRow(Record):
+class ThroughputRow(OpenRecord):
     """One run of concurrent requests (:func:`throughput_row`): requests/s, tokens/s and TTFT
     percentiles, and every request's timing and answer."""
 
@@ -48,7 +49,7 @@ class ThroughputRow(Record):
 
 
 @dataclass(frozen=True)
-class Runners(Record):
+class Runners(OpenRecord):
     """Per method: one at a time at ``throughput_requests``; through the scheduler per level."""
 
     sequential: dict[str, ThroughputRow]
@@ -56,7 +57,7 @@ class Runners(Record):
 
 
 @dataclass(frozen=True)
-class BatchedFusion(Record):
+class BatchedFusion(OpenRecord):
     """The median runs (by requests/s) with an admission group fused together and one at a time, the
     speed-up, and every run's requests/s."""
 
@@ -67,10 +68,10 @@ class BatchedFusion(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ThroughputResult(Record):
+class ThroughputResult(OpenRecord):
     """Throughput per runner and method, and batched fusion per chunk length (older results lack it)."""
 
-    batched_fusion: dict[str, BatchedFusion] | None = field(default=None, metadata=OPTIONAL)
+    batched_fusion: dict[str, BatchedFusion] | None = None
     requests: int
     levels: list[int]
     max_new_tokens: int

@@ -18,13 +18,14 @@ from ...blend.spec import parse_method
 from ...engine import ChunkRef, Engine, SamplingParams
 from ...engine.fidelity import store_in_ram
 from ...models.runtime import LayerwiseModel
+from ...records import OpenRecord
 from ...settings import get_settings
 from ...store.profile import drop_page_cache
 from ..engines import settings_store
 from ..markdown import fmt, table
 from .config import BenchContext
 from .page import Page, checks_lines
-from .record import Check, Record
+from .record import Check
 
 # The TTFT table's columns, in order: label -> (method, KV tier). "transformers" is the HF peer;
 # "disk" evicts the RAM tier and drops the chunk files from the page cache before the run (cold).
@@ -53,7 +54,7 @@ TTFT_LABELS = {
 
 
 @dataclass(frozen=True)
-class TtftPoint(Record):
+class TtftPoint(OpenRecord):
     """Every column at one (chunk count, chunk length): median TTFT and every sample per column label,
     the engine's compute fraction and load wait (not for transformers), and the speed-ups."""
 
@@ -68,7 +69,7 @@ class TtftPoint(Record):
 
 
 @dataclass(frozen=True)
-class TtftResult(Record):
+class TtftResult(OpenRecord):
     """The sweep's points, the headline point (the config's chunk count and length, when swept) and the
     claims checked on it."""
 

@@ -25,20 +25,20 @@ from typing import Any
 from ...blend.spec import parse_method
 from ...engine import ChunkRef, SamplingParams
 from ...errors import EvalDataError
+from ...records import INLINE, OpenRecord
 from ...settings import get_settings
 from ..datasets import load_dataset
 from ..markdown import fmt, table
 from ..results import machine_info
 from .config import BenchConfig, BenchContext
 from .page import Page
-from .record import INLINE, OPTIONAL, Record
 
 FULL, BLEND = "vllm_full_prefill", "vllm_cacheblend"
 METHODS = {FULL: "full_recompute", BLEND: "cacheblend"}
 
 
 @dataclass(frozen=True)
-class VllmPair(Record):
+class VllmPair(OpenRecord):
     """TTFT of vLLM's full prefill and of vLLM + CacheBlend on one prompt (:func:`ttft_pair`), keyed
     :data:`FULL` and :data:`BLEND`, and what the last CacheBlend request reported."""
 
@@ -52,23 +52,23 @@ class VllmPair(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class VllmResult(Record):
+class VllmResult(OpenRecord):
     """The section: the main prompt's pair (its keys are the section's), the pair per prompt size,
     first-token agreement over many prompts, and the worker's memory per weight source; older results
     lack the processor, the sizes, the agreement and the memory."""
 
     vllm_version: str
-    processor: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    processor: dict[str, Any] | None = None
     chunk_tokens: int
     ratio: float
     repeats: int
     main: VllmPair = field(metadata=INLINE)
-    by_chunks: dict[str, VllmPair] | None = field(default=None, metadata=OPTIONAL)
-    first_token_agreement: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    by_chunks: dict[str, VllmPair] | None = None
+    first_token_agreement: dict[str, Any] | None = None
     engine_startup_s: float
     chunk_precompute_s: float
     # worker RSS: "copy" = fusor on its own copy of the weights (before), "shared" = on vLLM's (after)
-    worker_memory: dict[str, Any] | None = field(default=None, metadata=OPTIONAL)
+    worker_memory: dict[str, Any] | None = None
 
 
 def rag_prompt(config: BenchConfig, tokenizer, num_chunks: int | None = None) -> tuple[str, list[ChunkRef]]:
