@@ -213,10 +213,10 @@ bench-structured: install
 profile-vllm: install-vllm
 	$(VLLM_PY) scripts/profile_vllm.py
 
-# scripts/gpu_check.py on a GPU machine without network (Python 3.12, torch and numpy there): the wheels
-# of the pure-Python packages our blend/models layers import, and pydantic-core's manylinux build, into
-# .whl/ (ignored) to carry beside the tree; the script's docstring says how they are installed there.
-# (safetensors: the store's file format, imported with the int8 codec the script times)
+# The accelerator check (python -m cacheblend_rag.eval.gpu) on a GPU machine without network (Python 3.12,
+# torch and numpy there): the wheels of the pure-Python packages our models/blend/store layers import, and
+# pydantic-core's manylinux build, into .whl/ (ignored) to carry beside the tree; the check's docstring
+# says how they are installed there. (safetensors: the store's file format, imported with the int8 codec.)
 GPU_WHEELS := pydantic==$$($(PY) -c "import pydantic; print(pydantic.VERSION)") \
 	pydantic-core==$$($(PY) -c "import pydantic_core; print(pydantic_core.__version__)") \
 	pydantic-settings==$$($(PY) -c "import importlib.metadata as m; print(m.version('pydantic-settings'))") \

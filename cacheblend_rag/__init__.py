@@ -22,8 +22,9 @@ processes, which import single modules of it.
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+from .lazy import load_export
 
 _EXPORTS = {
     "CacheBlendRAG": "rag",
@@ -118,12 +119,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+    return load_export(__name__, _EXPORTS, name, globals())
 
 
 def __dir__() -> list[str]:

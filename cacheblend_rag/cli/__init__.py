@@ -11,6 +11,7 @@ from ..settings import SettingsError, get_settings
 from .bench import bench_command
 from .check import check_command
 from .eval import eval_command
+from .gpu_check import GPU_CHECK_SETTINGS, gpu_check_command
 from .ingest import ingest
 from .models import models_app
 from .profile import profile
@@ -29,6 +30,7 @@ app.command("ingest")(ingest)
 app.command("query")(query)
 app.command("eval")(eval_command)
 app.command("bench")(bench_command)
+app.command("gpu-check", context_settings=GPU_CHECK_SETTINGS)(gpu_check_command)
 app.command("tune")(tune_command)
 app.command("check")(check_command)
 app.command("serve")(serve)

@@ -88,7 +88,7 @@ def _read(path: Path) -> dict[str, Any] | None:
 @dataclass(frozen=True)
 class GpuHeadline:
     """The default's speed-up the GPU check measured at :data:`GPU_SHAPE`, read from its results file
-    (written by scripts/gpu_check.py, which runs where only torch is installed: plain JSON)."""
+    (written by the accelerator check, :mod:`.gpu`, which runs where only torch is installed: plain JSON)."""
 
     speedup: float
     int8: bool  # the default codec in device memory (the run timed it), else float16 chunk KV

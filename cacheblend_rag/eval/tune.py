@@ -16,7 +16,7 @@ from .report import SPLIT_HEADER, selection, split_cells, split_note
 
 # The variants that chose the defaults (docs/fusor.md); `none:` marks chunk KV precomputed alone. Every
 # cacheblend row has the chunk-shift correction (methods revision 2) but the last, the default without it
-# (revision 1's sweep: docs/results/tune-musique-512-rev1.json).
+# (revision 1's sweep: docs/notes/results/tune-musique-512-rev1.json).
 DEFAULT_VARIANTS = (
     "none:full_reuse",
     "full_reuse",

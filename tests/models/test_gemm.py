@@ -70,7 +70,7 @@ def test_gated_mlp_equals_the_modules_forward(model, counted):
 
 
 def test_an_mlp_of_another_shape_runs_its_own_forward(counted):
-    class SwiGLU(nn.Module):  # gate/up/down but no act_fn (scripts/gpu_check.py builds such a model)
+    class SwiGLU(nn.Module):  # gate/up/down but no act_fn (the accelerator check's models are such)
         def __init__(self) -> None:
             super().__init__()
             self.gate_proj, self.up_proj = nn.Linear(32, 256), nn.Linear(32, 256)

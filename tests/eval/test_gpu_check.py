@@ -1,4 +1,5 @@
-"""scripts/gpu_check.py runs on CPU with the tiny config, so the path a GPU machine runs cannot rot."""
+"""The accelerator check (``python -m cacheblend_rag.eval.gpu``, ``cacheblend-rag gpu-check``) runs on CPU
+with the tiny config, so the path a GPU machine runs cannot rot."""
 
 from __future__ import annotations
 
@@ -7,12 +8,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+from typer.testing import CliRunner
+
+from cacheblend_rag.cli import app
+from cacheblend_rag.eval.gpu import check
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
+    """The check as a GPU machine starts it: its own process, the package's module."""
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-m", "cacheblend_rag.eval.gpu", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 
@@ -79,11 +90,9 @@ def test_bad_arguments_are_named():
     assert too_few.returncode != 0 and "at least 5" in too_few.stderr
 
 
-def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypatch, capsys):
+def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypatch):
     """One broken method costs neither the table nor the other methods' numbers: its cell says FAILED,
     the JSON names it under ``failures`` and the script exits non-zero."""
-    import importlib.util
-
     import torch
 
     from cacheblend_rag.blend import CacheBlend, methods, register_method
@@ -101,19 +110,17 @@ def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypat
         def static_selection(self, plan, num_layers):
             raise RuntimeError("indices should be on the same device")
 
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # (its dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    monkeypatch.setitem(module.METHODS, "broken", ("raising_for_gpu_check", {}))
+    monkeypatch.setitem(check.METHODS, "broken", ("raising_for_gpu_check", {}))
     # (in-process, the rest of the suite has imported what a GPU machine lacks: that check is the
     # subprocess test's, above)
-    monkeypatch.setattr(module, "FORBIDDEN_IMPORTS", ())
+    monkeypatch.setattr(check, "FORBIDDEN_IMPORTS", ())
     out = tmp_path / "gpu.json"
-    argv = ["gpu_check.py", "--device", "cpu", "--config", "tiny", "--workloads", "2x32", "--json", str(out)]
-    monkeypatch.setattr(sys, "argv", argv)
-    assert module.main() == 1
-    printed = capsys.readouterr().out
+    # through the command line's passthrough: the same arguments reach the check
+    result = CliRunner().invoke(
+        app, ["gpu-check", "--device", "cpu", "--config", "tiny", "--workloads", "2x32", "--json", str(out)]
+    )
+    assert result.exit_code == 1, result.output
+    printed = result.output
     assert "FAILED" in printed and "3 path(s) raised" in printed
     result = json.loads(out.read_text())
     raised = "ram: RuntimeError: indices should be on the same device"
@@ -132,9 +139,14 @@ def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypat
 def test_benchmarks_gpu_tables_are_the_saved_runs_rendered():
     """Every GPU table in BENCHMARKS.md (section ``gpu``) is ``--render`` of a committed run: no GPU number
     there is typed by hand or estimated."""
-    repo = SCRIPT.parents[1]
-    page = (repo / "BENCHMARKS.md").read_text()
+    page = (REPO / "BENCHMARKS.md").read_text()
     for name in ("gpu-check-h100.json", "gpu-check-h100-1.5b.json", "gpu-check-h100-compile-default.json"):
-        rendered = run("--render", str(repo / "docs" / "results" / name))
+        rendered = run("--render", str(REPO / "docs" / "results" / name))
         assert rendered.returncode == 0, rendered.stderr
         assert rendered.stdout.strip() in page, f"BENCHMARKS.md does not show {name} as rendered"
+
+
+def test_the_command_line_passes_help_to_the_check():
+    result = CliRunner().invoke(app, ["gpu-check", "--help"])
+    assert result.exit_code == 0
+    assert "python -m cacheblend_rag.eval.gpu" in result.output and "--workloads" in result.output

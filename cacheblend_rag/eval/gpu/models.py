@@ -1,4 +1,4 @@
-"""Random-weight models in the shapes of named real ones, in plain torch, for scripts/gpu_check.py.
+"""Random-weight models in the shapes of named real ones, in plain torch, for the accelerator check.
 
 Each :class:`Config` is a real model's config.json reduced to what sizes its weights; :func:`build_model`
 lays random weights out as a Hugging Face causal LM (``model.embed_tokens / layers / norm``, ``lm_head``),
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from cacheblend_rag.models.rope import Rope
-from cacheblend_rag.models.runtime import LayerwiseModel, ModelShape
+from ...models.rope import Rope
+from ...models.runtime import LayerwiseModel, ModelShape
 
 
 @dataclass(frozen=True)

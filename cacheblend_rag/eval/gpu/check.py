@@ -1,45 +1,5 @@
-"""Time CacheBlend against full prefill on one accelerator, in one short call, and check r = 1 is exact.
-
-    python scripts/gpu_check.py [--device cuda] [--config llama-3.1-8b,qwen2.5-1.5b]
-        [--workloads 6x512,20x512,8x2048] [--repeats 5] [--warmup 2] [--json gpu_check.json] [--profile]
-        [--batch N]
-    python scripts/gpu_check.py --render gpu_check.json     # a saved run as BENCHMARKS.md's tables
-
-For each model config (random weights in the shape of a named real model, built in plain torch by
-scripts/gpu_models.py: nothing is downloaded and ``transformers`` is not needed) and each workload
-``NxL`` (N cached chunks of L tokens between a short fresh head and a fresh question), it times, median
-of ``--repeats`` after ``--warmup`` runs (CUDA events on CUDA, wall clock elsewhere):
-
-- ``full_prefill``: the model's forward over the whole prompt;
-- ``cacheblend`` (the default: query-aware selection and the chunk-shift correction, r = 0.15),
-  ``cacheblend_hkvd`` (the paper's rule at the same r, without the shift), ``full_reuse`` and ``epic``,
-  each fusing the precomputed chunk KV through our ``Fusor``,
-  with that KV held in device memory (``hbm``) and in pinned host RAM (``host``; on CPU only ``ram``).
-
-Every time runs to the first token's logits. ``--profile`` adds, at each config's first workload, where the
-time goes: the time until the device finished, its kernels' own time and count, the host's time in torch
-ops (a device that idles while the host dispatches shows kernel time far below the finish time).
-``--batch N`` adds, at each config's first workload, N different prompts at once as a server batches
-concurrent requests: full prefill of all in one forward against fusing all together (``fuse_many``).
-It then checks ``cacheblend@ratio=1`` against full prefill
-(relative L2 error of the logits within the compute dtype's bound) and exits non-zero when it is not, prints
-one table and writes JSON (rows appended as they are measured, so a run cut short keeps what it did).
-
-It imports only torch, numpy and the package's ``blend`` and ``models`` layers (which need pydantic,
-pydantic-settings, platformdirs and python-dotenv); on a GPU machine without network carry their wheels
-(``make gpu-wheels`` downloads them into ``.whl/``) and start the command there with
-
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
-    python3 scripts/gpu_check.py --json $OUT/gpu_check.json
-
-Its first try on an H200 (2026-12-04) stopped at the HKVD selection, which indexed CPU positions with GPU
-indices (fixed: ``LayerState.deviation`` answers on the candidates' device); a path that raises is now
-named in the table and the JSON and the rest still runs. It then ran in full there
-(docs/notes/benchmarks-gpu-h200.md), and on an H100 with both fusion paths (BENCHMARKS.md, section ``gpu``).
-``--device cpu --config tiny`` runs in ``make test`` (tests/scripts/test_gpu_check.py) so this path
-cannot rot.
-"""
+"""The accelerator check's measurements (see the package's docstring): each config and workload timed on
+every fusion path and tier, r = 1 checked against full prefill."""
 
 from __future__ import annotations
 
@@ -55,23 +15,31 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, installed or not
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its models, beside it, also when loaded by path)
-
-from gpu_models import CONFIGS, Config, build_model
-
-from cacheblend_rag.blend import DirectLayerKV, Fusor, Segment, get_method
-from cacheblend_rag.blend.fusor import FusionRequest
-from cacheblend_rag.blend.segments import ChunkContext, ChunkKV, kv_sources, prefill_chunk_kv, prefill_context
-from cacheblend_rag.models.fused import fused_weights
-from cacheblend_rag.models.fused import prefill as fused_prefill
-from cacheblend_rag.models.runtime import LayerwiseModel
-from cacheblend_rag.store.codec import CODECS
-from cacheblend_rag.store.fileformat import EncodedChunk
-from cacheblend_rag.store.joined import JoinedLayerKV
+from ...blend import DirectLayerKV, Fusor, Segment, get_method
+from ...blend.fusor import FusionRequest
+from ...blend.segments import ChunkContext, ChunkKV, kv_sources, prefill_chunk_kv, prefill_context
+from ...models.fused import fused_weights
+from ...models.fused import prefill as fused_prefill
+from ...models.runtime import LayerwiseModel
+from ...store.codec import CODECS
+from ...store.fileformat import EncodedChunk
+from ...store.joined import JoinedLayerKV
+from . import __doc__ as CHECK_DOC
+from .models import CONFIGS, Config, build_model
+from .report import print_row, render_markdown, time_cell
 
 # Modules this path must never need: the GPU machine has none of them.
-FORBIDDEN_IMPORTS = ("transformers", "faiss", "sentence_transformers", "tokenizers", "langchain_core")
+FORBIDDEN_IMPORTS = (
+    "transformers",
+    "faiss",
+    "sentence_transformers",
+    "tokenizers",
+    "langchain_core",
+    "typer",
+    "rich",
+    "fastapi",
+    "uvicorn",
+)
 
 
 class Timer:
@@ -197,6 +165,11 @@ METHODS: dict[str, tuple[str, dict]] = {
     "full_reuse": ("full_reuse", {}),
     "epic": ("epic", {}),
 }
+
+
+def path_labels(path: str) -> list[str]:
+    """The row labels of METHODS on one fusion path (the static steps keep the plain labels)."""
+    return [label if path == "static" else f"{label}_{path}" for label in METHODS]
 
 
 def timed_paths(fusors: dict[str, Fusor]) -> list[tuple[str, object, Fusor]]:
@@ -400,106 +373,13 @@ def where_time_goes(label: str, fn: Callable[[], object], device: torch.device) 
     return found
 
 
-def time_cell(seconds: float, speedup: float, width: int = 0) -> str:
-    """A path's time in ms and its speed-up over full prefill, as every table here shows it."""
-    return f"{seconds * 1e3:>{width}.1f} ({speedup:.2f}x)"
-
-
-def path_labels(path: str) -> list[str]:
-    """The row labels of METHODS on one fusion path (the static steps keep the plain labels)."""
-    return [label if path == "static" else f"{label}_{path}" for label in METHODS]
-
-
-def print_row(row: dict, tiers: list[str], labels: list[str]) -> None:
-    cells = [
-        f"{row['config']:<13}",
-        f"{row['workload']:>7}",
-        f"{row['prompt_tokens']:>6}",
-        f"{row['full_prefill_s'] * 1e3:>9.1f}",
-    ]
-    for tier in tiers:
-        for label in labels:
-            if f"{label}_{tier}_s" not in row:
-                cells.append(f"{'FAILED' if f'{label}_{tier}_error' in row else '-':>16}")
-                continue
-            cells.append(time_cell(row[f"{label}_{tier}_s"], row[f"{label}_{tier}_speedup"], width=8))
-    cells.append(f"{row['r1_relative_error']:.1e}{'' if row['r1_ok'] else ' FAIL'}")
-    print(" | ".join(cells), flush=True)
-
-
-TIER_NAMES = {
-    "hbm": "in float16, in device memory",
-    "host": "in float16, in pinned host RAM",
-    "ram": "in float16, in RAM",
-    "int8_hbm": "in int8 (the default codec), in device memory",
-    "int8_host": "in int8 (the default codec), in pinned host RAM",
-    "int8_ram": "in int8 (the default codec), in RAM",
-}
-
-
-def render_markdown(results: dict) -> str:
-    """A saved run (``--json``) as markdown: one table per tier of chunk KV (per config and workload, full
-    prefill and each path's time and speed-up; r = 1's relative error in the first), then the batches and
-    the dispatch profile when they ran."""
-    known = ("hbm", "host", "ram", "int8_hbm", "int8_host", "int8_ram")
-    tiers = [t for t in known if any(f"cacheblend_{t}_s" in r for r in results["rows"])]
-    lines: list[str] = []
-    for index, tier in enumerate(tiers):
-        head = ["config", "workload", "prompt tokens", "full prefill ms"]
-        head += [f"{label} ms" for label in results["methods"]] + (["r = 1 rel. error"] if index == 0 else [])
-        if lines:
-            lines.append("")
-        lines += [f"Chunk KV {TIER_NAMES.get(tier, tier)} (`{tier}`):", ""]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for row in results["rows"]:
-            cells = [
-                row["config"],
-                row["workload"],
-                str(row["prompt_tokens"]),
-                f"{row['full_prefill_s'] * 1e3:.1f}",
-            ]
-            for label in results["methods"]:
-                seconds = row.get(f"{label}_{tier}_s")
-                if seconds is None:  # failed, or a path that does not take this tier
-                    cells.append("FAILED" if f"{label}_{tier}_error" in row else "-")
-                else:
-                    cells.append(time_cell(seconds, row[f"{label}_{tier}_speedup"]))
-            if index == 0:
-                cells.append(f"{row['r1_relative_error']:.1e}")
-            lines.append("| " + " | ".join(cells) + " |")
-    for found in results.get("batches", []):
-        batched = [label for label in results["methods"] if f"{label}_s" in found]
-        lines += [
-            "",
-            f"{found['batch']} prompts at once, {found['config']} {found['workload']} (chunk KV on the "
-            "device): full prefill of all in one forward against fusing all together (Fusor.fuse_many)",
-            "",
-            "| full prefill ms | " + " | ".join(f"{label} ms" for label in batched) + " |",
-            "|---|" + "---|" * len(batched),
-            f"| {found['full_prefill_s'] * 1e3:.1f} | "
-            + " | ".join(time_cell(found[f"{label}_s"], found[f"{label}_speedup"]) for label in batched)
-            + " |",
-        ]
-    for found in results.get("profiles", []):
-        lines += [
-            "",
-            f"Where the time goes, {found['config']} {found['workload']} (chunk KV on the device): time "
-            "until the device finished, the device kernels' own time and count, the host's time inside "
-            "torch ops",
-            "",
-            "| path | finish ms | device kernels ms | kernels | host in torch ops ms |",
-            "|---|---|---|---|---|",
-        ]
-        for run in found["runs"]:
-            lines.append(
-                f"| {run['label']} | {run['finish_s'] * 1e3:.1f} | {run['device_kernel_s'] * 1e3:.1f} | "
-                f"{run['kernels']} | {run['host_op_s'] * 1e3:.1f} |"
-            )
-    return "\n".join(lines)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    """Run the check with ``argv`` (default: the command line's); 0 when every path ran and r = 1 held."""
+    parser = argparse.ArgumentParser(
+        prog="python -m cacheblend_rag.eval.gpu",
+        description=CHECK_DOC,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     parser.add_argument("--config", default="llama-3.1-8b,qwen2.5-1.5b", help=f"any of {', '.join(CONFIGS)}")
     parser.add_argument("--workloads", default="6x512,20x512,8x2048", help="NxL: N cached chunks of L tokens")
@@ -528,7 +408,7 @@ def main() -> int:
         help="the static steps under torch.compile in this mode (default, reduce-overhead), or graphs: each "
         "static fusion replayed as one CUDA graph per size bucket (blend/static_graph.py)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.render is not None:
         print(render_markdown(json.loads(args.render.read_text())))
         return 0
@@ -585,7 +465,3 @@ def main() -> int:
         print(f"FAIL: {len(out['failures'])} path(s) raised:\n  " + "\n  ".join(out["failures"]))
     print("r = 1 matches full prefill" if ok else "FAIL: r = 1 differs from full prefill beyond the bound")
     return 0 if ok and not out["failures"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
