@@ -27,10 +27,14 @@ from ..models.fused import FusedWeights, fused_weights
 from ..models.runtime import KVCache, LayerwiseModel
 from . import static_steps
 from .plan import FusionPlan
-from .probe import query_positions
 from .segments import LayerKVProvider
 from .static_layout import DeviationNarrowing, HostRows, QueryTopK, StaticLayout, StaticSelection, bucket
-from .static_steps import ShiftInputs, causal_mask, place, place_layers
+from .static_shift import ShiftInputs, shift_scratch, shift_spread, shift_unrotate
+from .static_steps import causal_mask, head_tables, place_layers, rerotate
+
+# The most bytes of joined chunk KV staged at once before placing (layers go in groups that fit): placing
+# several layers per operation cuts kernels, and the group's decode temporaries stay a few times this.
+STAGING_BYTES = 512 << 20
 
 # Called with the layer about to run (and -1 once the logits are out): lets tests and profiles attribute
 # the device operations of a fusion to its layers without a second code path.
@@ -80,7 +84,13 @@ class StaticFusion:
     (everything the host sends, before the first layer), :meth:`compute` (device work alone: it reads
     only tensors this object holds and sizes fixed by the layout's buckets, so a captured replay serves
     any prompt of the same buckets once those tensors hold its values) and :meth:`account` (the host's
-    counts)."""
+    counts).
+
+    The cache is one tensor (:attr:`storage`, [L, 2, 1, Hkv, capacity, d]; :attr:`cache` views it), so a
+    layer's K and V are written together and several layers' cached rows are placed by a few operations:
+    each group of layers is joined (:meth:`stage_layers`) straight into the cache where the cached rows
+    lie back to back, else into a staging buffer placed by one indexed write, and re-rotated together
+    before the first of them runs."""
 
     def __init__(
         self,
@@ -99,6 +109,8 @@ class StaticFusion:
         self.shifts, self.hook, self.steps = shifts, hook, steps
         self.layout = StaticLayout.build(plan, model.rope, model.dtype, model.device)
         self.extra_capacity = extra_capacity
+        # a low-precision model's probe scores by bf16 products with float32 results (static_steps)
+        self.fast = model.dtype != torch.float32
         self.checks = dict(selection.checks) if isinstance(selection, DeviationNarrowing) else {}
         if isinstance(selection, QueryTopK):
             self.count = self.layout.fresh + selection.budget
@@ -106,20 +118,20 @@ class StaticFusion:
         else:
             self.count = selection.positions.numel()
             self.keeps = self.count < self.layout.fresh + plan.num_cached
-        self.cache: KVCache | None = None  # a new one at prepare, unless a capture lends its own
+        self.cache: KVCache | None = None  # views of :attr:`storage`
+        # [L, 2, 1, Hkv, capacity, d]: a new one at prepare, unless a capture lends its own
+        self.storage: torch.Tensor | None = None
+        # [L, Hkv, 2, Ncb, d]: every layer's cached rows, when a capture stages them all before the compute
+        self.staging: torch.Tensor | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         self.load_wait = 0.0
         self.placed = 0  # the first layers, whose cached rows are in the cache already
-        self.pad: tuple[torch.Tensor, torch.Tensor] | None = None
         self.qkv_counts: list[int] = []
         self.attended_counts: list[int] = []
         self.probe_token_layers = 0
         self.scores: tuple[torch.Tensor, torch.Tensor] | None = None
-        # a captured fusion's cache as one tensor [L, 2, 1, Hkv, Tb, d], and its staging buffer
-        # [L, 2, Hkv, Ncb, d]: :meth:`stage` joins each layer's cached rows there, and the compute places
-        # them all (:func:`~.static_steps.place_layers`)
-        self.storage: torch.Tensor | None = None
-        self.staging: torch.Tensor | None = None
+        self._spread: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._unrotate: torch.Tensor | None = None
 
     @property
     def final_count(self) -> int:
@@ -137,69 +149,79 @@ class StaticFusion:
             chosen = ("deviation", bucket(selection.positions.numel()), checks, selection.signal)
         else:
             chosen = ("rows", bucket(selection.positions.numel()))
-        sizes = (layout.keys, layout.fresh_bucket, layout.cached_index.numel(), layout.chunks)
+        sizes = (layout.keys, layout.fresh_bucket, layout.cached_index.numel(), layout.chunks, layout.span)
+        sizes += (layout.scored,)
         return (chosen, sizes, self.shifts and self.keeps and not self.checks, self.model.dtype)
 
     # -- pieces ---------------------------------------------------------------------------------------
 
-    def _layer_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = self.layout.keys
-        return self.cache.keys[layer][0, :, :keys], self.cache.values[layer][0, :, :keys]
+    def _layer_kv(self, layer: int) -> torch.Tensor:
+        """The layer's K and V over the slots attention reads: [2, Hkv, Tb, d]."""
+        return self.storage[layer, :, 0, :, : self.layout.keys]
 
-    def _load(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The layer's cached K and V, one of each per source run, on the device (load wait counted)."""
+    def group_size(self) -> int:
+        """Layers staged and placed together (:data:`STAGING_BYTES` of joined chunk KV at most)."""
+        shape = self.model.shape
+        per_layer = 2 * shape.num_kv_heads * self.layout.cached_index.numel() * shape.head_dim
+        per_layer *= torch.empty((), dtype=self.model.dtype).element_size()
+        return max(1, min(self.model.num_layers, STAGING_BYTES // max(per_layer, 1)))
+
+    def stage_layers(self, start: int, stop: int, out: torch.Tensor) -> None:
+        """Layers ``start``..``stop``-1's cached rows joined into ``out`` [stop - start, Hkv, 2, >= Nc, d]
+        (in source order; rows past them left as they are): by the provider's own joined decode where it
+        has one (:meth:`~cacheblend_rag.store.joined.JoinedLayerKV.stage`), else one join per side and
+        layer of what :meth:`layer` serves (load wait counted)."""
+        cached = self.layout.cached
         waited = time.perf_counter()
-        parts = self.provider.layer(layer)  # providers serve layers in order; always ask
-        self.load_wait += time.perf_counter() - waited
-        device = self.model.device
-        keys = [k.to(device, non_blocking=True) for k, _ in parts]
-        return keys, [v.to(device, non_blocking=True) for _, v in parts]
-
-    def _place(self, layer: int) -> None:
-        """The layer's cached rows, joined into one padded tensor (one join whatever the chunk count)."""
-        layout = self.layout
-        if not layout.cached:
+        stage = getattr(self.provider, "stage", None)
+        if stage is not None:
+            stage(start, stop, out[:, :, :, :cached])
+            self.load_wait += time.perf_counter() - waited
             return
-        keys, values = self._load(layer)
-        if self.pad is None:
-            missing = layout.cached_index.numel() - layout.cached
-            first_k, first_v = keys[0], values[0]
-            self.pad = (
-                first_k.new_zeros((first_k.shape[0], missing, first_k.shape[2])),
-                first_v.new_zeros((first_v.shape[0], missing, first_v.shape[2])),
-            )
-        chunk_k, chunk_v = torch.cat([*keys, self.pad[0]], dim=1), torch.cat([*values, self.pad[1]], dim=1)
-        place(*self._layer_cache(layer), chunk_k, chunk_v, layout.cached_index, layout.rerotation)
+        device = self.model.device
+        for i, layer in enumerate(range(start, stop)):
+            waited = time.perf_counter()
+            parts = self.provider.layer(layer)  # providers serve layers in order; always ask
+            self.load_wait += time.perf_counter() - waited
+            for side in range(2):
+                pieces = [part[side].to(device, non_blocking=True) for part in parts]
+                torch.cat(pieces, dim=1, out=out[i, :, side, :cached])
+
+    def _place_through(self, layer: int) -> None:
+        """Stage and place the groups of layers up to ``layer`` that are not placed yet: where the cached
+        rows lie back to back, joined and re-rotated straight in the cache (no staging buffer, no
+        indexed write)."""
+        layout, num_layers, shape = self.layout, self.model.num_layers, self.model.shape
+        if not layout.cached:
+            self.placed = num_layers
+        while self.placed <= layer:
+            start = self.placed
+            stop = min(num_layers, start + self.group_size())
+            if layout.cached_start >= 0:
+                rows = slice(layout.cached_start, layout.cached_start + layout.cached)
+                staged = self.storage[start:stop, :, 0, :, rows].transpose(1, 2)
+                self.stage_layers(start, stop, staged)
+                rerotate(staged, layout.rerotation)
+            else:
+                staged = torch.zeros(
+                    (stop - start, shape.num_kv_heads, 2, layout.cached_index.numel(), shape.head_dim),
+                    dtype=self.model.dtype,
+                    device=self.model.device,
+                )
+                self.stage_layers(start, stop, staged)
+                place_layers(self.storage[start:stop], staged, layout.cached_index, layout.rerotation)
+            self.placed = stop
 
     def stage(self) -> None:
         """Every layer's cached rows joined into :attr:`staging` (copies alone: the re-rotation and the
         placing are the compute's, one operation for all layers)."""
-        cached = self.layout.cached
-        for layer in range(self.model.num_layers):
-            self._hook(layer)
-            if not cached:
-                continue
-            for side, parts in enumerate(self._load(layer)):
-                self.staging[layer, side, :, :cached].copy_(torch.cat(parts, dim=1))
-        self.placed = self.model.num_layers
-
-    def _tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin_signed = self.layout.rope_tables
-        return cos.index_select(0, rows), sin_signed.index_select(0, rows)
-
-    def _shift_inputs(self, rows: torch.Tensor) -> ShiftInputs:
-        layout = self.layout
-        dtype = self.model.dtype
-        cos, sin_signed = layout.shift_tables
-        return self.steps.shift_inputs(
-            rows,
-            layout.measure_slot,
-            layout.move_slot,
-            layout.chunks,
-            self.inputs["no_chunk"],
-            layout.shift_tables,
-            (cos.to(dtype), sin_signed.to(dtype)),
-        )
+        num_layers, size = self.model.num_layers, self.group_size()
+        for start in range(0, num_layers, size):
+            self._hook(start)
+            if self.layout.cached:
+                stop = min(num_layers, start + size)
+                self.stage_layers(start, stop, self.staging[start:stop])
+        self.placed = num_layers
 
     def _embed(self, rows: torch.Tensor) -> torch.Tensor:
         return self.model.embed(self.layout.token_ids.index_select(0, rows)).to(self.model.dtype)
@@ -207,24 +229,53 @@ class StaticFusion:
     def _scalar(self, value) -> torch.Tensor:
         return torch.tensor(value, device=self.model.device)
 
+    def _shift_tables(self) -> None:
+        """The chunk-shift correction's tables that depend on the prompt alone (device work of the
+        compute: a replay rebuilds them from the tables copied in)."""
+        layout, shape, dtype = self.layout, self.model.shape, self.model.dtype
+        spread = shift_spread(layout.shift_tables, layout.chunk_index, layout.chunks, dtype)
+        scratch = shift_scratch(layout.chunks, shape.num_kv_heads, shape.head_dim, dtype, self.model.device)
+        self._spread = (spread, layout.chunk_index, scratch)
+        self._unrotate = shift_unrotate(layout.shift_tables)
+
+    def _shift_inputs(self, rows: torch.Tensor, first: int) -> ShiftInputs:
+        """The chunk-shift correction of ``rows`` for layers ``first``.. (all placed first)."""
+        layout = self.layout
+        self._place_through(self.model.num_layers - 1)
+        return self.steps.shift_inputs(
+            rows,
+            self.storage[first:],
+            layout.measure_slot,
+            layout.chunks,
+            self._unrotate,
+            self._spread,
+            self.model.rope.attention_scaling,
+        )
+
     # -- the fusion -----------------------------------------------------------------------------------
 
     def prepare(self) -> None:
         """Every number and table the device needs from the host, sent before the first layer."""
-        layout, selection = self.layout, self.selection
-        if self.cache is None:
+        layout, selection, shape = self.layout, self.selection, self.model.shape
+        if self.storage is None:
             capacity = max(layout.keys, self.plan.num_tokens + self.extra_capacity)
             # zeroed: padded rows read slots no real row writes, which must hold finite numbers
-            self.cache = self.model.new_cache(capacity, zeroed=True)
+            self.storage = torch.zeros(
+                (shape.num_layers, 2, 1, shape.num_kv_heads, capacity, shape.head_dim),
+                dtype=self.model.dtype,
+                device=self.model.device,
+            )
+        self.cache = cache_views(self.storage)
         inputs = {f"check{layer}": self._scalar(budget) for layer, budget in self.checks.items()}
         inputs["last"] = self._scalar([self.final_count - 1])
-        inputs["no_chunk"] = self._scalar(layout.no_chunk)
         if isinstance(selection, QueryTopK):
             inputs["budget"] = self._scalar(selection.budget)
             groups = self.weights.heads // self.weights.kv_heads
-            first_query = int(query_positions(self.plan)[0])
-            rows = layout.fresh_rows
-            inputs["query"] = ((rows >= first_query) & (rows < layout.num_tokens)).float().repeat(groups)
+            rows = (
+                layout.fresh_rows[layout.fresh_bucket - layout.scored :] if self.fast else layout.fresh_rows
+            )
+            queries = (rows >= layout.first_query) & (rows < layout.num_tokens)
+            inputs["query"] = queries.float().repeat(groups)
         else:
             inputs["rows"] = layout.rows(selection.positions)
         self.inputs = inputs
@@ -234,27 +285,33 @@ class StaticFusion:
         cached ones and the fresh ones)."""
         model, layout, fw = self.model, self.layout, self.weights
         rows = layout.fresh_rows
-        hidden, tables = self._embed(rows), self._tables(rows)
+        hidden, tables = self._embed(rows), head_tables(layout.rope_tables, rows, fw)
         groups = fw.heads // fw.kv_heads
-        mask = causal_mask(rows, layout.keys, torch.float32).repeat(groups, 1)[None]
-        scores = tuple(torch.zeros(fw.kv_heads, layout.keys, device=model.device) for _ in range(2))
+        scored = rows[layout.fresh_bucket - layout.scored :] if self.fast else rows
+        masks = (
+            causal_mask(scored, layout.keys, torch.float32).repeat(groups, 1)[None],
+            causal_mask(rows, layout.keys, model.dtype)[None, None] if self.fast else None,
+        )
+        masses = torch.empty((top.probe_layers, fw.kv_heads, layout.keys), device=model.device)
         with record_function("fusion::probe"):
             for layer in range(top.probe_layers):
+                self._place_through(layer)  # (before the mark: a group's loads are not one layer's)
                 self._hook(layer)
-                if layer >= self.placed:
-                    self._place(layer)
                 last = layer == top.probe_layers - 1
                 hidden = self.steps.probe_layer(
-                    fw.layers[layer], fw, hidden, tables, rows, *self._layer_cache(layer), mask,
-                    self.inputs["query"], scores, finish_layer=not last,
+                    fw.layers[layer], fw, hidden, tables, rows, self._layer_kv(layer), masks,
+                    self.inputs["query"], masses[layer], finish_layer=not last, fast=self.fast,
                 )  # fmt: skip
-        attention, contribution = scores
-        self.scores = (attention.sum(dim=0), contribution.sum(dim=0))
+        # each position's value norm at every probe layer, as that layer's attention saw it
+        values = self.storage[: top.probe_layers, 1, 0, :, : layout.keys]
+        norms = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
+        self.scores = (masses.sum(dim=(0, 1)), (masses * norms).sum(dim=(0, 1)))
         chosen = self.scores[0 if top.score == "attention" else 1]
         size = bucket(top.budget)
         budget = self.inputs["budget"]
         return self.steps.select_top(chosen, layout.candidate_bias, budget, rows, size, layout.dummy)
 
+    @torch.inference_mode()
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The fusion's device work after :meth:`prepare`: the next token's logits [1, V] and the rows the
         last layer recomputed (padded to their bucket)."""
@@ -267,21 +324,20 @@ class StaticFusion:
         )
         if self.staging is not None and layout.cached:
             place_layers(self.storage, self.staging, layout.cached_index, layout.rerotation)
-        if isinstance(selection, QueryTopK):
-            rows = self._probe(selection)
-            placed = max(self.placed, selection.probe_layers)
-        else:
-            rows, placed = self.inputs["rows"], self.placed
-        hidden, tables = self._embed(rows), self._tables(rows)
+        if self.shifts and (self.keeps or checks):
+            self._shift_tables()
+        rows = self._probe(selection) if isinstance(selection, QueryTopK) else self.inputs["rows"]
+        hidden, tables = self._embed(rows), head_tables(layout.rope_tables, rows, fw)
         mask = causal_mask(rows, layout.keys, model.dtype)[None, None]
-        shift = self._shift_inputs(rows) if self.shifts and self.keeps and not checks else None
+        shift = self._shift_inputs(rows, 0) if self.shifts and self.keeps and not checks else None
+        first = 0  # the layer ``shift`` starts at
         last = model.num_layers - 1
         with record_function("fusion::layers"):
             for layer in range(model.num_layers):
+                self._place_through(layer)  # (before the mark: a group's loads are not one layer's)
                 self._hook(layer)
-                if layer >= placed:
-                    self._place(layer)
-                keys, values = self._layer_cache(layer)
+                kv = self._layer_kv(layer)
+                here = shift.layer(layer - first) if shift is not None else None
                 if layer in checks:
                     budget = checks[layer]
                     narrowing = (
@@ -292,22 +348,15 @@ class StaticFusion:
                         selection.signal,
                     )
                     hidden, rows, tables, mask = self.steps.check_layer(
-                        fw.layers[layer],
-                        fw,
-                        hidden,
-                        tables,
-                        rows,
-                        keys,
-                        values,
-                        narrowing,
-                        layout.rope_tables,
-                        shift,
+                        fw.layers[layer], fw, hidden, tables, rows, kv, narrowing, layout.rope_tables, here
                     )
-                    shift = self._shift_inputs(rows) if self.shifts else None
+                    shift, first = None, layer + 1
+                    if self.shifts and layer < last:
+                        shift = self._shift_inputs(rows, first)
                 else:
                     last_row = self.inputs["last"] if layer == last else None
                     hidden = self.steps.blend_layer(
-                        fw.layers[layer], fw, hidden, tables, rows, keys, values, mask, shift, last_row
+                        fw.layers[layer], fw, hidden, tables, rows, kv, mask, here, last_row
                     )
         self.placed = model.num_layers
         return model.logits(hidden[-1:]), rows
@@ -334,6 +383,7 @@ class StaticFusion:
         """The one read back: which positions the last layer recomputed (on the host)."""
         return rows[: self.final_count].cpu()
 
+    @torch.inference_mode()
     def run(self) -> tuple[torch.Tensor, torch.Tensor, KVCache]:
         """Fuse; returns the next token's logits [V] (float32), the recomputed positions of the last layer
         (on the host) and the cache (positions 0..T-1 filled)."""
@@ -346,6 +396,12 @@ class StaticFusion:
     def _hook(self, layer: int) -> None:
         if self.hook is not None:
             self.hook(layer)
+
+
+def cache_views(storage: torch.Tensor) -> KVCache:
+    """A :class:`KVCache` whose layers are views of one tensor [L, 2, 1, Hkv, capacity, d]."""
+    layers = storage.shape[0]
+    return KVCache([storage[i, 0] for i in range(layers)], [storage[i, 1] for i in range(layers)])
 
 
 def static_fusion(
@@ -376,6 +432,7 @@ __all__ = [
     "QueryTopK",
     "StaticFusion",
     "Steps",
+    "cache_views",
     "compiled_steps",
     "static_fusion",
 ]

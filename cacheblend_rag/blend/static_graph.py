@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.runtime import KVCache, LayerwiseModel
-from .static import StaticFusion
+from .static import StaticFusion, cache_views
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class FusionGraphs:
                 self._captured.popitem(last=False)
         else:
             self._captured.move_to_end(key)
-            fusion.cache = _cache_views(captured.storage)
+            fusion.cache = cache_views(captured.storage)
             fusion.storage, fusion.staging = captured.storage, captured.fusion.staging
             fusion.prepare()
             fusion.stage()  # this fusion's chunks into the captured staging buffer
@@ -94,10 +94,10 @@ class FusionGraphs:
             dtype=model.dtype,
             device=model.device,
         )
-        fusion.cache = _cache_views(storage)
+        fusion.cache = cache_views(storage)
         fusion.storage = storage
         fusion.staging = torch.zeros(
-            (shape.num_layers, 2, shape.num_kv_heads, layout.cached_index.numel(), shape.head_dim),
+            (shape.num_layers, shape.num_kv_heads, 2, layout.cached_index.numel(), shape.head_dim),
             dtype=model.dtype,
             device=model.device,
         )
@@ -108,12 +108,15 @@ class FusionGraphs:
         if not self.capture:
             return captured
         # A warm-up outside the capture (cuBLAS and the allocator set themselves up); the compute places
-        # every cached row again from the staging buffer, so the replay starts from a clean cache.
+        # every cached row again from the staging buffer, so the replay starts from a clean cache. The
+        # placing rotates the staged keys in place: the staged rows are put back for the first replay.
+        staged = fusion.staging.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             fusion.compute()
         torch.cuda.current_stream().wait_stream(stream)
+        fusion.staging.copy_(staged)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             captured.logits, captured.rows = fusion.compute()
@@ -138,16 +141,9 @@ class FusionGraphs:
         out = storage.new_empty(shape)
         out[:, :, :, :, :n].copy_(storage[:, :, :, :, :n])
         out[:, :, :, :, n:].zero_()  # as a new cache is: a padded batch row may read past its length
-        cache = _cache_views(out)
+        cache = cache_views(out)
         cache.length = n
         return cache
-
-
-def _cache_views(storage: torch.Tensor) -> KVCache:
-    layers = storage.shape[0]
-    return KVCache(
-        [storage[layer, 0] for layer in range(layers)], [storage[layer, 1] for layer in range(layers)]
-    )
 
 
 def _copy_inputs(target: StaticFusion, source: StaticFusion) -> None:

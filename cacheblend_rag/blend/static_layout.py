@@ -27,6 +27,7 @@ import torch
 from ..models.fused import signed_sin
 from ..models.rope import Rope
 from .plan import FusionPlan
+from .probe import query_positions
 
 
 def bucket(n: int, smallest: int = 16) -> int:
@@ -78,12 +79,16 @@ class StaticLayout:
     token_ids: torch.Tensor  # [Tb] the prompt's ids, 0 after it
     cached: int  # real cached rows (every cached span, exact ones too)
     cached_index: torch.Tensor  # [Ncb] their positions, then the dummy slot
+    cached_start: int  # the first of them where they lie back to back, else -1
     rerotation: tuple[torch.Tensor, torch.Tensor]  # [Ncb, d] float32 cos, signed sin (identity padding)
     candidate_bias: torch.Tensor  # [Tb] float32: 0 where a position may be chosen, -inf elsewhere
     chunks: int  # C1b: chunk slots (the last real one + 1 is "no chunk", always zero)
-    move_slot: torch.Tensor  # [Tb] the chunk a position is moved with (no chunk: slot C)
-    measure_slot: torch.Tensor  # [Tb] the chunk a recomputed position measures (non-candidates: slot C)
-    no_chunk: int  # C: the zero slot
+    measure_slot: torch.Tensor  # [Tb] the chunk a recomputed position measures (else C1b: none)
+    no_chunk: int  # C: the real chunks
+    span: int  # N: the longest chunk, padded
+    chunk_index: torch.Tensor  # [C1b N] each chunk slot's positions, then the dummy slot
+    scored: int  # R: the probe's last fresh rows that hold every query row (padding included)
+    first_query: int  # the first query row's position (the question's start)
     shift_tables: tuple[torch.Tensor, torch.Tensor]  # [Tb, d] float32 unscaled cos, signed sin
     rope_tables: tuple[torch.Tensor, torch.Tensor]  # [Tb, d] in the model's dtype, scaled as RoPE is
 
@@ -103,51 +108,77 @@ class StaticLayout:
 
     @classmethod
     def build(cls, plan: FusionPlan, rope: Rope, dtype: torch.dtype, device: torch.device) -> StaticLayout:
+        # Host lists, packed into one transfer per dtype: every table is a view of those, so the host
+        # queues a handful of operations whatever the prompt.
         n = plan.num_tokens
         keys = bucket(n + 1)
         dummy = keys - 1
-        fresh = plan.must_compute.nonzero().squeeze(1)
-        cached = plan.cached_mask.nonzero().squeeze(1)
-        # per-span tables from Python lists, one tensor each: a few operations whatever the chunk count
+        must, cached_flags = plan.must_compute.tolist(), plan.cached_mask.tolist()
+        candidate = plan.candidate_mask.tolist() + [False] * (keys - n)
+        fresh = [i for i, flag in enumerate(must) if flag]
+        cached = [i for i, flag in enumerate(cached_flags) if flag]
         spans = plan.chunk_spans()
         no_chunk = len(spans)
-        slots = [no_chunk] * keys
+        chunks = bucket(max(no_chunk, 1), smallest=4)
+        slots = [chunks] * keys  # chunk slot C1b: no chunk (measures nothing)
         for index, (start, end) in enumerate(spans):
             slots[start:end] = [index] * (end - start)
-        move_slot = torch.tensor(slots)
-        measure_slot = torch.where(_padded_mask(plan.candidate_mask, keys), move_slot, no_chunk)
-        bias = torch.zeros(keys).masked_fill_(~_padded_mask(plan.candidate_mask, keys), float("-inf"))
-        ids = torch.cat((plan.token_ids, torch.zeros(keys - n, dtype=torch.long)))
+        measure = [slot if ok else chunks for slot, ok in zip(slots, candidate, strict=True)]
+        span = bucket(max((end - start for start, end in spans), default=1))
+        chunk_index = [dummy] * (chunks * span)
+        for index, (start, end) in enumerate(spans):
+            chunk_index[index * span : index * span + end - start] = range(start, end)
+        fresh_bucket, cached_bucket = bucket(len(fresh)), bucket(len(cached))
+        first_query = int(query_positions(plan)[0]) if n else 0
+        tail = fresh_bucket - sum(1 for p in fresh if p < first_query)
+        longs = [
+            fresh + [dummy] * (fresh_bucket - len(fresh)),
+            plan.token_ids.tolist() + [0] * (keys - n),
+            cached + [dummy] * (cached_bucket - len(cached)),
+            measure,
+            chunk_index,
+        ]
+        packed = torch.tensor([x for part in longs for x in part]).to(device, non_blocking=True)
+        fresh_rows, token_ids, cached_index, measure_slot, chunk_index_t = packed.split(
+            [len(x) for x in longs]
+        )
 
-        cached_bucket = bucket(cached.numel())
         local = [i for start, end in plan.cached_spans() for i in range(end - start)]
         padding = [0] * (cached_bucket - len(local))  # from 0 to 0: no rotation (cos 1, sin 0)
         cos, sin = rope.rerotation(
-            torch.tensor(local + padding), torch.tensor(cached.tolist() + padding), torch.float32
+            torch.tensor(local + padding), torch.tensor(cached + padding), torch.float32
         )
-        all_positions = torch.arange(keys)
-        shift_cos, shift_sin = rope.cos_sin(all_positions, torch.float32, scaled=False)
-        rope_cos, rope_sin = rope.cos_sin(all_positions, dtype)
-
-        def put(x: torch.Tensor) -> torch.Tensor:
-            return x.to(device, non_blocking=True)
+        shift_cos, shift_sin = rope.cos_sin(torch.arange(keys), torch.float32, scaled=False)
+        bias = torch.tensor([0.0 if ok else float("-inf") for ok in candidate])
+        floats = [cos, signed_sin(sin), shift_cos, signed_sin(shift_sin)]
+        joined = torch.cat([*(t.view(-1) for t in floats), bias]).to(device, non_blocking=True)
+        parts = joined.split([t.numel() for t in floats] + [keys])
+        rerotation = (parts[0].view(cos.shape), parts[1].view(cos.shape))
+        shift_tables = (parts[2].view(shift_cos.shape), parts[3].view(shift_cos.shape))
+        # RoPE's own tables: the same angles times the rope type's amplitude, in the model's dtype
+        scaled = torch.stack(shift_tables) * rope.attention_scaling if rope.attention_scaling != 1.0 else None
+        rope_tables = (scaled if scaled is not None else torch.stack(shift_tables)).to(dtype)
 
         return cls(
             num_tokens=n,
             keys=keys,
-            fresh=fresh.numel(),
-            fresh_rows=put(_padded(fresh, bucket(fresh.numel()), dummy)),
-            token_ids=put(ids),
-            cached=cached.numel(),
-            cached_index=put(_padded(cached, cached_bucket, dummy)),
-            rerotation=(put(cos), put(signed_sin(sin))),
-            candidate_bias=put(bias),
-            chunks=bucket(no_chunk + 1, smallest=4),
-            move_slot=put(move_slot),
-            measure_slot=put(measure_slot),
+            fresh=len(fresh),
+            fresh_rows=fresh_rows,
+            token_ids=token_ids,
+            cached=len(cached),
+            cached_index=cached_index,
+            cached_start=cached[0] if cached and cached[-1] - cached[0] + 1 == len(cached) else -1,
+            rerotation=rerotation,
+            candidate_bias=parts[4],
+            chunks=chunks,
+            measure_slot=measure_slot,
             no_chunk=no_chunk,
-            shift_tables=(put(shift_cos), put(signed_sin(shift_sin))),
-            rope_tables=(put(rope_cos), put(signed_sin(rope_sin))),
+            span=span,
+            chunk_index=chunk_index_t,
+            scored=min(fresh_bucket, bucket(tail, smallest=1)),
+            first_query=first_query,
+            shift_tables=shift_tables,
+            rope_tables=(rope_tables[0], rope_tables[1]),
         )
 
     def rows(self, positions: torch.Tensor) -> torch.Tensor:
@@ -159,7 +190,3 @@ def _padded(positions: torch.Tensor, size: int, fill: int) -> torch.Tensor:
     out = torch.full((size,), fill, dtype=torch.long)
     out[: positions.numel()] = positions
     return out
-
-
-def _padded_mask(mask: torch.Tensor, size: int) -> torch.Tensor:
-    return torch.cat((mask, torch.zeros(size - mask.numel(), dtype=torch.bool)))

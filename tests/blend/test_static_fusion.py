@@ -12,7 +12,8 @@ from static_prompts import STATIC_SPECS, prompt_maker
 
 from cacheblend_rag.blend import Fusor, Segment, get_method, parse_method, static_steps
 from cacheblend_rag.blend.plan import FusionPlan
-from cacheblend_rag.blend.static import EAGER_STEPS, Steps
+from cacheblend_rag.blend.segments import DirectLayerKV, kv_sources
+from cacheblend_rag.blend.static import EAGER_STEPS, Steps, static_fusion
 from cacheblend_rag.blend.static_layout import StaticLayout
 from cacheblend_rag.models.fused import fused_weights, prefill_layer, signed_sin
 
@@ -171,3 +172,22 @@ def test_compiled_steps_do_not_recompile_for_other_layers_or_prompts_in_the_buck
 def _buckets(model, segments) -> tuple:
     layout = StaticLayout.build(FusionPlan.from_segments(segments), model.rope, model.dtype, model.device)
     return layout.keys, layout.fresh_bucket, layout.cached_index.numel(), layout.chunks
+
+
+def test_the_fast_probe_scores_the_query_rows_as_the_exact_one_does(model, make_prompt):
+    """A low-precision model's probe (only the query rows scored, their output by the attention kernel),
+    run here in float32: the same scores within float error, so the same selection."""
+    segments = make_prompt(6, 128)
+    plan = FusionPlan.from_segments(segments)
+    method = get_method("cacheblend")
+    results = []
+    for fast in (False, True):
+        fusion = static_fusion(model, plan, method, DirectLayerKV(kv_sources(segments)))
+        fusion.fast = fast
+        logits, selected, _ = fusion.run()
+        results.append((logits, selected, fusion.scores[0][: plan.num_tokens]))
+    (exact_logits, exact_rows, exact_scores), (fast_logits, fast_rows, fast_scores) = results
+    assert fusion.layout.scored < fusion.layout.fresh_bucket  # fewer rows scored than computed
+    assert torch.allclose(fast_scores, exact_scores, rtol=1e-4, atol=1e-6)
+    assert torch.equal(fast_rows, exact_rows)
+    assert (fast_logits - exact_logits).abs().max().item() < 2e-4

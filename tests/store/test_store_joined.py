@@ -44,3 +44,20 @@ def test_int4_chunks_and_stored_sources_are_not_joined():
     assert not JoinedLayerKV.serves([encoded("int4", 40, 0)])
     mixed = JoinedLayerKV([encoded("int8", 40, 0), encoded("float16", 40, 1)], torch.float32, "cpu")
     assert len(mixed.runs) == 2  # one run per codec, in order
+
+
+@pytest.mark.parametrize("lengths", [(37, 128, 300), (128, 256)])  # partial key groups, whole ones
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["int8", "float16"])
+def test_staging_several_layers_gives_what_each_layer_serves(codec, dtype, lengths):
+    chunks = [encoded(codec, n, seed) for seed, n in enumerate(lengths)]
+    head = ChunkKV([torch.randn(3, 5, 64) for _ in range(2)], [torch.randn(3, 5, 64) for _ in range(2)], "f")
+    loader = JoinedLayerKV([head, *chunks], dtype, torch.device("cpu"))
+    rows = 5 + sum(lengths)
+    out = torch.zeros((2, 3, 2, rows + 7, 64), dtype=dtype)  # [layers, Hkv, K/V, padded rows, d]
+    loader.stage(0, 2, out)
+    for layer in range(2):
+        served = loader.layer(layer)
+        assert torch.equal(out[layer, :, 0, :rows], torch.cat([k for k, _ in served], dim=1))
+        assert torch.equal(out[layer, :, 1, :rows], torch.cat([v for _, v in served], dim=1))
+    assert not out[:, :, :, rows:].any()  # the padding is left as it was
