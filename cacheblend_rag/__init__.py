@@ -6,7 +6,7 @@ The public names, importable from here (``from cacheblend_rag import CacheBlendR
   ``cacheblend_rag.ingest.ingest`` (the function shares its name with its package, so it is imported
   from there);
 - engines: :class:`Engine` (PyTorch), :func:`create_engine` (``"torch"`` or ``"vllm"``), the contract
-  :class:`EngineProtocol`, :class:`BatchRequest`, :class:`SamplingParams`, :class:`ChunkRef`,
+  :class:`EngineProtocol`, :class:`GenerationRequest`, :class:`SamplingParams`, :class:`ChunkRef`,
   :class:`GenerationResult`, :class:`BatchScheduler`, :class:`JsonConstraint` (structured output);
 - methods: :class:`RecomputeMethod`, :func:`register_method`, :class:`MethodSpec`, :class:`Segment`;
 - storage: :class:`Corpus`, :class:`CorpusManifest` (the corpus directory), :class:`ExternalEmbedder`
@@ -33,7 +33,7 @@ _EXPORTS = {
     "Engine": "engine",
     "EngineProtocol": "engine",
     "create_engine": "engine",
-    "BatchRequest": "engine",
+    "GenerationRequest": "engine",
     "BatchScheduler": "engine",
     "ChunkRef": "engine",
     "GenerationResult": "engine",
@@ -61,7 +61,6 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "BatchRequest",
     "BatchScheduler",
     "CacheBlendError",
     "CacheBlendRAG",
@@ -74,6 +73,7 @@ __all__ = [
     "EngineProtocol",
     "ExternalEmbedder",
     "GenerationOptions",
+    "GenerationRequest",
     "GenerationResult",
     "IngestSummary",
     "JsonConstraint",
@@ -99,11 +99,11 @@ if TYPE_CHECKING:
     from .config import Config
     from .corpus import Corpus, CorpusManifest, ExternalEmbedder
     from .engine import (
-        BatchRequest,
         BatchScheduler,
         ChunkRef,
         Engine,
         EngineProtocol,
+        GenerationRequest,
         GenerationResult,
         JsonConstraint,
         SamplingParams,

@@ -7,41 +7,58 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from .blend.budget_choice import BudgetChoice
 from .blend.spec import MethodSpec
-from .config import DECISIVE_MARGIN, DEFAULT_CHECK_MAX_TOKENS, Config
+from .config import Config
 from .corpus.corpus import Corpus, RetrievedChunk
 from .engine import (
-    BatchRequest,
     ChunkRef,
+    EdgeTimings,
     EngineProtocol,
+    GenerationRequest,
     GenerationResult,
     SamplingParams,
     StreamHandle,
 )
-from .engine.base import PromptAccounting
+from .engine.base import PromptAccounting, ServedAs
 from .engine.bounds import check_request
 from .engine.handles import MappedStream
 from .engine.session import Session
 from .settings import get_settings
 
 if TYPE_CHECKING:
-    from .check import CheckReport
+    from .check import CheckOptions, CheckReport
 
 log = logging.getLogger(__name__)
 
 
+class QueryOptions(TypedDict, total=False):
+    """What a question is answered with (every answering method takes them by name): ``top_k`` chunks
+    retrieved (default: the ``top_k`` setting), or explicit ``chunk_ids`` (an empty list is refused: it
+    would answer from no passage at all); ``method`` (a name or spec, default: the ``method`` setting) and
+    its ``ratio`` (left out: the loading controller chooses it); ``sampling`` and ``max_tokens``, the most
+    tokens of the answer (default: the ``max_tokens`` setting; it overrides ``sampling``'s)."""
+
+    top_k: int | None
+    method: str | None
+    ratio: float | None
+    chunk_ids: Sequence[str] | None
+    sampling: SamplingParams | None
+    max_tokens: int | None
+
+
 @dataclass
-class QueryResult(PromptAccounting):
-    """An answer with its retrieval and fusion accounting (what ``query --json`` prints)."""
+class QueryResult(PromptAccounting, ServedAs):
+    """An answer with its retrieval and fusion accounting (what ``query --json`` prints). ``ttft_s`` and
+    ``total_s`` count from the call (retrieval and chunk KV computed for it included; the parts are the
+    :class:`~cacheblend_rag.engine.base.ServedAs` fields)."""
 
     answer: str
     method: str
     ttft_s: float
     total_s: float
-    retrieval_s: float
     recompute_ratio: float
     reused_tokens: int
     computed_tokens: int
@@ -57,8 +74,7 @@ class QueryResult(PromptAccounting):
 @dataclass
 class _Prepared:
     chunks: list[RetrievedChunk]
-    segments: list
-    retrieval_s: float
+    request: GenerationRequest
 
     def result(self, generated: GenerationResult) -> QueryResult:
         chunks = self.chunks
@@ -66,8 +82,7 @@ class _Prepared:
             answer=generated.text.strip(),
             method=generated.method,
             ttft_s=generated.ttft_s,
-            total_s=generated.total_s + self.retrieval_s,
-            retrieval_s=self.retrieval_s,
+            total_s=generated.total_s,
             recompute_ratio=generated.recompute_ratio,
             reused_tokens=generated.reused_tokens,
             computed_tokens=generated.computed_tokens,
@@ -79,6 +94,7 @@ class _Prepared:
             controller=generated.controller,
             budget=generated.budget,
             **generated.accounting(),
+            **generated.served(),
         )
 
 
@@ -137,145 +153,101 @@ class CacheBlendRAG:
         """The ``top_k`` chunks nearest ``question`` (None: the ``top_k`` setting; 0 is refused)."""
         return self.corpus.search(question, self.config.top_k if top_k is None else top_k)
 
-    def query(
-        self,
-        question: str,
-        top_k: int | None = None,
-        method: str | None = None,
-        ratio: float | None = None,
-        chunk_ids: Sequence[str] | None = None,
-        sampling: SamplingParams | None = None,
-        max_tokens: int | None = None,
-    ) -> QueryResult:
-        """Answer ``question`` from the top-k retrieved chunks (or from explicit ``chunk_ids``: an empty
-        list is refused, it would answer from no passage at all). ``max_tokens``: most tokens of the
-        answer (default: the ``max_tokens`` setting, 256 unless set; it overrides ``sampling``'s
-        ``max_new_tokens`` when both are given)."""
-        return self.stream(question, top_k, method, ratio, chunk_ids, sampling, max_tokens).result()
+    def query(self, question: str, **options: Unpack[QueryOptions]) -> QueryResult:
+        """Answer ``question`` from the top-k retrieved chunks or the given ``chunk_ids``
+        (:class:`QueryOptions`)."""
+        return self.stream(question, **options).result()
 
-    def stream(
-        self,
-        question: str,
-        top_k: int | None = None,
-        method: str | None = None,
-        ratio: float | None = None,
-        chunk_ids: Sequence[str] | None = None,
-        sampling: SamplingParams | None = None,
-        max_tokens: int | None = None,
-    ) -> StreamHandle[QueryResult]:
+    def stream(self, question: str, **options: Unpack[QueryOptions]) -> StreamHandle[QueryResult]:
         """Like :meth:`query`; iterate the handle for tokens as they come, then ``.result()``;
         ``.cancel()`` (from any thread) stops it. The request goes through the engine's ``submit``, so it
         is batched with concurrent queries, batches and server requests on the same engine."""
-        spec = self._spec(method, ratio, question, top_k)
-        prepared = self._prepare(question, top_k, chunk_ids, spec)
-        handle = self.engine.submit(prepared.segments, spec, self._sampling(sampling, max_tokens))
-        return MappedStream(handle, prepared.result)
+        arrived = time.perf_counter()
+        spec = self._spec(options, question)
+        prepared = self._prepare(question, options, spec, arrived)
+        return MappedStream(self.engine.submit(prepared.request), prepared.result)
 
-    def query_batch(
-        self,
-        questions: Sequence[str],
-        top_k: int | None = None,
-        method: str | None = None,
-        ratio: float | None = None,
-        chunk_ids: Sequence[str] | None = None,
-        sampling: SamplingParams | None = None,
-        max_tokens: int | None = None,
-    ) -> list[QueryResult]:
+    def query_batch(self, questions: Sequence[str], **options: Unpack[QueryOptions]) -> list[QueryResult]:
         """Retrieve for every question, then answer them all together through the engine's
         ``generate_batch``; results in question order. Questions admitted together whose chunks are the
         same share one blend of them (a round, the ``batch_rounds`` setting); the others' greedy answers
         equal :meth:`query`'s."""
-        spec = self._checked(method, ratio, top_k, questions)
-        sampling = self._sampling(sampling, max_tokens)
-        return self._answer_together(questions, top_k, chunk_ids, spec, sampling, self.engine.generate_batch)
+        arrived = time.perf_counter()
+        spec = self._checked(options, questions)
+        return self._answer_together(questions, options, spec, arrived, self.engine.generate_batch)
 
-    def query_round(
-        self,
-        questions: Sequence[str],
-        top_k: int | None = None,
-        method: str | None = None,
-        ratio: float | None = None,
-        chunk_ids: Sequence[str] | None = None,
-        sampling: SamplingParams | None = None,
-        max_tokens: int | None = None,
-    ) -> list[QueryResult]:
+    def query_round(self, questions: Sequence[str], **options: Unpack[QueryOptions]) -> list[QueryResult]:
         """Answer ``questions`` (agents of one round) over the same chunks, blended once for all of them:
         ``chunk_ids``, or the top-k chunks retrieved once for the questions together. Results in
         question order, each reporting the round it shared."""
         if not questions:
             return []
-        spec = self._checked(method, ratio, top_k, questions)
+        arrived = time.perf_counter()
+        spec = self._checked(options, questions)
+        chunk_ids = options.get("chunk_ids")
         _check_chunk_ids(chunk_ids)
-        shared = list(chunk_ids) if chunk_ids is not None else None
-        if shared is None:
-            shared = [c.chunk_id for c in self.retrieve("\n".join(questions), top_k)]
-        sampling = self._sampling(sampling, max_tokens)
-        return self._answer_together(questions, top_k, shared, spec, sampling, self.engine.generate_round)
+        if chunk_ids is None:
+            retrieved = self.retrieve("\n".join(questions), options.get("top_k"))
+            options = {**options, "chunk_ids": [c.chunk_id for c in retrieved]}
+        return self._answer_together(questions, options, spec, arrived, self.engine.generate_round)
 
-    def _sampling(self, sampling: SamplingParams | None, max_tokens: int | None) -> SamplingParams:
+    def _sampling(self, options: QueryOptions) -> SamplingParams:
         """``sampling`` with ``max_tokens`` when given; without either, the ``max_tokens`` setting."""
+        sampling, max_tokens = options.get("sampling"), options.get("max_tokens")
         if sampling is None:
-            return SamplingParams(max_new_tokens=self.config.max_tokens if max_tokens is None else max_tokens)
-        return sampling if max_tokens is None else replace(sampling, max_new_tokens=max_tokens)
+            return SamplingParams(max_tokens=self.config.max_tokens if max_tokens is None else max_tokens)
+        return sampling if max_tokens is None else replace(sampling, max_tokens=max_tokens)
 
-    def _spec(
-        self, method: str | None, ratio: float | None, question: str | None, top_k: int | None
-    ) -> MethodSpec:
-        return check_request(method or self.config.method, ratio=ratio, question=question, top_k=top_k)
+    def _spec(self, options: QueryOptions, question: str | None) -> MethodSpec:
+        method = options.get("method") or self.config.method
+        return check_request(
+            method, ratio=options.get("ratio"), question=question, top_k=options.get("top_k")
+        )
 
-    def _checked(self, method, ratio, top_k, questions: Sequence[str]) -> MethodSpec:
-        spec = self._spec(method, ratio, None, top_k)
+    def _checked(self, options: QueryOptions, questions: Sequence[str]) -> MethodSpec:
+        spec = self._spec(options, None)
         for question in questions:
             check_request(spec, question=question)
         return spec
 
-    def _answer_together(self, questions, top_k, chunk_ids, spec, sampling, generate) -> list[QueryResult]:
+    def _answer_together(self, questions, options, spec, arrived, generate) -> list[QueryResult]:
         """Prepare every question's prompt, answer them in one ``generate`` call, results in order."""
-        prepared = [self._prepare(question, top_k, chunk_ids, spec) for question in questions]
-        generated = generate([BatchRequest(p.segments, spec, sampling) for p in prepared])
+        prepared = [self._prepare(question, options, spec, arrived) for question in questions]
+        generated = generate([p.request for p in prepared])
         return [p.result(result) for p, result in zip(prepared, generated, strict=True)]
 
-    def check(
-        self,
-        questions: Sequence[str] | None = None,
-        ratios: Sequence[float | None] | None = None,
-        method: str | None = None,
-        target_agreement: float | None = None,
-        max_new_tokens: int = DEFAULT_CHECK_MAX_TOKENS,
-        sample: int = 20,
-        top_k: int | None = None,
-        *,
-        max_tokens: int | None = None,
-        decisive_margin: float = DECISIVE_MARGIN,
-    ) -> CheckReport:
+    def check(self, questions: Sequence[str] | None = None, **options: Unpack[CheckOptions]) -> CheckReport:
         """Evidence on this model and corpus before turning KV reuse on: answer each question (retrieved
         for as :meth:`query` does) by full prefill and by ``method`` (default: the settings') at each of
         ``ratios`` (default: the ``ratio`` setting), side by side, and report per method the first-token
         agreement (on all questions, on decisive ones, where full prefill's first token leads its
-        runner-up by at least ``decisive_margin`` nats, and on the near-ties left), mean first-token KL
-        and agreement F1 against full prefill (``eval``'s metrics), median TTFT and the median speed-up,
-        and the lowest ratio whose decisive first-token agreement reaches ``target_agreement``. Without
-        ``questions``, ``sample`` questions are derived from the corpus's chunks
-        (:func:`~cacheblend_rag.check.sample_questions` gives the rule). ``max_tokens`` is
-        ``max_new_tokens`` under the name every other entry point uses. Needs the PyTorch engine."""
+        runner-up by at least ``decisive_margin`` nats, and on the near-ties left), the answers' agreement
+        with full prefill's (the share identical and their F1), mean first-token KL, median TTFT and the
+        median speed-up, and the lowest ratio whose decisive first-token agreement and answer F1 both
+        reach ``target_agreement``. Without ``questions``, ``sample`` questions are derived from the
+        corpus's chunks (:func:`~cacheblend_rag.check.sample_questions` gives the rule); answers are at
+        most ``max_tokens`` tokens (:class:`~cacheblend_rag.check.CheckOptions`). Needs the PyTorch
+        engine."""
         from .check import run_check
 
-        budget = max_new_tokens if max_tokens is None else max_tokens
-        return run_check(
-            self, questions, ratios, method, target_agreement, budget, sample, top_k, decisive_margin
-        )
+        return run_check(self, questions, **options)
 
-    def _prepare(
-        self, question: str, top_k: int | None, chunk_ids: Sequence[str] | None, method: MethodSpec
-    ) -> _Prepared:
+    def _prepare(self, question: str, options: QueryOptions, spec: MethodSpec, arrived: float) -> _Prepared:
+        """The request for ``question``: its chunks retrieved (or read by id) and its prompt laid out
+        (their KV read, or computed where no tier holds it), each part timed; it arrived at ``arrived``."""
+        chunk_ids = options.get("chunk_ids")
         _check_chunk_ids(chunk_ids)
         started = time.perf_counter()
-        chunks = (
-            self.corpus.get_chunks(chunk_ids) if chunk_ids is not None else self.retrieve(question, top_k)
-        )
-        retrieval_s = time.perf_counter() - started
+        if chunk_ids is not None:
+            chunks = self.corpus.get_chunks(chunk_ids)
+        else:
+            chunks = self.retrieve(question, options.get("top_k"))
+        retrieved = time.perf_counter()
         refs = [ChunkRef(c.token_ids, c.chunk_id) for c in chunks]
-        return _Prepared(chunks, self.engine.rag_segments(question, refs, method), retrieval_s)
+        segments = self.engine.rag_segments(question, refs, spec)
+        edge = EdgeTimings(retrieval_s=retrieved - started, prompt_s=time.perf_counter() - retrieved)
+        request = GenerationRequest(segments, spec, self._sampling(options), arrived, edge)
+        return _Prepared(chunks, request)
 
 
 def _check_chunk_ids(chunk_ids: Sequence[str] | None) -> None:

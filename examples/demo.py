@@ -40,10 +40,8 @@ def main() -> None:
     )
     rag = CacheBlendRAG(corpus, engine=engine)
     questions = json.loads((DATA / "demo_questions.json").read_text())
-    sampling = SamplingParams(max_new_tokens=32)
-    rag.query(
-        questions[0]["question"], method="cacheblend", sampling=SamplingParams(max_new_tokens=1)
-    )  # warm-up
+    sampling = SamplingParams(max_tokens=32)
+    rag.query(questions[0]["question"], method="cacheblend", sampling=SamplingParams(max_tokens=1))  # warm-up
 
     results = []
     for item in questions:

@@ -6,8 +6,8 @@
 The workload of ``bench --only round``: the bench's own agents (:func:`agent_requests`: role i, the same
 ``--chunks`` MuSiQue chunks of ``--chunk-tokens`` tokens, question i; cacheblend at the default r) over
 an engine whose store holds the chunks in RAM. After a warm-up it fuses the round once through
-``Engine.fuse_round`` with timers around the round's phases (probe, blend, taking the chunks out, the
-members' fusion) and the operations inside them, then (unless ``--no-scheduler``) times the round
+``Engine.fuse_group`` (rounds on) with timers around the round's phases (probe, blend, taking the chunks
+out, the members' fusion) and the operations inside them, then (unless ``--no-scheduler``) times the round
 through the batch scheduler as the bench does: all agents submitted at once, the time until every one
 has its first token. ``--old`` first runs the round with its members fused as requests of their
 own (as before they joined one pass over the round's cache) and the probe allocating its scores at every
@@ -145,8 +145,8 @@ def old_requests(engine, work) -> list[FusionRequest]:
         pass
 
     return [
-        FusionRequest(segments, method, engine._loader(kv_sources(segments)), observer=observer)
-        for segments, method in work
+        FusionRequest(r.segments, r.method, engine._loader(kv_sources(r.segments)), observer=observer)
+        for r in work
     ]
 
 
@@ -193,33 +193,34 @@ def main() -> None:
 
     with round_workload(args.chunks, args.chunk_tokens, args.agents) as (settings, engine, refs, questions):
         blend = parse_method("cacheblend").with_ratio(settings.ratio)
-        sampling = SamplingParams(max_new_tokens=16)
+        sampling = SamplingParams(max_tokens=16)
 
         def jobs():
             built = agent_requests(engine, refs, questions, blend, sampling, own_order=False)
-            return built, [(r.segments, blend.build()) for r in built]
+            return built, [FusionRequest(r.segments, blend.build()) for r in built]
 
         built, work = jobs()
         print(
             f"{args.agents} agents, prompts of {[sum(len(s) for s in r.segments) for r in built]} tokens, "
             f"{torch.get_num_threads()} threads"
         )
-        engine.fuse_round(work)  # warm-up (and the agents' heads computed)
+        engine.fuse_group(work, rounds=True)  # warm-up (and the agents' heads computed)
         instrument()
         if args.old:
             TOTALS.clear()
             COUNTS.clear()
             started = time.perf_counter()
             with old_round():
-                old = round_module.fuse_round(engine.fusor, old_requests(engine, work), engine._loader)
+                routes = [engine.fusor.route(r) for r in old_requests(engine, work)]
+                old = round_module.fuse_round(engine.fusor, routes, engine._loader)
             report(f"as before: members fused on their own, probe buffers fresh, {args.agents} agents", 0)
             print(f"  wall {time.perf_counter() - started:.3f} s")
         TOTALS.clear()
         COUNTS.clear()
         started = time.perf_counter()
-        results = engine.fuse_round(work)
+        results = engine.fuse_group(work, rounds=True)
         wall = time.perf_counter() - started
-        report(f"Engine.fuse_round, {args.agents} agents", wall)
+        report(f"Engine.fuse_group (rounds), {args.agents} agents", wall)
         rounds = {r.round.requests if r.round else 0 for r in results}
         print(f"  round sizes {rounds}; computed tokens per agent {[r.computed_tokens for r in results]}")
         if args.old:

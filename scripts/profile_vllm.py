@@ -129,7 +129,7 @@ def one(engine, question, chunks, method: str, ratio: float) -> tuple[dict[str, 
     started = time.perf_counter()
     segments = engine.rag_segments(question, chunks, spec)
     segments_s = time.perf_counter() - started
-    result = engine.generate(segments, spec, SamplingParams(max_new_tokens=1))
+    result = engine.generate(segments, spec, SamplingParams(max_tokens=1))
     parts = dict(TIMES)
     parts["segments"] = segments_s
     parts["ttft"] = segments_s + result.ttft_s

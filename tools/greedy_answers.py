@@ -42,7 +42,7 @@ def answers(engine_kind: str, prompts: int, chunk_tokens: int, max_new: int) -> 
                 ]
                 for method in METHODS:
                     segments = engine.rag_segments(case.question, refs, method)
-                    result = engine.generate(segments, method, SamplingParams(max_new_tokens=max_new))
+                    result = engine.generate(segments, method, SamplingParams(max_tokens=max_new))
                     out[method].append(list(result.token_ids))
                 print(f"case {case.case_id}: {out['cacheblend'][-1][:8]}", file=sys.stderr)
         finally:

@@ -53,7 +53,7 @@ def measure(args: argparse.Namespace) -> dict:
         except TypeError:  # a checkout from before the engine took its settings as a value
             engine = Engine(None, Path(tmp) / "kv", kv_dtype="float16")
         refs = [ChunkRef(ids) for ids in chunks_of(engine.model.tokenizer, args.chunks, args.chunk_tokens)]
-        one = SamplingParams(max_new_tokens=1)
+        one = SamplingParams(max_tokens=1)
         for _ in range(2):  # computes and stores the chunk KV, then reads it into the RAM tier
             engine.generate(engine.rag_segments(QUESTION, refs, args.method), args.method, one)
         samples = []

@@ -6,6 +6,10 @@ recompute is free when one layer's recompute takes as long as one layer's load, 
 device), ``r_floor`` (default: the default ratio, 0.15) keeps quality. For a fixed r it can also rank tiers
 by storage cost and pick the cheapest one whose load still hides behind the recompute.
 
+A request's tier is where its chunks live (:func:`~.spec.choose_ratio`): the disk for chunks a store keeps,
+whichever of its tiers a read hits (the RAM tier holds what ran lately, so a ratio matched to it would
+depend on what ran before the request, not on the request), RAM only for KV a caller holds in memory.
+
 The profile (``cacheblend-rag profile``) holds the time of one layer of full prefill at several context
 lengths and the load throughput of each tier; it is saved as JSON under the settings home, keyed by model
 fingerprint and device.

@@ -17,9 +17,7 @@ projection and one MLP, each attends over its own cache (:mod:`.layers`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 from torch.profiler import record_function
@@ -27,8 +25,16 @@ from torch.profiler import record_function
 from ..errors import ContextLengthError, FusionInputError
 from ..models.attention import AttentionMask
 from ..models.fused import fused_weights
-from ..models.runtime import KVCache, LayerwiseModel
-from .context import SharedContext
+from ..models.runtime import LayerwiseModel
+from .fusion import (
+    AttentionObserver,
+    FusionPath,
+    FusionRequest,
+    FusionResult,
+    FusionRoute,
+    PendingKV,
+    RoundShare,
+)
 from .layers import LayerPass, run_layer
 from .methods import FullReuse, RecomputeMethod
 from .placement import CachedPlacement
@@ -36,144 +42,19 @@ from .plan import FusionPlan, LayerState
 from .probe import ProbePass, ProbeResult
 from .segments import DirectLayerKV, LayerKVProvider, Segment, kv_sources
 from .shift import ChunkShift
-from .static import EAGER_STEPS, LayerHook, compiled_steps, static_fusion
+from .static import EAGER_STEPS, LayerHook, StaticFusion, compiled_steps
 from .static_graph import GRAPHS, FusionGraphs
 
-# Called at every layer with (layer, query positions, q [1, H, S, d], keys [1, Hkv, T, d], mask): lets
-# diagnostics look at attention without a second code path.
-AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask], None]
-
-
-@dataclass(frozen=True)
-class RoundShare:
-    """A request's part in a round (:mod:`.round`): its chunks' KV came from one blend made for every
-    request of the round, counted here apart from what the request computed itself."""
-
-    requests: int  # requests that share the round's blend
-    shared_tokens: int  # this prompt's tokens whose KV is the round's blend
-    round_recomputed_tokens: int  # cached tokens the round recomputed, once for all its requests
-    recompute_ratio: float  # the round's share of its cached tokens recomputed
-    seconds: float  # the round's probe and blend (paid once, before any of its requests)
-
-
-class PendingKV(Protocol):
-    """Part of a prompt's KV not yet in its fusion's buffer (a round's chunks, kept once in the round's
-    cache): written, when needed, into whatever holds the prompt's KV."""
-
-    spans: list[tuple[int, int]]  # the prompt positions it writes
-
-    def write(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], row: int) -> None:
-        """Write them into row ``row`` of per-layer buffers [rows, Hkv, capacity, d]."""
-        ...
-
-
-@dataclass
-class FusionResult:
-    """The fused cache (positions 0..T-1 filled), next-token logits and what it cost."""
-
-    buffer: KVCache  # the prompt's KV as the fusion wrote it; read it as ``cache``
-    logits: torch.Tensor  # [vocab] float32, for the token after the prompt
-    plan: FusionPlan
-    selected: torch.Tensor  # positions recomputed at the last layer
-    qkv_tokens_per_layer: list[int] = field(default_factory=list)
-    attended_tokens_per_layer: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-    load_wait_s: float = 0.0
-    probe_token_layers: int = 0  # fresh-text token-layers of the query probe (0 when none ran)
-    # set when the prompt's chunks came blended from a round shared with other requests (blend/round.py)
-    round: RoundShare | None = None
-    # positions of ``buffer`` still to be written (blend/round_members.py); ``cache`` writes them first
-    pending: PendingKV | None = None
-    # a round member's prompt as it lies in the round's cache, which its decoding may read in place
-    # instead of a copy of it (blend/context.py)
-    context: SharedContext | None = None
-
-    @property
-    def cache(self) -> KVCache:
-        """The prompt's KV, positions 0..T-1 (a pending part written into the buffer first)."""
-        if self.pending is not None:
-            self.pending.write(self.buffer.keys, self.buffer.values, 0)
-            self.pending = None
-        return self.buffer
-
-    def write_into(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], row: int) -> None:
-        """Copy the prompt's KV (positions 0..T-1) into row ``row`` of per-layer buffers [rows, Hkv,
-        capacity, d] (a decode batch); a pending part goes there straight from where it is kept."""
-        n = self.num_tokens
-        spans = [(0, n)]
-        if self.pending is not None:
-            spans, start = [], 0
-            for s, e in sorted(self.pending.spans):
-                if s > start:
-                    spans.append((start, s))
-                start = e
-            if start < n:
-                spans.append((start, n))
-        for layer in range(len(keys)):
-            for s, e in spans:
-                keys[layer][row, :, s:e] = self.buffer.keys[layer][0, :, s:e]
-                values[layer][row, :, s:e] = self.buffer.values[layer][0, :, s:e]
-        if self.pending is not None:
-            self.pending.write(keys, values, row)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.plan.num_tokens
-
-    @property
-    def reused_tokens(self) -> int:
-        """Cached-chunk tokens whose KV was kept at the last layer."""
-        recomputed = torch.zeros(self.plan.num_tokens, dtype=torch.bool)
-        recomputed[self.selected] = True
-        return int((self.plan.cached_mask & ~recomputed).sum())
-
-    @property
-    def computed_tokens(self) -> int:
-        return self.plan.num_tokens - self.reused_tokens
-
-    @property
-    def kept_per_segment(self) -> tuple[int, ...]:
-        """Per segment, its tokens whose cached KV was kept at the last layer (0 for fresh text)."""
-        kept = self.plan.cached_mask.clone()
-        kept[self.selected] = False
-        return tuple(int(kept[s:e].sum()) for s, e in self.plan.spans)
-
-    @property
-    def recompute_ratio(self) -> float:
-        """Share of the cached tokens that are worth recomputing (not exact) recomputed at the last layer."""
-        blended = self.plan.cached_mask & ~self.plan.exact_mask
-        total = int(blended.sum())
-        if total == 0:
-            # every chunk came blended from a round: the round's share is the one that was applied
-            return self.round.recompute_ratio if self.round is not None else 1.0
-        return float(blended[self.selected].sum()) / total
-
-    @property
-    def compute_fraction(self) -> float:
-        """Attention+MLP token-layers done (the query probe's included), relative to a full prefill of
-        the same prompt (which, like a fusion, attends only the last token at the last layer)."""
-        attended = self.attended_tokens_per_layer
-        n = self.plan.num_tokens
-        full = n * (len(attended) - 1) + (1 if attended and attended[-1] == 1 else n)
-        return (sum(attended) + self.probe_token_layers) / full
-
-
-@dataclass
-class FusionRequest:
-    """One prompt to fuse: its segments, the method, where its cached layers come from (default: direct
-    reads), decode room to leave in its cache and an optional attention observer."""
-
-    segments: list[Segment]
-    method: RecomputeMethod
-    kv_provider: LayerKVProvider | None = None
-    extra_capacity: int = 0
-    observer: AttentionObserver | None = None
-    # the question's attention per prompt position ([T] attention, [T] contribution), found elsewhere
-    # (a round scores its chunks for all its requests at once): no probe runs, the method gets these
-    query_scores: tuple[torch.Tensor, torch.Tensor] | None = None
-    # fresh tokens the query probe reads after the prompt, never fused (a round's questions, blend/round.py)
-    probe_suffix: tuple[int, ...] = ()
-
+__all__ = [
+    "AttentionObserver",
+    "FusionPath",
+    "FusionRequest",
+    "FusionResult",
+    "FusionRoute",
+    "Fusor",
+    "PendingKV",
+    "RoundShare",
+]
 
 # the method a probe-only run carries (it never selects: the probe computes the fresh text alone)
 _PROBE_ONLY = FullReuse()
@@ -182,12 +63,15 @@ _PROBE_ONLY = FullReuse()
 class Fusor:
     """Applies :class:`RecomputeMethod` s layer by layer on a :class:`LayerwiseModel`.
 
-    ``static``: fuse one request at a time by the static steps (blend/static.py), which the host queues
-    without reading anything back; by default where the model runs on an accelerator, the module-by-module
-    layer passes on the CPU (where they are faster). ``compile_mode``: the static steps under
-    ``torch.compile`` in that mode (:func:`~.static.compiled_steps`; None: as they are), or "graphs": each
-    static fusion replayed as a CUDA graph per size bucket (:mod:`.static_graph`). ``layer_hook`` is
-    called before each layer of a static fusion (and with -1 after its logits)."""
+    Each request is routed once (:meth:`route`): its plan built, and where the fusor runs the static steps
+    and the method has a static selection, that selection built, so the request takes the static steps
+    (blend/static.py: queued by the host without reading anything back); otherwise the module-by-module
+    layer passes, several requests in one pass. ``static``: whether the static steps run (default: where
+    the model runs on an accelerator; the layer passes are faster on the CPU); the model's layer weights
+    are packed for them here, once. ``compile_mode``: the static steps under ``torch.compile`` in that
+    mode (:func:`~.static.compiled_steps`; None: as they are), or "graphs": each static fusion replayed as
+    a CUDA graph per size bucket (:mod:`.static_graph`). ``layer_hook`` is called before each layer of a
+    static fusion (and with -1 after its logits)."""
 
     def __init__(
         self,
@@ -198,9 +82,11 @@ class Fusor:
     ) -> None:
         self.model = model
         self.static = model.device.type != "cpu" if static is None else static
+        # packed when the engine is built, not while a request waits (None: a model the steps cannot run)
+        self.weights = fused_weights(model) if self.static else None
         # "graphs": each static fusion's compute replayed as one CUDA graph per bucket (static_graph.py);
         # any other mode compiles the steps (torch.compile's modes)
-        self.graphs = FusionGraphs(model) if compile_mode == GRAPHS else None
+        self.graphs = FusionGraphs(model) if compile_mode == GRAPHS and self.weights is not None else None
         self.steps = compiled_steps(compile_mode) if compile_mode not in (None, GRAPHS) else EAGER_STEPS
         self.layer_hook = layer_hook
 
@@ -226,6 +112,23 @@ class Fusor:
                 f"prompt of {total} tokens exceeds the model's context of {shape.max_context}"
             )
 
+    def route(self, request: FusionRequest) -> FusionRoute:
+        """How ``request`` is fused, decided once: the static steps where this fusor runs them and they
+        cover the request (no attention observer, no scores or probe suffix from a round, a method with a
+        static selection), else the layer passes. Bad input raises here."""
+        self.validate(request.segments)
+        plan = FusionPlan.from_segments(request.segments, logits=request.logits)
+        # the static steps always end in the last token's logits
+        if self.weights is None or request.observer is not None or not request.logits:
+            return FusionRoute(request, plan, FusionPath.LAYERS)
+        if request.query_scores is not None or request.probe_suffix:
+            return FusionRoute(request, plan, FusionPath.LAYERS)
+        selection = request.method.static_selection(plan, self.model.num_layers)
+        if selection is None:
+            return FusionRoute(request, plan, FusionPath.LAYERS)
+        path = FusionPath.GRAPHS if self.graphs is not None else FusionPath.STATIC
+        return FusionRoute(request, plan, path, selection)
+
     def fuse(
         self,
         segments: list[Segment],
@@ -238,20 +141,37 @@ class Fusor:
         The returned cache has room for ``extra_capacity`` more tokens (the decode budget)."""
         return self.fuse_many([FusionRequest(segments, method, kv_provider, extra_capacity, observer)])[0]
 
-    @torch.inference_mode()
     def fuse_many(
         self, requests: Sequence[FusionRequest], also: Sequence[LayerPass] = ()
     ) -> list[FusionResult]:
-        """Fuse several prompts together: at every layer, one q/k/v projection and one MLP over the tokens
-        all of them compute, attention per prompt. Each result equals fusing its prompt alone. ``also``:
-        passes of the caller's (a round's members, blend/round_members.py) run in the same layers."""
-        for request in requests:
-            self.validate(request.segments)
-        if self.static and len(requests) == 1 and not also:
-            fused = self._fuse_static(requests[0])
-            if fused is not None:
-                return [fused]
-        runs = [_Run(self, request) for request in requests]
+        """:meth:`fuse_routes` of ``requests`` routed (:meth:`route`)."""
+        return self.fuse_routes([self.route(request) for request in requests], also)
+
+    @torch.inference_mode()
+    def fuse_routes(
+        self, routes: Sequence[FusionRoute], also: Sequence[LayerPass] = ()
+    ) -> list[FusionResult]:
+        """Fuse each route on its path, results in order: each static one by the static steps; the others
+        together, at every layer one q/k/v projection and one MLP over the tokens all of them compute,
+        attention per prompt. Each result equals fusing its prompt alone. ``also``: passes of the caller's
+        (a round's members, blend/round_members.py) run in the same layers. Every route's loader is
+        closed once it ran (or failed)."""
+        results: dict[int, FusionResult] = {}
+        layered = [i for i, route in enumerate(routes) if not route.static]
+        try:
+            for i, route in enumerate(routes):
+                if route.static:
+                    results[i] = self._fuse_static(route)
+            if layered or also:
+                runs = [_Run(self, routes[i]) for i in layered]
+                results.update(zip(layered, self._fuse_layers(runs, also), strict=True))
+        finally:
+            for route in routes:
+                if route.request.kv_provider is not None:
+                    route.request.kv_provider.close()
+        return [results[i] for i in range(len(routes))]
+
+    def _fuse_layers(self, runs: list[_Run], also: Sequence[LayerPass]) -> list[FusionResult]:
         model = self.model
         try:
             probes = {id(run): run.probe_pass() for run in runs if run.wants_probe}
@@ -268,29 +188,24 @@ class Fusor:
                 run.provider.close()
         return [run.result() for run in runs]
 
-    def runs_static(self, segments: list[Segment], method: RecomputeMethod, observer=None) -> bool:
-        """Whether :meth:`fuse` takes the static steps for this request (a loader may then serve each
-        layer's chunks joined, :class:`~cacheblend_rag.store.joined.JoinedLayerKV`)."""
-        if not self.static or observer is not None or fused_weights(self.model) is None:
-            return False
-        plan = FusionPlan.from_segments(segments)
-        return method.static_selection(plan, self.model.num_layers) is not None
-
-    def _fuse_static(self, request: FusionRequest) -> FusionResult | None:
-        """``request`` by the static steps, or None where it needs the layer passes (an observer, scores
-        or a suffix from a round, a method or model the steps do not cover)."""
-        if request.observer is not None or request.query_scores is not None or request.probe_suffix:
-            return None
+    def _fuse_static(self, route: FusionRoute) -> FusionResult:
+        """``route`` by the static steps (its plan and selection as routed)."""
         started = time.perf_counter()
-        plan = FusionPlan.from_segments(request.segments)
+        request, plan, weights = route.request, route.plan, self.weights
+        assert route.selection is not None and weights is not None
         provider = request.kv_provider or DirectLayerKV(kv_sources(request.segments))
-        fusion = static_fusion(
-            self.model, plan, request.method, provider, request.extra_capacity, self.layer_hook, self.steps
+        shifts = request.method.shifts_chunks() and bool(plan.chunk_spans())
+        fusion = StaticFusion(
+            self.model,
+            weights,
+            plan,
+            route.selection,
+            provider,
+            request.extra_capacity,
+            shifts,
+            self.layer_hook,
+            self.steps,
         )
-        if fusion is None:
-            if request.kv_provider is None:
-                provider.close()
-            return None
         try:
             logits, selected, cache = fusion.run() if self.graphs is None else self.graphs.run(fusion)
         finally:
@@ -308,13 +223,13 @@ class Fusor:
             seconds=time.perf_counter() - started,
             load_wait_s=fusion.load_wait,
             probe_token_layers=fusion.probe_token_layers,
+            path=route.path,
         )
 
     @torch.inference_mode()
     def probe(self, segments: list[Segment], kv_provider: LayerKVProvider | None = None) -> ProbeResult:
         """Only the query probe of ``segments`` (:mod:`.probe`): where their question looks."""
-        self.validate(segments)
-        run = _Run(self, FusionRequest(segments, _PROBE_ONLY, kv_provider))
+        run = _Run(self, self.route(FusionRequest(segments, _PROBE_ONLY, kv_provider)))
         probe = run.probe_pass()
         try:
             _run_probes(self.model, [probe])
@@ -346,12 +261,13 @@ def _run_probes(model: LayerwiseModel, probes: list[ProbePass]) -> None:
 class _Run:
     """One prompt's fusion as a :class:`~.layers.LayerPass`: its plan, cache and selected positions."""
 
-    def __init__(self, fusor: Fusor, request: FusionRequest) -> None:
+    def __init__(self, fusor: Fusor, route: FusionRoute) -> None:
         self.started = time.perf_counter()
         self.fusor, self.model = fusor, fusor.model
-        self.method, self.observer = request.method, request.observer
+        request = route.request
+        self.method, self.observer, self.logits = request.method, request.observer, request.logits
         segments = request.segments
-        self.plan = plan = FusionPlan.from_segments(segments)
+        self.plan = plan = route.plan
         self.provider = request.kv_provider or DirectLayerKV(kv_sources(segments))
         self.spans = plan.cached_spans()
         # every slot 0..n-1 is written before attention reads it (placed or recomputed), decode slots too
@@ -400,6 +316,8 @@ class _Run:
             plan.query_attention, plan.query_contribution = self.query_scores
         selected = self.method.layer0_positions(plan).to(model.device)
         self.fusor._check_selection(plan, selected, None)
+        if not selected.numel():  # (only without logits and fresh text): a layer needs a row to run
+            selected = torch.tensor([plan.num_tokens - 1], device=model.device)
         self.hidden = model.embed(plan.token_ids[selected.cpu()][None]).to(model.dtype)
         self._select(selected)
 
@@ -435,6 +353,8 @@ class _Run:
             )
             narrowed = self.method.select(state).to(self.model.device)
             self.fusor._check_selection(plan, narrowed, selected)
+            if not narrowed.numel():  # (as at layer 0)
+                narrowed = selected[-1:]
         # what the recomputed rows changed, onto the rest of their chunks (when any of them is kept)
         if self.shift is not None and self.keeps_cached:
             self.shift.apply(cache.keys[layer][0], cache.values[layer][0], selected, k[0], v[0])
@@ -461,7 +381,8 @@ class _Run:
         return self.model.attend(q, keys, values, mask)
 
     def result(self) -> FusionResult:
-        logits = self.model.logits(self.hidden[:, -1])[0]  # the last prompt token is always selected
+        # the last prompt token is always selected where logits are wanted
+        logits = self.model.logits(self.hidden[:, -1])[0] if self.logits else torch.empty(0)
         self.cache.length = self.plan.num_tokens
         return FusionResult(
             buffer=self.cache,

@@ -17,7 +17,7 @@ class FusionPlan:
     segments: list[Segment]
     token_ids: torch.Tensor  # [T]
     cached_mask: torch.Tensor  # [T] bool: position belongs to a cached segment
-    must_compute: torch.Tensor  # [T] bool: fresh text plus the last prompt token
+    must_compute: torch.Tensor  # [T] bool: fresh text plus the last prompt token (unless no logits)
     spans: list[tuple[int, int]]  # [start, end) of every segment
     exact_mask: torch.Tensor  # [T] bool: cached with the prompt's own KV (never worth recomputing)
     # Attention the question paid each position in the query probe ([T]); set by the fusor before
@@ -30,7 +30,11 @@ class FusionPlan:
     probe_logits: torch.Tensor | None = None
 
     @classmethod
-    def from_segments(cls, segments: list[Segment]) -> FusionPlan:
+    def from_segments(cls, segments: list[Segment], *, logits: bool = True) -> FusionPlan:
+        """The layout of ``segments``. ``logits``: whether the next token's logits are wanted, which
+        needs the last token computed at every layer; without them (a round's blend, whose members
+        compute their own) a cached last token is a candidate like any other, so the blend's budget is
+        the one each member would get alone."""
         if not segments or sum(len(s) for s in segments) == 0:
             raise FusionInputError("nothing to fuse: the prompt has no tokens")
         # per-token flags from Python lists: one tensor each, whatever the number of segments
@@ -43,8 +47,9 @@ class FusionPlan:
         cached = torch.tensor(cached_flags, dtype=torch.bool)
         exact = torch.tensor(exact_flags, dtype=torch.bool)
         must = ~cached
-        must[-1] = True  # next-token logits need the last token's hidden state at every layer
-        exact[-1] = False
+        if logits:
+            must[-1] = True  # next-token logits need the last token's hidden state at every layer
+            exact[-1] = False
         ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long)
         return cls(segments, ids, cached, must, spans, exact)
 

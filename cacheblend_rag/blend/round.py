@@ -15,7 +15,8 @@ places, probes and recomputes the same chunks N times. A round does that once:
    for the round (the sum of its questions' attention) and the budget is r of the round's cached tokens,
    not r per request;
 3. the round's prompt is fused once (that probe as its own: the chunks placed once, by the probe), into a
-   cache with room for every member's own tokens after it;
+   cache with room for every member's own tokens after it; without logits (each member computes its own),
+   so its last token, a chunk's, is not recomputed unless selected, as in each member's own prompt;
 4. every request is then computed over that one cache (:mod:`.round_members`): its own text (before,
    between or after the chunks) with exact attention over the round's blended chunks, marked exact so
    nothing in them is recomputed again. A member whose chunks all sit at one shift from the round's
@@ -44,7 +45,7 @@ from dataclasses import replace
 import torch
 
 from ..models.rope import Rope
-from .fusor import FusionRequest, FusionResult, Fusor, RoundShare
+from .fusor import FusionRequest, FusionResult, FusionRoute, Fusor, RoundShare
 from .methods import RoundSharing
 from .plan import FusionPlan
 from .probe import query_positions
@@ -90,11 +91,12 @@ def plan_rounds(requests: Sequence[FusionRequest]) -> list[list[int]]:
 
 
 def fuse_round(
-    fusor: Fusor, requests: Sequence[FusionRequest], provider_for: ProviderFactory = DirectLayerKV
+    fusor: Fusor, routes: Sequence[FusionRoute], provider_for: ProviderFactory = DirectLayerKV
 ) -> list[FusionResult]:
-    """Fuse ``requests`` together, each round of them (:func:`plan_rounds`) sharing one blend of its
-    chunks; results in order, each carrying its :class:`RoundShare` when it had one."""
-    jobs: dict[int, FusionRequest] = dict(enumerate(requests))  # fused as requests of their own
+    """Fuse the routed requests together, each round of them (:func:`plan_rounds`) sharing one blend of
+    its chunks; results in order, each carrying its :class:`RoundShare` when it had one."""
+    requests = [route.request for route in routes]
+    jobs: dict[int, FusionRoute] = dict(enumerate(routes))  # fused as requests of their own
     passes: list[tuple[MembersPass, list[int]]] = []
     shares: dict[int, RoundShare] = {}
     try:
@@ -105,7 +107,7 @@ def fuse_round(
             if joined is not None:
                 passes.append((joined, [members[j] for j in range(len(members)) if j not in apart]))
             for j, (job, share) in apart.items():
-                jobs[members[j]], shares[members[j]] = job, share
+                jobs[members[j]], shares[members[j]] = fusor.route(job), share
     except BaseException:
         for members_pass, _ in passes:
             members_pass.close()
@@ -115,12 +117,12 @@ def fuse_round(
     if order or passes:
         # a request fused on its own gets its loader only now: one made for every request up front
         # would read layers of chunks the round serves (the members' are never asked for)
-        own = [_with_provider(jobs[i], provider_for) for i in order]
+        own = [replace(jobs[i], request=_with_provider(jobs[i].request, provider_for)) for i in order]
         try:
-            fused = fusor.fuse_many(own, also=[p for p, _ in passes])
+            fused = fusor.fuse_routes(own, also=[p for p, _ in passes])
         except BaseException:
             for job in own:
-                job.kv_provider.close()  # fuse_many closes them once it ran; unrun (invalid) ones here
+                job.request.kv_provider.close()  # closed once run; unrun ones here
             raise
         finally:
             for members_pass, _ in passes:
@@ -160,7 +162,9 @@ def _blend_round(
     # the lead's own loader serves exactly these cached segments, in order
     provider = lead.kv_provider if lead.kv_provider is not None else provider_for(sources)
     room = sum(found[2].numel() for found in joining.values())  # the joining members' own tokens
-    request = FusionRequest(segments, lead.method, provider, room, probe_suffix=questions)
+    # no logits: the blend's last token is a chunk's, a candidate like in each member's own prompt, so
+    # the round recomputes as many cached tokens as each member alone would (not one more)
+    request = FusionRequest(segments, lead.method, provider, room, probe_suffix=questions, logits=False)
     try:
         blend = fusor.fuse_many([request])[0]
     except BaseException:

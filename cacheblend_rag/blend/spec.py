@@ -83,6 +83,14 @@ class MethodSpec:
         items = tuple(options.items())
         return MethodSpec(_label(self.method_class, items), self.name, items)
 
+    def with_options(self, options: Mapping[str, Any]) -> MethodSpec:
+        """This spec with ``options`` set over its own (checked by the method)."""
+        if not options:
+            return self
+        merged = {**dict(self.options), **options}
+        given = get_method(self.name, **merged).spec_options(merged)
+        return MethodSpec(_label(self.method_class, given), self.name, given)
+
     @property
     def method_class(self) -> type[RecomputeMethod]:
         return method_class(self.name)
@@ -217,10 +225,15 @@ def resolve_method(
 
 
 def choose_ratio(controller: LoadingController, segments: Sequence[Segment]) -> Decision:
-    """The controller's ratio for a prompt: matched to the slowest tier its chunks load from."""
+    """The controller's ratio for a prompt: matched to the tier where its chunks' KV lives, the disk for
+    KV a store keeps (read from any of its tiers, or computed for this request and stored), RAM only
+    for KV the caller holds in memory. Not the tier a read happens to hit: the RAM tier holds what ran
+    lately, so the same request would get another ratio before and after another one ran."""
     sources = kv_sources(segments)
     cached = sum(source.num_tokens for source in sources)
-    # the controller profiles RAM and disk; a remote chunk loads at least as slowly as one from disk
-    slow = ("disk", "remote")
-    tier = "disk" if any(getattr(source, "tier", "ram") in slow for source in sources) else "ram"
-    return controller.choose(cached, sum(len(s) for s in segments), tier)
+    # a store's sources name their tier (RAM, disk, remote); the controller profiles RAM and disk, and a
+    # remote chunk loads at least as slowly as one from disk. (A template's opening, exact, is held in
+    # memory once read or computed: it says nothing of where the chunks live.)
+    chunks = [s for s in segments if s.is_cached and not s.exact]
+    stored = any(hasattr(s.kv, "tier") or s.computed for s in chunks)
+    return controller.choose(cached, sum(len(s) for s in segments), "disk" if stored else "ram")

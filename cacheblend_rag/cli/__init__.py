@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -34,6 +35,28 @@ app.command("gpu-check", context_settings=GPU_CHECK_SETTINGS)(gpu_check_command)
 app.command("tune")(tune_command)
 app.command("check")(check_command)
 app.command("serve")(serve)
+
+
+def flowed(text: str) -> str:
+    """``text`` with its paragraphs' line breaks made spaces: in Rich markup mode Typer keeps a docstring's
+    single line breaks, so a command list and a help page broke sentences where the source lines end (``A
+    file that`` / ``cannot be read``); flowed, Rich wraps them at words to the terminal's width."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in paragraphs)
+
+
+def _flow_help(typer_app: typer.Typer) -> None:
+    """Give every command of ``typer_app`` and of its sub-apps its docstring flowed as its help."""
+    for info in typer_app.registered_commands:
+        text = info.help or (info.callback.__doc__ if info.callback else None)
+        if text:
+            info.help = flowed(text)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _flow_help(group.typer_instance)
+
+
+_flow_help(app)
 
 
 @app.callback()

@@ -66,9 +66,11 @@ def query_batch_command(
     try:
         questions = read_questions(batch)
         rag = CacheBlendRAG(corpus, model=model, engine_kind=engine_kind, config=settings)
-        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature)
         started = time.perf_counter()
-        results = rag.query_batch(questions, top_k, method, ratio, chunk_ids, sampling)
+        results = rag.query_batch(
+            questions, top_k=top_k, method=method, ratio=ratio, chunk_ids=chunk_ids, sampling=sampling
+        )
         seconds = time.perf_counter() - started
     except (CacheBlendError, ValueError) as exc:
         print_error(err_console, exc)

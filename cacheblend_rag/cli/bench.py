@@ -13,6 +13,7 @@ from rich.console import Console
 from ..errors import CacheBlendError
 from .eval import parse_list, settings_prefix
 from .output import print_error, shown
+from .progress import ProgressReporter
 
 err_console = Console(stderr=True)
 
@@ -39,7 +40,7 @@ def bench_command(
         typer.Option(
             "--only",
             help="Comma-separated sections (ttft, prefill, store, deviation, ingest, throughput, round, "
-            "serve; codec, and vllm, which needs the [vllm] extra, run only when named); the others are "
+            "serve; codec, and vllm, which needs the \\[vllm] extra, run only when named); the others are "
             "kept from OUT's results.",
         ),
     ] = None,
@@ -103,10 +104,17 @@ def bench_command(
         config = BenchConfig.quick_config(**overrides) if quick else BenchConfig(**overrides)
         previous = load_previous(results_path, quick)
 
-        def progress(name: str, state: str) -> None:
-            err_console.print(f"bench section {name}: {state}", highlight=False)
+        with ProgressReporter(err_console) as progress:
 
-        results = run_bench(config, previous=previous, command=command, on_section=progress)
+            def on_section(name: str, state: str) -> None:
+                # a section reports no count: its line says it runs, every so often, until it is done
+                stage = f"bench section {name}"
+                if state == "start":
+                    progress.update(stage, 0)
+                else:
+                    progress.finish(stage)
+
+            results = run_bench(config, previous=previous, command=command, on_section=on_section)
     except (CacheBlendError, ValueError) as exc:
         print_error(err_console, exc)
         raise typer.Exit(1) from exc

@@ -13,9 +13,10 @@ from rich.table import Table
 from ..config import DECISIVE_MARGIN, DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
 from .output import print_error, shown
+from .progress import ProgressReporter
 
 if TYPE_CHECKING:
-    from ..eval.records import CaseRecord, EvalResults
+    from ..eval.records import EvalResults
 
 console = Console()
 err_console = Console(stderr=True)
@@ -149,7 +150,6 @@ def eval_command(
     from ..eval.headline import HEADLINE_SECTION, render_headline
     from ..eval.markdown import update_markdown
     from ..eval.report import eval_section_name, plot_quality_vs_ttft, render_eval
-    from ..eval.summary import REFERENCE
     from ..eval.variants import CHUNK_CONTEXTS
     from ..settings import get_settings
 
@@ -209,16 +209,8 @@ def eval_command(
             decisive_margin=decisive_margin,
         )
 
-        def progress(done: int, total: int, record: CaseRecord) -> None:
-            reference = record.methods.get(REFERENCE)
-            ttft = reference.ttft_s if reference is not None else float("nan")
-            err_console.print(
-                f"[{done}/{total}] case {shown(record.id)}: {record.prompt_tokens} prompt tokens, "
-                f"full_recompute TTFT {ttft:.2f} s",
-                highlight=False,
-            )
-
-        results = run_eval(config, on_case=progress)
+        with ProgressReporter(err_console, {"cases": "eval (cases)"}) as progress:
+            results = run_eval(config, on_case=lambda done, total, _: progress.update("cases", done, total))
         if plot is not None:
             plot_quality_vs_ttft(results, plot)
         if markdown is not None:

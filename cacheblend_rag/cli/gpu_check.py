@@ -14,6 +14,6 @@ def gpu_check_command(ctx: typer.Context) -> None:
     options)."""
     from ..eval.gpu.check import main
 
-    code = main(list(ctx.args))
+    code = main(list(ctx.args), prog="cacheblend-rag gpu-check")
     if code:
         raise typer.Exit(code)

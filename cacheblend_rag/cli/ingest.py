@@ -7,12 +7,12 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ..errors import CacheBlendError
 from .output import print_error, shown
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
+from .progress import ProgressReporter
 
 console = Console()
 err_console = Console(stderr=True)
@@ -58,26 +58,13 @@ def ingest(
     hf_logging.disable_progress_bar()  # our own bars only
     try:
         settings = use_kv_remote(kv_remote)
-        with Progress(
-            TextColumn("{task.description:<24}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=False,
-        ) as bar:
-            tasks: dict[str, TaskID] = {}
-
-            def on_progress(stage: str, done: int, total: int) -> None:
-                if stage not in tasks:  # a bar appears when its stage starts
-                    tasks[stage] = bar.add_task(_STAGE_LABELS.get(stage, stage), total=total)
-                bar.update(tasks[stage], completed=done, total=total)
-
+        # a bar (or, when stderr is not a terminal, progress lines) for each stage as it starts
+        with ProgressReporter(err_console, _STAGE_LABELS) as progress:
             summary = run_ingest(
                 paths,
                 corpus,
                 model=model,
-                progress=on_progress,
+                progress=progress.update,
                 chunk_tokens=chunk_tokens,
                 index_type=index,
                 precompute_kv=not no_kv,

@@ -51,7 +51,7 @@ def query(
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
     model: Annotated[str | None, typer.Option("--model", help="Model (default: the corpus's).")] = None,
     engine: Annotated[
-        str | None, typer.Option("--engine", help="torch (default) or vllm (needs the [vllm] extra).")
+        str | None, typer.Option("--engine", help="torch (default) or vllm (needs the \\[vllm] extra).")
     ] = None,
     batch: Annotated[
         Path | None,
@@ -109,8 +109,10 @@ def query(
         return
     try:
         rag = CacheBlendRAG(corpus, model=model, engine_kind=engine, config=settings)
-        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=temperature)
-        handle = rag.stream(question, top_k, method, ratio, chunk_id, sampling)
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+        handle = rag.stream(
+            question, top_k=top_k, method=method, ratio=ratio, chunk_ids=chunk_id, sampling=sampling
+        )
         for event in handle:
             if stream and not as_json:
                 sys.stdout.write(event.text)

@@ -15,6 +15,7 @@ from ..errors import CacheBlendError, StoreError
 from ..settings import Settings, get_settings
 from .output import print_error, shown
 from .overrides import KV_REMOTE_OPTION, use_kv_remote
+from .progress import ProgressReporter
 
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the chunk KV store (DIR/kv).")
 console = Console()
@@ -212,7 +213,15 @@ def recode(
 
     try:
         settings = use_kv_remote(kv_remote)
-        report = recode_corpus(corpus, kv_dtype, settings.kv_dtype, settings.kv_remote)
+        # progress on stderr: stdout holds the report (--json)
+        with ProgressReporter(Console(stderr=True), {"chunks": "recode (chunks)"}) as progress:
+            report = recode_corpus(
+                corpus,
+                kv_dtype,
+                settings.kv_dtype,
+                settings.kv_remote,
+                progress=lambda done, total: progress.update("chunks", done, total),
+            )
     except (CacheBlendError, ValueError) as exc:
         print_error(console, exc)
         raise typer.Exit(1) from exc

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -12,9 +12,7 @@ from ..config import DEFAULT_CHUNK_TOKENS
 from ..errors import CacheBlendError
 from .eval import command_line
 from .output import print_error, shown
-
-if TYPE_CHECKING:
-    from ..eval.records import CaseRecord
+from .progress import ProgressReporter
 
 err_console = Console(stderr=True)
 
@@ -79,10 +77,8 @@ def tune_command(
             command=command,
         )
 
-        def progress(done: int, total: int, record: CaseRecord) -> None:
-            err_console.print(f"[{done}/{total}] case {shown(record.id)}", highlight=False)
-
-        results = run_eval(config, on_case=progress)
+        with ProgressReporter(err_console, {"cases": "tune (cases)"}) as progress:
+            results = run_eval(config, on_case=lambda done, total, _: progress.update("cases", done, total))
         body = render_tune(results)
         if markdown is not None:
             update_markdown(markdown, tune_section_name(results), body)

@@ -17,7 +17,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -42,9 +42,9 @@ from ..store.shared import KVStoreOptions, acquire_store, release_store
 from ..text.chunker import Chunk, Chunker, validate_chunk_id
 from ..text.document import Document
 from . import index as vector_index
-from .chunkdb import DB_NAME, ChunkDB, ChunkRow, FileChanges
+from .chunkdb import DB_NAME, ChunkDB, FileChanges
 from .context import new_chunk_context, upgrade_format
-from .documents import MAX_TOP_K, DocumentSet
+from .documents import DocumentSet
 from .embedder import EmbedderLike, embedder_sha256, get_embedder, loadable_name
 from .manifest import (
     FORMAT_VERSION,
@@ -53,9 +53,16 @@ from .manifest import (
     check_compatible,
     check_embedder,
     check_new_corpus_dir,
-    format_for,
     legacy_codec,
     narrow_corpus_dir,
+)
+from .retrieved import (
+    CorpusStats,
+    RetrievedChunk,
+    check_question,
+    check_top_k,
+    embedding_text,
+    retrieved_chunk,
 )
 from .vectors import CorpusVectors
 
@@ -65,51 +72,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Corpus", "CorpusStats", "RetrievedChunk", "check_compatible", "check_new_corpus_dir"]
 
 
-def check_top_k(top_k: object) -> int:
-    """``top_k`` if it is a chunk count retrieval takes (1..MAX_TOP_K; 0 is refused, never "the
-    default"), else :class:`InvalidQueryError` naming it."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= MAX_TOP_K:
-        raise InvalidQueryError(f"top_k must be an integer between 1 and {MAX_TOP_K}, got {top_k!r}")
-    return top_k
-
-
 _EMBED_BATCH = 64
 _CORPUS_DIR_MODE = 0o750  # never world-writable: a corpus's content ends up inside prompts
-
-
-@dataclass(frozen=True)
-class RetrievedChunk:
-    """A chunk as retrieval returns it: stored text and token ids, similarity score, provenance."""
-
-    chunk_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    score: float  # cosine similarity to the question; NaN when the chunk was fetched by id or text
-    title: str | None = None
-    metadata: dict[str, Any] = field(default_factory=dict)
-    kv_key: str = ""
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class CorpusStats:
-    """Counts and settings of a store."""
-
-    corpus_dir: str
-    model: str
-    model_fingerprint: str
-    embedder: str
-    index_type: str
-    chunk_tokens: int
-    files: int
-    documents: int
-    chunks: int
-    tokens: int
-    kv_ready: int
-    index_size: int
 
 
 class Corpus:
@@ -212,19 +176,9 @@ class Corpus:
             except OSError as exc:
                 raise StoreError(f"cannot create corpus directory {corpus_dir}: {exc}") from exc
             narrow_corpus_dir(corpus_dir, _CORPUS_DIR_MODE)
-            manifest = CorpusManifest(
-                model=model.name,
-                model_path=str(model.path),
-                model_fingerprint=model.fingerprint,
-                embedder=embedder.name,
-                embedding_dim=embedder.dim,
-                embedder_sha256=embedder_sha256(embedder),
-                chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS,
-                index_type=index_type or DEFAULT_INDEX_TYPE,
-                chunk_context=context.token_ids,
-                kv_dtype=codec,
-                format_version=format_for(codec),
-            )
+            sizes = (chunk_tokens or DEFAULT_CHUNK_TOKENS, index_type or DEFAULT_INDEX_TYPE)
+            sha = embedder_sha256(embedder)
+            manifest = CorpusManifest.new(model, embedder, sha, *sizes, context.token_ids, codec)
             ChunkDB(corpus_dir / DB_NAME).close()
             manifest.save(corpus_dir)  # last: a folder with a manifest is a complete, empty corpus
         corpus = cls(corpus_dir, manifest, ChunkDB(corpus_dir / DB_NAME), embedder, kv_options)
@@ -364,20 +318,13 @@ class Corpus:
     def search(self, question: str, top_k: int | None = None) -> list[RetrievedChunk]:
         """The ``top_k`` chunks (None: the default) most similar to ``question`` (cosine of embeddings),
         best first."""
-        if not isinstance(question, str) or not question.strip():
-            raise InvalidQueryError("the question is empty")
-        try:
-            question.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidQueryError(
-                f"the question is not valid Unicode: lone surrogate at character {exc.start}"
-            ) from None
+        check_question(question)
         top_k = check_top_k(DEFAULT_TOP_K if top_k is None else top_k)
         query = self.embedder.embed_query(question)
         with self._lock:
             hits = vector_index.search(self.vectors.current(), query, top_k)
         rows = self.db.chunks_by_rows([row for row, _ in hits])
-        return [_retrieved(rows[row], score) for row, score in hits if row in rows]
+        return [retrieved_chunk(rows[row], score) for row, score in hits if row in rows]
 
     def get_chunks(self, chunk_ids: Sequence[str]) -> list[RetrievedChunk]:
         """The chunks with these ids, in the given order. Malformed ids raise ``InvalidChunkIdError``,
@@ -390,14 +337,14 @@ class Corpus:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ChunkNotFoundError(f"no chunk {shown} in corpus {self.corpus_dir}")
-        return [_retrieved(rows[c], math.nan) for c in wanted]
+        return [retrieved_chunk(rows[c], math.nan) for c in wanted]
 
     def find_by_text(self, text: str) -> RetrievedChunk | None:
         """The stored chunk whose text is exactly ``text`` (hash look-up), or None."""
         if not isinstance(text, str) or not text:
             return None
         row = self.db.chunk_by_text(text)
-        return _retrieved(row, math.nan) if row else None
+        return retrieved_chunk(row, math.nan) if row else None
 
     def add_texts(
         self,
@@ -462,7 +409,7 @@ class Corpus:
             }
             for start in range(0, len(fresh), _EMBED_BATCH):
                 batch = fresh[start : start + _EMBED_BATCH]
-                embedded = self.embedder.embed([_embedding_text(*first[cid]) for cid in batch])
+                embedded = self.embedder.embed([embedding_text(*first[cid]) for cid in batch])
                 new_vectors.update(zip(batch, embedded, strict=True))
                 if on_embedded is not None:
                     on_embedded(len(batch))
@@ -497,29 +444,4 @@ class Corpus:
         counts = self.db.counts()
         with self._lock:
             index_size = int(self.vectors.current().ntotal)
-        m = self.manifest
-        return CorpusStats(
-            corpus_dir=str(self.corpus_dir),
-            model=m.model,
-            model_fingerprint=m.model_fingerprint,
-            embedder=m.embedder,
-            index_type=m.index_type,
-            chunk_tokens=m.chunk_tokens,
-            files=counts["files"],
-            documents=counts["documents"],
-            chunks=counts["chunks"],
-            tokens=counts["tokens"],
-            kv_ready=counts["kv_ready"],
-            index_size=index_size,
-        )
-
-
-def _retrieved(row: ChunkRow, score: float) -> RetrievedChunk:
-    return RetrievedChunk(
-        row.chunk_id, row.text, row.token_ids, score, row.title, dict(row.metadata), row.kv_key
-    )
-
-
-def _embedding_text(doc: Document, chunk: Chunk) -> str:
-    # the title gives a chunk cut from the middle of a document the topic its own text may not name
-    return f"{doc.title}\n{chunk.text}" if doc.title else chunk.text
+        return CorpusStats.of(str(self.corpus_dir), self.manifest, counts, index_size)

@@ -59,6 +59,32 @@ class CorpusManifest:
     embedder_sha256: str = ""
 
     @classmethod
+    def new(
+        cls,
+        model: ModelTokenizer,
+        embedder: EmbedderLike,
+        embedder_sha256: str,
+        chunk_tokens: int,
+        index_type: str,
+        chunk_context: tuple[int, ...],
+        kv_dtype: str,
+    ) -> CorpusManifest:
+        """The manifest of a corpus created now with these settings."""
+        return cls(
+            model=model.name,
+            model_path=str(model.path),
+            model_fingerprint=model.fingerprint,
+            embedder=embedder.name,
+            embedding_dim=embedder.dim,
+            embedder_sha256=embedder_sha256,
+            chunk_tokens=chunk_tokens,
+            index_type=index_type,
+            chunk_context=chunk_context,
+            kv_dtype=kv_dtype,
+            format_version=format_for(kv_dtype),
+        )
+
+    @classmethod
     def load(cls, corpus_dir: Path) -> CorpusManifest | None:
         """The manifest of ``corpus_dir``, or None when the folder holds none."""
         path = Path(corpus_dir) / MANIFEST_NAME

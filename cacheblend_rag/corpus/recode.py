@@ -21,6 +21,7 @@ codec a corpus records is the coarsest its KV ever passed through, and that is e
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -74,11 +75,16 @@ class RecodeReport:
 
 
 def recode_corpus(
-    corpus_dir: Path, new_codec: str, fallback_codec: str, remote: str | None = None
+    corpus_dir: Path,
+    new_codec: str,
+    fallback_codec: str,
+    remote: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> RecodeReport:
     """Convert ``corpus_dir``'s chunk KV to ``new_codec`` (see the module docstring). ``fallback_codec``:
     the codec of a corpus whose manifest records none (the kv_dtype setting); ``remote``: the remote tier
-    URL ('' or None: none), whose values are converted too."""
+    URL ('' or None: none), whose values are converted too; ``progress(done, total)``: after each chunk of
+    step 1."""
     corpus_dir = Path(corpus_dir)
     manifest = CorpusManifest.load(corpus_dir)
     if manifest is None:
@@ -104,7 +110,11 @@ def recode_corpus(
                     root, fingerprint, source.shape, target, ram_budget_bytes=0, remote=remote or ""
                 ) as dest,
             ):
-                keys = [_convert(row, source, dest, context, report) for row in rows]
+                keys = []
+                for row in rows:
+                    keys.append(_convert(row, source, dest, context, report))
+                    if progress is not None:
+                        progress(len(keys), len(rows))
             db.set_kv_keys(keys)
             recorded = replace(
                 manifest, kv_dtype=target, format_version=format_for(target, manifest.format_version)

@@ -10,7 +10,6 @@ from ..config import DEFAULT_ENGINE
 from ..errors import EngineClosedError, SchedulerClosedError
 from ..store.kvstore import KVStore
 from .base import (
-    BatchRequest,
     EngineProtocol,
     FusionDiagnostics,
     FusionStats,
@@ -24,6 +23,7 @@ from .decode import DecodeRow
 from .engine import Engine
 from .handles import RequestHandle
 from .prompt import ChunkRef, PromptBuilder, PromptPart
+from .request import EdgeTimings, GenerationRequest
 from .sampling import SamplingParams
 from .scheduler import BatchScheduler, SchedulerStats
 
@@ -52,15 +52,16 @@ def create_engine(
 
 __all__ = [
     "ENGINE_KINDS",
-    "BatchRequest",
     "BatchScheduler",
     "ChunkRef",
     "DecodeRow",
+    "EdgeTimings",
     "Engine",
     "EngineClosedError",
     "EngineProtocol",
     "FusionDiagnostics",
     "FusionStats",
+    "GenerationRequest",
     "GenerationResult",
     "JsonConstraint",
     "PromptBuilder",

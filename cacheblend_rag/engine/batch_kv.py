@@ -117,10 +117,10 @@ class DecodeCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values)) + sum(rounds.values())
 
     @staticmethod
-    def slots_needed(fusion: FusionResult, max_new: int) -> int:
+    def slots_needed(fusion: FusionResult, max_tokens: int) -> int:
         """Slots a fused prompt's row takes: its prompt and the tokens it may feed back, or only those when
         it reads its prompt from a round's cache."""
-        return max_new if fusion.context is not None else fusion.num_tokens + max_new
+        return max_tokens if fusion.context is not None else fusion.num_tokens + max_tokens
 
     def reserve(self, rows: int, capacity: int, keep: int) -> None:
         """Make room for ``rows`` rows of ``capacity`` slots, keeping the first ``keep`` rows' contents.

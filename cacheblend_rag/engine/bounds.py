@@ -8,7 +8,7 @@ within its context, the scheduler's KV budget) are checked once the prompt is bu
 from __future__ import annotations
 
 from ..blend.spec import MethodSpec
-from ..corpus.corpus import check_top_k
+from ..corpus.retrieved import check_top_k
 from ..errors import InvalidQueryError
 from .sampling import SamplingParams
 
@@ -35,7 +35,7 @@ def check_request(
     if max_tokens is not None or temperature is not None or top_p is not None:
         defaults = SamplingParams()
         SamplingParams(  # its own checks, so every entry point words them alike
-            max_new_tokens=defaults.max_new_tokens if max_tokens is None else max_tokens,
+            max_tokens=defaults.max_tokens if max_tokens is None else max_tokens,
             temperature=defaults.temperature if temperature is None else temperature,
             top_p=defaults.top_p if top_p is None else top_p,
         )

@@ -5,16 +5,15 @@ A row is made when its prompt has been fused: :meth:`DecodeRow.start` takes the 
 of the prompt's last token and chooses the first token; each :func:`decode_step` feeds every row's last
 token at its own position in one forward and lets each row choose its next one. Choosing is the one place
 that samples (greedy or seeded), applies a JSON constraint, streams the token's text and ends the answer
-on EOS, a stop string, a complete JSON value or the token budget. :meth:`Engine.stream
-<cacheblend_rag.engine.Engine.stream>` decodes its row alone (:func:`decode_alone`, over the fusion's own
-cache); the :class:`~cacheblend_rag.engine.scheduler.BatchScheduler` decodes its rows together over one
-batch buffer. Either way a greedy answer is the same token for token.
+on EOS, a stop string, a complete JSON value or the token budget. The
+:class:`~cacheblend_rag.engine.scheduler.BatchScheduler` decodes its rows together over one batch buffer;
+a greedy answer is the same token for token whatever else is in the batch.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Generator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
@@ -23,47 +22,41 @@ import torch
 
 from ..blend.context import RoundKV
 from ..blend.fusor import FusionResult
-from ..blend.segments import Segment
-from ..blend.spec import ResolvedMethod
 from ..models.runtime import KVCache, LayerwiseModel
 from .base import FusionDiagnostics, FusionStats, GenerationResult, TokenEvent, fusion_figures
 from .batch_kv import RowContext
 from .constraints import ConstraintState, masked, start_constraint
 from .metrics import continuation_nll
-from .sampling import SamplingParams, make_generator, sample_next
+from .request import AdmittedRequest
+from .sampling import make_generator, sample_next
 from .textstream import TextStream
 
-__all__ = ["DecodeRow", "decode_alone", "decode_step"]
+__all__ = ["DecodeRow", "decode_step"]
 
 
 class DecodeRow:
     """One request being decoded: its prompt and method (for its result), sampling and generator, JSON
-    constraint, text stream (EOS and stop strings), the token fed next and its position, and, while it is
-    decoded alone, its KV (``cache``; a scheduler moves it into its batch buffer and clears it).
+    constraint, text stream (EOS and stop strings), the token fed next and its position, and its fused
+    prompt until a scheduler has moved its KV into the batch buffer (``prompt``).
 
-    ``started``: when the request arrived (its ``ttft_s`` and ``total_s`` count from then). ``emit``
-    receives each token's text as it is chosen; without one, events wait for :meth:`take_events`.
+    ``admitted``: the request (its ``ttft_s`` and ``total_s`` count from its arrival). ``emit`` receives
+    each token's text as it is chosen; without one, events wait for :meth:`take_events`.
     """
 
     def __init__(
         self,
         tokenizer: Any,
         eos_ids: Collection[int],
-        segments: Sequence[Segment],
-        resolved: ResolvedMethod,
-        sampling: SamplingParams,
-        max_new: int,
-        started: float,
+        admitted: AdmittedRequest,
         emit: Callable[[TokenEvent], None] | None = None,
     ) -> None:
-        self.segments = segments
-        self.resolved = resolved
-        self.sampling = sampling
-        self.max_new = max_new
-        self.started = started
-        self.prompt_tokens = sum(len(s) for s in segments)
+        self.admitted = admitted
+        self.segments = admitted.request.segments
+        self.sampling = sampling = admitted.request.sampling
+        self.max_tokens = max_tokens = admitted.max_tokens
+        self.prompt_tokens = admitted.request.prompt_tokens
         self.generator = make_generator(sampling)
-        self.text = TextStream(tokenizer, eos_ids, sampling.stop, max_new)
+        self.text = TextStream(tokenizer, eos_ids, sampling.stop, max_tokens)
         self.constraint: ConstraintState | None = None  # structured output: the request's JSON matcher
         self.prompt: FusionResult | None = None  # the fused prompt, until a scheduler has taken its KV
         self.fusion: FusionStats | None = None
@@ -71,17 +64,11 @@ class DecodeRow:
         self._answer_logprobs: list[float] = []  # each chosen token's log-probability, with diagnostics
         self.token = 0  # fed at the next step, at ``position``
         self.position = 0
-        self.ttft_s = 0.0
         self.first_token_at: float | None = None
         self._tokenizer = tokenizer
         self._eos_ids = eos_ids
         self._events: list[TokenEvent] = []
         self._emit = emit if emit is not None else self._events.append
-
-    @property
-    def cache(self) -> KVCache | None:
-        """The row's KV while it is decoded alone: the fused prompt's cache."""
-        return self.prompt.cache if self.prompt is not None else None
 
     @property
     def finished(self) -> bool:
@@ -94,7 +81,9 @@ class DecodeRow:
         self.prompt = fusion  # its KV is read when decoding starts (a round's member's is written then)
         self.position = self.prompt_tokens
         vocab = fusion.logits.shape[-1]
-        self.constraint = start_constraint(self.sampling, self._tokenizer, self._eos_ids, vocab, self.max_new)
+        self.constraint = start_constraint(
+            self.sampling, self._tokenizer, self._eos_ids, vocab, self.max_tokens
+        )
         finished = self._choose(fusion.logits)
         if self.sampling.diagnostics:  # read after the first token is chosen: they cost its TTFT nothing
             self._diagnostics_of(fusion)
@@ -104,7 +93,7 @@ class DecodeRow:
         self.diagnostics = FusionDiagnostics(
             first_token_logprobs=torch.log_softmax(fusion.logits.detach().float().cpu(), dim=-1),
             **fusion_figures(fusion),
-            # scored once decoding is over (decode_alone), over the prompt's own cache
+            # scored once decoding is over (score_continuations), over the prompt's own cache
             continuation_nll=tuple(None for _ in self.sampling.score_continuations),
         )
 
@@ -118,7 +107,6 @@ class DecodeRow:
         token = sample_next(masked(logits, self.constraint), self.sampling, self.generator)
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
-            self.ttft_s = self.first_token_at - self.started
         if self.sampling.diagnostics:
             self._answer_logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
         piece = self.text.push(token)
@@ -135,19 +123,19 @@ class DecodeRow:
         self._events.clear()  # the list ``emit`` appends to
         return events
 
-    def result(self) -> GenerationResult:
-        """The finished answer and what producing it cost."""
+    def result(self, queue_s: float = 0.0) -> GenerationResult:
+        """The finished answer and what producing it cost (``queue_s``: what it waited to be fused)."""
         if self.fusion is None:
             raise RuntimeError("result() of a row that was never started")
         return GenerationResult.build(
             text=self.text.text,
             token_ids=self.text.token_ids,
             finish_reason=self.text.finish_reason or "length",
-            resolved=self.resolved,
-            segments=self.segments,
+            admitted=self.admitted,
             fusion=self.fusion,
-            ttft_s=self.ttft_s,
-            total_s=time.perf_counter() - self.started,
+            first_token_at=self.first_token_at,
+            finished_at=time.perf_counter(),
+            queue_s=queue_s,
             diagnostics=self._final_diagnostics(),
         )
 
@@ -280,20 +268,3 @@ def _attend_rows(
         out[members] = weights[..., :length] @ round_values + weights[..., length:] @ values[members]
     model.attention_token_layers += b
     return out.reshape(b, 1, heads * d)
-
-
-def decode_alone(
-    model: LayerwiseModel, forward_lock: AbstractContextManager[Any], row: DecodeRow, fusion: FusionResult
-) -> Generator[TokenEvent, None, GenerationResult]:
-    """Decode one row by itself over the fused prompt's own cache, yielding its tokens' text as they come;
-    returns its result. Closing the generator stops the row."""
-    finished = row.start(fusion)
-    while True:
-        yield from row.take_events()
-        if finished:
-            result = row.result()
-            with forward_lock:
-                row.score_continuations(model, fusion, result)
-            return result
-        assert row.cache is not None
-        finished = bool(decode_step(model, forward_lock, [row], row.cache))

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..blend.controller import LoadingController
-from ..blend.fusor import FusionRequest, FusionResult, Fusor
+from ..blend.fusor import FusionRequest, FusionResult, FusionRoute, Fusor
 from ..blend.methods import RecomputeMethod, Reuse
 from ..blend.round import fuse_round
 from ..blend.segments import (
@@ -21,13 +20,14 @@ from ..blend.segments import (
     ChunkContext,
     ChunkKV,
     ChunkKVSource,
+    LayerKVProvider,
     Segment,
     kv_sources,
     prefill_chunk_kv,
     prefill_context,
 )
-from ..blend.spec import resolve_method, reuse_of
-from ..config import DEFAULT_METHOD, DEFAULTS, Config
+from ..blend.spec import reuse_of
+from ..config import DEFAULTS, Config
 from ..errors import ContextLengthError, CorruptKVError, EngineClosedError, StoreError
 from ..models.runtime import KVCache, LayerwiseModel
 from ..models.shared import acquire_model, release_model
@@ -38,19 +38,10 @@ from ..store.joined import JoinedLayerKV
 from ..store.kvstore import KVStore
 from ..store.pipeline import PipelinedLayerLoader, worth_prefetching
 from ..store.shared import KVStoreOptions, acquire_store, release_store
-from .base import (
-    BatchRequest,
-    GenerationResult,
-    Method,
-    PromptSegments,
-    TokenStream,
-    eos_token_ids,
-    generation_budget,
-)
-from .decode import DecodeRow, decode_alone
+from .base import GenerationResult, Method, PromptSegments, Submitting, eos_token_ids
 from .handles import RequestHandle
 from .prompt import PromptBuilder, PromptPart, layout_segments
-from .sampling import SamplingParams
+from .request import GenerationRequest
 from .scheduler import BatchScheduler
 from .single_flight import flights_of
 
@@ -60,13 +51,13 @@ log = logging.getLogger(__name__)
 MAX_EXACT_HEADS = 16
 
 
-class Engine(PromptSegments):
+class Engine(PromptSegments, Submitting):
     """Runs the model and the fusor over a chunk KV store (``store``: a corpus's, ``corpus.kv_store``, or
     a folder whose process-wide store it opens); implements
     :class:`~cacheblend_rag.engine.base.EngineProtocol`. Thread-safe: one forward at a time, under
-    :attr:`forward_lock`. Its :meth:`stream` decodes one request alone; :meth:`submit` and
-    :meth:`generate_batch` serve requests through the engine's one :class:`BatchScheduler`
-    (:attr:`scheduler`), where concurrent callers are decoded together.
+    :attr:`forward_lock`. Every answer goes through :meth:`submit` (``generate``, ``stream`` and
+    :meth:`generate_batch` call it): the engine's one :class:`BatchScheduler` (:attr:`scheduler`), where
+    concurrent callers are fused and decoded together.
 
     ``config`` gives what the caller did not: how a model named is loaded (device, dtype, threads, cache
     directory), the default chunk context, the default store folder with its codec, budgets and remote
@@ -254,16 +245,26 @@ class Engine(PromptSegments):
         if len(segments) < 2 or segments[0].is_cached or not any(s.is_cached for s in segments[1:]):
             return segments
         ids = segments[0].token_ids
+        kv, computed = self._opening_kv(ids)
+        return [Segment.cached(ids, kv, exact=True, computed=computed), *segments[1:]]
+
+    def warm_opening(self) -> None:
+        """Have the engine's own RAG template's opening ready (read from the store's exact files, else
+        computed and written there) before any request: a server's first request then reads it like
+        every later one, so its counts are those of the request, not of coming first."""
+        opening, _, _ = self.prompts.rag_frame("?")  # (the text before the passages: any question)
+        if opening:
+            self._opening_kv(tuple(opening))
+
+    def _opening_kv(self, ids: tuple[int, ...]) -> tuple[ChunkKV, bool]:
+        """An opening's exact KV and whether this call computed it (concurrent callers compute it once)."""
         with self._heads_lock:
             kv = self._heads.get(ids)
             if kv is not None:
                 self._heads.move_to_end(ids)
-        computed = False
-        if kv is None:
-            flight_key = self.exact_files.key(ids)
-            (kv, computed), led = self._flights.run(flight_key, lambda: self._head_kv(ids))
-            computed = computed and led
-        return [Segment.cached(ids, kv, exact=True, computed=computed), *segments[1:]]
+                return kv, False
+        (kv, computed), led = self._flights.run(self.exact_files.key(ids), lambda: self._head_kv(ids))
+        return kv, computed and led
 
     def _head_kv(self, ids: tuple[int, ...]) -> tuple[ChunkKV, bool]:
         """An opening's exact KV: kept in memory, else read from the store's exact files (another process
@@ -291,125 +292,93 @@ class Engine(PromptSegments):
                 self._heads.popitem(last=False)
         return kv, computed
 
-    # -- fusion and generation -----------------------------------------------------------------------
+    # -- fusion --------------------------------------------------------------------------------------
 
-    def fuse(self, segments: list[Segment], method, extra_capacity: int = 0, observer=None) -> FusionResult:
-        """Fuse with the store's pipelined loader. A chunk found corrupt while loading is recomputed,
-        rewritten and the fusion retried once."""
-        for attempt in (1, 2):
-            sources = kv_sources(segments)
-            if self.fusor.runs_static(segments, method, observer) and JoinedLayerKV.serves(sources):
-                loader = JoinedLayerKV(sources, self.model.dtype, self.model.device)
-            else:
-                loader = self._loader(sources)
+    def fuse(self, segments: list[Segment], method: RecomputeMethod, extra_capacity: int = 0) -> FusionResult:
+        """Fuse one prompt as the scheduler fuses a request (:meth:`fuse_group`), with room for
+        ``extra_capacity`` more tokens in its cache; raises its failure."""
+        fused = self.fuse_group([FusionRequest(segments, method, extra_capacity=extra_capacity)])[0]
+        if isinstance(fused, Exception):
+            raise fused
+        return fused
+
+    def fuse_group(
+        self, requests: Sequence[FusionRequest], rounds: bool = False
+    ) -> list[FusionResult | Exception]:
+        """Fuse an admission group's prompts: each routed once (:meth:`Fusor.route`), those on the static
+        steps each by them, the others together (one projection and one MLP per layer over all their
+        tokens), and with ``rounds`` those that read the same chunks sharing one blend of them
+        (:mod:`~cacheblend_rag.blend.round`; a layer-pass feature). Each result equals fusing its prompt
+        alone. If fusing them together fails (bad input, corrupt KV), they are fused one at a time, so
+        one request's problem stays its own: each request's result or exception, in order."""
+        try:
+            return list(self._fuse_retrying(requests, rounds))
+        except Exception as exc:  # each request is retried alone below and fails on its own
+            if len(requests) == 1:
+                return [exc]
+            log.info("fusing %d requests together failed (%s); fusing them one at a time", len(requests), exc)
+        out: list[FusionResult | Exception] = []
+        for request in requests:
             try:
-                with self.forward_lock:
-                    return self.fusor.fuse(segments, method, loader, extra_capacity, observer)
-            except CorruptKVError as exc:
-                if attempt == 2:
-                    raise
-                log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
-                segments = self._refetched(segments, method)
-        raise AssertionError("unreachable")
+                out.extend(self._fuse_retrying([request], rounds=False))
+            except Exception as exc:  # handed to the caller in its request's place
+                out.append(exc)
+        return out
 
-    def _refetched(self, segments: list[Segment], method: RecomputeMethod) -> list[Segment]:
-        """``segments`` with each cached chunk's KV looked up again: a chunk found corrupt was removed
+    def _fuse_retrying(self, requests: Sequence[FusionRequest], rounds: bool) -> list[FusionResult]:
+        """:meth:`_fuse_routes`; a chunk found corrupt while loading is recomputed, rewritten and the
+        fusion retried once (the corrupt copy was removed from its tier)."""
+        try:
+            return self._fuse_routes(requests, rounds)
+        except CorruptKVError as exc:
+            log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
+        return self._fuse_routes([self._refetched(r) for r in requests], rounds)
+
+    def _fuse_routes(self, requests: Sequence[FusionRequest], rounds: bool) -> list[FusionResult]:
+        routes = [self.fusor.route(request) for request in requests]
+        results: dict[int, FusionResult] = {}
+        alone = list(range(len(routes)))
+        with self.forward_lock:
+            layered = [i for i in alone if not routes[i].static]
+            if rounds and len(layered) > 1:
+                # no loader per request here: fuse_round makes one for each blend it runs and for each
+                # request fused on its own (a round's members read nothing of their own)
+                rounded = fuse_round(self.fusor, [routes[i] for i in layered], self._loader)
+                results.update(zip(layered, rounded, strict=True))
+                alone = [i for i in alone if routes[i].static]
+            if alone:
+                fused = self.fusor.fuse_routes([self._with_loader(routes[i]) for i in alone])
+                results.update(zip(alone, fused, strict=True))
+        return [results[i] for i in range(len(routes))]
+
+    def _with_loader(self, route: FusionRoute) -> FusionRoute:
+        """``route`` with the loader its path reads chunks with: on the static steps, RAM-resident chunks
+        decoded together per layer where they can be; else the store's pipelined loader."""
+        sources = kv_sources(route.request.segments)
+        if route.static and JoinedLayerKV.serves(sources):
+            loader: LayerKVProvider = JoinedLayerKV(sources, self.model.dtype, self.model.device)
+        else:
+            loader = self._loader(sources)
+        return replace(route, request=replace(route.request, kv_provider=loader))
+
+    def _refetched(self, request: FusionRequest) -> FusionRequest:
+        """``request`` with each cached chunk's KV looked up again: a chunk found corrupt was removed
         from its tier, so it is read from another or recomputed and stored."""
-        kv_for = self.prefix_kv if method.reuses is Reuse.PREFIX else self.chunk_kv
-        return [
+        kv_for = self.prefix_kv if request.method.reuses is Reuse.PREFIX else self.chunk_kv
+        segments = [
             Segment.cached(s.token_ids, kv_for(s.token_ids), s.chunk_id)
             if s.kv is not None and not s.exact  # an exact head lives in memory, never corrupt
             else s
-            for s in segments
+            for s in request.segments
         ]
+        return replace(request, segments=segments)
 
     def _loader(self, sources: Sequence[ChunkKVSource]) -> PipelinedLayerLoader:
         device = self.model.device
         prefetch = worth_prefetching(sources, device)
         return PipelinedLayerLoader(list(sources), dtype=self.model.dtype, device=device, prefetch=prefetch)
 
-    def fuse_round(
-        self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
-    ) -> list[FusionResult | Exception]:
-        """Fuse several prompts together, those that read the same chunks sharing one blend of them
-        (:mod:`~cacheblend_rag.blend.round`): each result carries its round share. If that fails, they
-        are fused as :meth:`fuse_many` fuses them, so a round never costs a request its answer."""
-        # no loader per request here: fuse_round makes one for each blend it runs (a round's members
-        # read nothing of their own), and closes them
-        jobs = [FusionRequest(segments, method) for segments, method in requests]
-        try:
-            with self.forward_lock:
-                return list(fuse_round(self.fusor, jobs, self._loader))
-        except Exception as exc:  # each request is fused again below, without the round
-            log.info("fusing %d requests as a round failed (%s); fusing them without", len(requests), exc)
-            if isinstance(exc, CorruptKVError):  # read again, not from the removed copy
-                log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
-                requests = [(self._refetched(segments, method), method) for segments, method in requests]
-        return self.fuse_many(requests)
-
-    def fuse_many(
-        self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
-    ) -> list[FusionResult | Exception]:
-        """Fuse several prompts together (one projection and one MLP per layer over all their tokens;
-        :meth:`Fusor.fuse_many`), each equal to fusing it alone. If that fails (bad input, corrupt KV),
-        they are fused one at a time instead, so one request's problem stays its own: the caller gets
-        each request's result or exception in order."""
-        loaders = [
-            FusionRequest(segments, method, self._loader(kv_sources(segments)))
-            for segments, method in requests
-        ]
-        try:
-            with self.forward_lock:
-                return self.fusor.fuse_many(loaders)
-        except Exception as exc:  # each request is retried alone below and fails on its own
-            corrupt = isinstance(exc, CorruptKVError)
-            if len(requests) == 1 and not corrupt:
-                raise
-            if corrupt:  # read again, not from the removed copy (fuse recomputes what no tier holds)
-                log.warning("chunk KV %s is corrupt (%s); recomputing it", exc.key, exc)
-                requests = [(self._refetched(segments, method), method) for segments, method in requests]
-            log.info("fusing %d requests together failed (%s); fusing them one at a time", len(requests), exc)
-        out: list = []
-        for segments, method in requests:
-            try:
-                out.append(self.fuse(segments, method))
-            except Exception as exc:  # handed to the caller in its request's place
-                out.append(exc)
-        return out
-
-    def stream(
-        self,
-        segments: list[Segment],
-        method: Method = DEFAULT_METHOD,
-        sampling: SamplingParams | None = None,
-        **method_options: Any,
-    ) -> TokenStream[GenerationResult]:
-        """Fuse ``segments`` with ``method`` and generate (one :class:`~.decode.DecodeRow`, decoded alone on
-        the iterating thread); iterate the handle for tokens as they are generated, then ``.result()``;
-        ``.cancel()`` stops it. Bad input (method, options, a prompt too long) raises here."""
-        sampling = sampling or SamplingParams()
-        resolved = resolve_method(method, segments, self.controller, method_options)
-        prompt_tokens = sum(len(s) for s in segments)
-        max_new = generation_budget(
-            prompt_tokens, sampling, self.model.shape.max_context, "the model's context"
-        )
-        return TokenStream(self._generate(segments, resolved, sampling, max_new))
-
-    def _generate(self, segments, resolved, sampling: SamplingParams, max_new: int) -> Generator:
-        started = time.perf_counter()
-        fusion = self.fuse(segments, resolved.method, extra_capacity=max_new)
-        row = DecodeRow(self.model.tokenizer, self.eos_ids, segments, resolved, sampling, max_new, started)
-        return (yield from decode_alone(self.model, self.forward_lock, row, fusion))
-
-    def generate(
-        self,
-        segments: list[Segment],
-        method: Method = DEFAULT_METHOD,
-        sampling: SamplingParams | None = None,
-        **method_options: Any,
-    ) -> GenerationResult:
-        """Fuse ``segments`` with ``method`` and generate an answer."""
-        return self.stream(segments, method, sampling, **method_options).result()
+    # -- generation ----------------------------------------------------------------------------------
 
     @property
     def scheduler(self) -> BatchScheduler:
@@ -423,21 +392,15 @@ class Engine(PromptSegments):
                 self._scheduler = BatchScheduler.of(self, self.config)
             return self._scheduler
 
-    def submit(
-        self,
-        segments: list[Segment],
-        method: Method = DEFAULT_METHOD,
-        sampling: SamplingParams | None = None,
-        **method_options: Any,
-    ) -> RequestHandle:
-        """Queue one request in :attr:`scheduler`, decoded together with concurrent ones; returns its
-        handle at once (iterate it for tokens, then ``.result()``; ``.cancel()`` from any thread). Greedy
-        answers equal :meth:`generate`'s. Bad input raises here."""
-        return self.scheduler.submit(segments, method, sampling, **method_options)
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue ``request`` in :attr:`scheduler`, decoded together with concurrent ones; returns its
+        handle at once (iterate it for tokens, then ``.result()``; ``.cancel()`` from any thread). Every
+        answer goes through here. Bad input raises here."""
+        return self.scheduler.submit(request)
 
     def generate_batch(
         self,
-        requests: Sequence[BatchRequest],
+        requests: Sequence[GenerationRequest],
         max_batch: int | None = None,
         rounds: bool | None = None,
         kv_budget_bytes: int | None = None,
@@ -455,7 +418,7 @@ class Engine(PromptSegments):
             return scheduler.generate_batch(requests)
 
     def generate_round(
-        self, requests: Sequence[BatchRequest], kv_budget_bytes: int | None = None
+        self, requests: Sequence[GenerationRequest], kv_budget_bytes: int | None = None
     ) -> list[GenerationResult]:
         """Answer ``requests`` (agents reading the same chunks, each with its own text around them) as one
         round: admitted together, as far as the decode batch's KV budget allows, so that their common

@@ -2,9 +2,10 @@
 
 Requests wait in one FIFO queue. A worker thread admits them in groups, as many as the decode batch has
 room for (``max_batch`` rows and a budget of KV bytes); a request that does not fit waits, and nothing
-behind it overtakes it. Each admitted group is fused together (:meth:`Engine.fuse_many`: per layer one
-projection and one MLP over every request's selected tokens, attention per request with its own exact
-mask; ``batched_fusion=False`` fuses one at a time), and every cached chunk the group uses is read once:
+behind it overtakes it. Each admitted group is fused by one engine call (:meth:`Engine.fuse_group`: each
+request routed once, on the static steps or together in the layer passes, per layer one projection and
+one MLP over every request's selected tokens, attention per request with its own exact mask;
+``batched_fusion=False`` fuses one at a time), and every cached chunk the group uses is read once:
 a chunk's layers are kept for the group from its first reader until its last user is fused, so a chunk
 shared by several requests is read from the RAM or disk tier once per group. Each fused prompt then
 joins the decode batch, whose KV is one buffer [rows, Hkv, capacity, d] per layer with each row at its
@@ -15,11 +16,11 @@ held once, and their rows hold only what they generate (:mod:`~cacheblend_rag.bl
 finishes leaves the batch at once and its slot is refilled by the next admitted request between two
 decode steps.
 
-Each row is a :class:`~cacheblend_rag.engine.decode.DecodeRow`, the decode state :meth:`Engine.stream`
-decodes alone: choosing tokens (sampling, constraints, EOS and stop strings) is written once, in
-:mod:`.decode`. Per request, a :class:`RequestHandle` (:mod:`.handles`) streams :class:`TokenEvent`
-objects and resolves to the same :class:`GenerationResult` as :meth:`Engine.generate`; greedy answers
-equal the one-at-a-time ones. A request can be cancelled (:meth:`RequestHandle.cancel`, e.g. when its
+Every answer the engine gives is served here (:meth:`Engine.submit`). Each row is a
+:class:`~cacheblend_rag.engine.decode.DecodeRow`: choosing tokens (sampling, constraints, EOS and stop
+strings) is written once, in :mod:`.decode`. Per request, a :class:`RequestHandle` (:mod:`.handles`)
+streams :class:`TokenEvent` objects and resolves to a :class:`GenerationResult`; greedy answers equal the
+one-at-a-time ones. A request can be cancelled (:meth:`RequestHandle.cancel`, e.g. when its
 client went away): a waiting one leaves the queue, an active one leaves the decode batch before the next
 step, freeing its slot. Submitting to a closed scheduler raises :class:`SchedulerClosedError`.
 """
@@ -28,37 +29,36 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from ..blend.controller import LoadingController
-from ..blend.fusor import FusionResult, Fusor
-from ..blend.methods import RecomputeMethod
+from ..blend.fusor import FusionRequest, FusionResult, Fusor
 from ..blend.segments import Segment
-from ..blend.spec import ResolvedMethod, resolve_method
-from ..config import DEFAULT_BATCH_KV_BUDGET_BYTES, DEFAULT_BATCH_MAX_REQUESTS, DEFAULT_METHOD, Config
+from ..config import DEFAULT_BATCH_KV_BUDGET_BYTES, DEFAULT_BATCH_MAX_REQUESTS, Config
 from ..errors import AdmissionError, RequestCancelledError, SchedulerClosedError
 from ..models.runtime import LayerwiseModel
 from ..store.keys import kv_bytes_per_token
-from .base import BatchRequest, GenerationResult, Method, generation_budget
+from .base import GenerationResult
 from .batch_kv import DecodeCache, SharedChunk, fusion_batches, share_chunks
 from .decode import DecodeRow, decode_step
 from .exit_hooks import stop_at_exit
 from .handles import RequestHandle
-from .sampling import SamplingParams
+from .queued import QueuedRequest, SchedulerStats
+from .request import AdmittedRequest, GenerationRequest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchRequest", "BatchScheduler", "FusingEngine", "RequestHandle", "SchedulerStats"]
+__all__ = ["BatchScheduler", "FusingEngine", "GenerationRequest", "RequestHandle", "SchedulerStats"]
 
 
 class FusingEngine(Protocol):
     """What the scheduler needs of an engine (the PyTorch :class:`~cacheblend_rag.engine.Engine`): its
-    model and the lock its forwards take, its fusor and loading controller, and fusing prompts alone or
-    together."""
+    model and the lock its forwards take, its fusor and loading controller, and one call that fuses an
+    admission group."""
 
     model: LayerwiseModel
     fusor: Fusor
@@ -66,55 +66,9 @@ class FusingEngine(Protocol):
     eos_ids: set[int]
     forward_lock: AbstractContextManager[Any]
 
-    def fuse(self, segments: list[Segment], method: RecomputeMethod) -> FusionResult: ...
-
-    def fuse_many(
-        self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
+    def fuse_group(
+        self, requests: Sequence[FusionRequest], rounds: bool = False
     ) -> list[FusionResult | Exception]: ...
-
-    def fuse_round(
-        self, requests: Sequence[tuple[list[Segment], RecomputeMethod]]
-    ) -> list[FusionResult | Exception]: ...
-
-
-@dataclass
-class SchedulerStats:
-    """What a :class:`BatchScheduler` has done so far."""
-
-    submitted: int = 0
-    completed: int = 0
-    failed: int = 0
-    cancelled: int = 0  # requests cancelled before they finished
-    groups: int = 0  # admission groups; each reads a shared chunk once
-    fusion_passes: int = 0  # fusions run: one per batch fused together, one per request otherwise
-    decode_steps: int = 0
-    decode_rows: int = 0  # rows summed over decode steps: decode_rows / decode_steps is the mean batch
-    max_rows: int = 0  # most rows decoded in one step
-    peak_kv_bytes: int = 0  # largest decode-batch KV buffer allocated
-
-    @property
-    def mean_batch(self) -> float:
-        return self.decode_rows / self.decode_steps if self.decode_steps else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "mean_batch": self.mean_batch}
-
-
-@dataclass
-class _Pending:
-    handle: RequestHandle
-    segments: list[Segment]
-    resolved: ResolvedMethod
-    sampling: SamplingParams
-    prompt_tokens: int
-    max_new: int
-    row: DecodeRow | None = None  # its decode state, once fused
-    slots: int = 0  # slots its row takes in the decode batch's buffer, once fused
-
-    @property
-    def capacity(self) -> int:
-        """KV slots the request's row needs: the prompt and every token it may still feed back."""
-        return self.prompt_tokens + self.max_new
 
 
 class BatchScheduler:
@@ -151,8 +105,8 @@ class BatchScheduler:
             raise ValueError(f"kv_budget_bytes must be >= 1, got {self.kv_budget_bytes}")
         self.kv_bytes_per_token = kv_bytes_per_token(self.model.shape, self.model.dtype)
         self.stats = SchedulerStats()
-        self._waiting: deque[_Pending] = deque()
-        self._rows: list[_Pending] = []  # the decode batch: row i's KV is the cache's batch row i
+        self._waiting: deque[QueuedRequest] = deque()
+        self._rows: list[QueuedRequest] = []  # the decode batch: row i's KV is the cache's batch row i
         self._cache = DecodeCache(self.model)
         self._cond = threading.Condition()
         self._closing = False
@@ -176,18 +130,12 @@ class BatchScheduler:
 
     # -- submitting ----------------------------------------------------------------------------------
 
-    def submit(
-        self,
-        segments: list[Segment],
-        method: Method = DEFAULT_METHOD,
-        sampling: SamplingParams | None = None,
-        **method_options,
-    ) -> RequestHandle:
-        """Queue one request (what :meth:`Engine.stream` takes); returns its handle at once. Bad input
-        (unknown method, prompt too long, a request that alone exceeds the KV budget) raises here."""
-        return self.submit_many([BatchRequest(segments, method, sampling, method_options)])[0]
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue one request; returns its handle at once. Bad input (unknown method, prompt too long, a
+        request that alone exceeds the KV budget) raises here."""
+        return self.submit_many([request])[0]
 
-    def generate_batch(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
+    def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """:meth:`submit_many` then wait for every result, in order. The first failure is raised once all
         requests have finished."""
         handles = self.submit_many(requests)
@@ -195,40 +143,35 @@ class BatchScheduler:
             handle.future.exception()  # wait for every request before raising any failure
         return [handle.result() for handle in handles]
 
-    def submit_many(self, requests: Sequence[BatchRequest]) -> list[RequestHandle]:
+    def submit_many(self, requests: Sequence[GenerationRequest]) -> list[RequestHandle]:
         """Queue ``requests`` at once, in order, so that they can share admission groups; returns their
         handles. All are checked before any is queued."""
-        prepared = [self._prepare(r) for r in requests]
+        admitted = [self._admit_request(r) for r in requests]
         with self._cond:
             if self._closing:
                 raise SchedulerClosedError("the scheduler is closed")
             handles = []
-            for segments, resolved, sampling, prompt_tokens, max_new in prepared:
+            for entry in admitted:
                 handle = RequestHandle(self._next_id, self.cancel)
                 self._next_id += 1
-                self._waiting.append(_Pending(handle, segments, resolved, sampling, prompt_tokens, max_new))
+                self._waiting.append(QueuedRequest(handle, entry))
                 handles.append(handle)
             self.stats.submitted += len(handles)
             self._cond.notify_all()
         return handles
 
-    def _prepare(self, request: BatchRequest):
-        segments = list(request.segments)
-        resolved = resolve_method(request.method, segments, self.engine.controller, request.method_options)
-        sampling = request.sampling or SamplingParams()
-        self.engine.fusor.validate(segments)
-        prompt_tokens = sum(len(s) for s in segments)
-        max_new = generation_budget(
-            prompt_tokens, sampling, self.model.shape.max_context, "the model's context"
-        )
-        needed = (prompt_tokens + max_new) * self.kv_bytes_per_token
+    def _admit_request(self, request: GenerationRequest) -> AdmittedRequest:
+        admitted = AdmittedRequest.of(request, self.engine.controller, self.model.shape.max_context)
+        self.engine.fusor.validate(request.segments)
+        prompt_tokens, max_tokens = admitted.request.prompt_tokens, admitted.max_tokens
+        needed = (prompt_tokens + max_tokens) * self.kv_bytes_per_token
         if needed > self.kv_budget_bytes:
             raise AdmissionError(
-                f"a request of {prompt_tokens} prompt + {max_new} new tokens needs {needed:,} bytes of KV, "
-                f"more than the scheduler's batch KV budget of {self.kv_budget_bytes:,} bytes; raise "
-                "kv_budget_bytes (setting batch_kv_budget_bytes) or lower max_new_tokens"
+                f"a request of {prompt_tokens} prompt + {max_tokens} new tokens needs {needed:,} bytes of "
+                f"KV, more than the scheduler's batch KV budget of {self.kv_budget_bytes:,} bytes; raise "
+                "kv_budget_bytes (setting batch_kv_budget_bytes) or lower max_tokens"
             )
-        return segments, resolved, sampling, prompt_tokens, max_new
+        return admitted
 
     # -- cancelling (a client that went away frees its slot) ------------------------------------------
 
@@ -272,7 +215,7 @@ class BatchScheduler:
         for pending in cancelled:
             self._end_cancelled(pending)
 
-    def _end_cancelled(self, pending: _Pending) -> None:
+    def _end_cancelled(self, pending: QueuedRequest) -> None:
         if pending.handle.done():
             return
         self.stats.cancelled += 1
@@ -332,9 +275,9 @@ class BatchScheduler:
     def _batch_bytes(self, capacities: Sequence[int]) -> int:
         return len(capacities) * max(capacities) * self.kv_bytes_per_token
 
-    def _admit(self) -> list[_Pending]:
+    def _admit(self) -> list[QueuedRequest]:
         """Pop, in FIFO order, the waiting requests that fit beside the active rows. Called under the lock."""
-        group: list[_Pending] = []
+        group: list[QueuedRequest] = []
         capacities = [pending.capacity for pending in self._rows]
         while self._waiting and len(capacities) < self.max_batch:
             head = self._waiting[0]
@@ -348,11 +291,14 @@ class BatchScheduler:
                 pending.handle.group = self.stats.groups
         return group
 
-    def _start(self, group: list[_Pending]) -> None:
+    def _start(self, group: list[QueuedRequest]) -> None:
         """Fuse the requests of ``group`` (together, or one at a time; sharing their chunks' reads either
         way), emit each one's first token and give it a row in the decode batch unless it has already
         finished."""
-        shared = share_chunks([p.segments for p in group])
+        shared = share_chunks([p.admitted.request.segments for p in group])
+        fusing_at = time.perf_counter()
+        for pending in group:
+            pending.queue_s = fusing_at - pending.handle.submitted_at
         try:
             # cancelled since its group was admitted: not worth a fusion
             live = [i for i, p in enumerate(group) if not p.handle.cancel_requested]
@@ -360,26 +306,18 @@ class BatchScheduler:
             # the others' answers as they would have been (its own fusion is dropped below)
             fused = list(range(len(group))) if self.rounds and self.batched_fusion else live
             fusions: dict[int, FusionResult | Exception] = {}
-            sizes = [group[i].prompt_tokens * self.kv_bytes_per_token for i in fused]
+            sizes = [group[i].admitted.request.prompt_tokens * self.kv_bytes_per_token for i in fused]
             for batch in fusion_batches(fused, sizes, self.kv_budget_bytes):
-                jobs = [(shared[i], group[i].resolved.method) for i in batch]
-                if self.batched_fusion:
+                for part in [batch] if self.batched_fusion else [[i] for i in batch]:
                     self.stats.fusion_passes += 1
-                    fuse = self.engine.fuse_round if self.rounds else self.engine.fuse_many
-                    fusions.update(zip(batch, fuse(jobs), strict=True))
-                    continue
-                for i, job in zip(batch, jobs, strict=True):
-                    self.stats.fusion_passes += 1
-                    try:
-                        fusions[i] = self.engine.fuse(*job)
-                    except Exception as exc:  # this request fails alone
-                        fusions[i] = exc
+                    jobs = [self._fusion_request(group[i], shared[i]) for i in part]
+                    fusions.update(zip(part, self.engine.fuse_group(jobs, self.rounds), strict=True))
         finally:
             for segments in shared:
                 for segment in segments:
                     if isinstance(segment.kv, SharedChunk):
                         segment.kv.release()
-        started: list[tuple[_Pending, DecodeRow]] = []
+        started: list[tuple[QueuedRequest, DecodeRow]] = []
         for i, pending in enumerate(group):
             fusion = fusions.get(i) if i in live else None
             try:
@@ -398,7 +336,7 @@ class BatchScheduler:
         if started:
             for pending, row in started:
                 assert row.prompt is not None
-                pending.slots = self._cache.slots_needed(row.prompt, pending.max_new)
+                pending.slots = self._cache.slots_needed(row.prompt, pending.admitted.max_tokens)
             capacities = [p.slots for p in self._rows] + [p.slots for p, _ in started]
             self._cache.reserve(len(capacities), max(capacities), keep=len(self._rows))
         for pending, row in started:
@@ -410,19 +348,18 @@ class BatchScheduler:
         if started:  # the buffer and, once each, the round caches its rows read
             self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self._cache.nbytes)
 
-    def _first_token(self, pending: _Pending, fusion: FusionResult) -> DecodeRow | None:
+    @staticmethod
+    def _fusion_request(pending: QueuedRequest, segments: list[Segment]) -> FusionRequest:
+        """What the fusor is asked for ``pending`` (its chunks' reads shared with its group's)."""
+        method = pending.admitted.resolved.method
+        return FusionRequest(segments, method, extra_capacity=pending.scoring_room)
+
+    def _first_token(self, pending: QueuedRequest, fusion: FusionResult) -> DecodeRow | None:
         """The request's decode row, its first token emitted; None when that token finished it."""
         handle = pending.handle
-        row = DecodeRow(
-            self.model.tokenizer,
-            self.engine.eos_ids,
-            pending.segments,
-            pending.resolved,
-            pending.sampling,
-            pending.max_new,
-            started=handle.submitted_at,
-            emit=handle._emit,
-        )
+        row = DecodeRow(self.model.tokenizer, self.engine.eos_ids, pending.admitted, emit=handle._emit)
+        if pending.scoring_room:
+            pending.scored = fusion
         finished = row.start(fusion)
         handle.first_token_at = row.first_token_at
         if finished:
@@ -430,7 +367,7 @@ class BatchScheduler:
             return None
         return row
 
-    def _take_row(self, pending: _Pending, row: DecodeRow) -> None:
+    def _take_row(self, pending: QueuedRequest, row: DecodeRow) -> None:
         """Give a started request its row in the decode batch (its fused KV copied into the buffer)."""
         assert row.prompt is not None
         self._cache.place(len(self._rows), row.prompt)
@@ -468,16 +405,20 @@ class BatchScheduler:
             self._cache.drop(last)
             self._rows.pop()
 
-    def _complete(self, pending: _Pending, row: DecodeRow) -> None:
+    def _complete(self, pending: QueuedRequest, row: DecodeRow) -> None:
         try:
-            result = row.result()
+            result = row.result(pending.queue_s)
+            if pending.scored is not None:  # after its times were taken
+                with self.engine.forward_lock:
+                    row.score_continuations(self.model, pending.scored, result)
+                pending.scored = None
         except Exception as exc:  # its row is gone already: fail the request rather than leave it waiting
             self._fail(pending, exc)
             return
         self.stats.completed += 1
         pending.handle._finish(result)
 
-    def _fail(self, pending: _Pending, error: BaseException) -> None:
+    def _fail(self, pending: QueuedRequest, error: BaseException) -> None:
         if pending.handle.done():
             return
         self.stats.failed += 1

@@ -13,13 +13,13 @@ class TextStream:
     the answer and is cut from it.
     """
 
-    def __init__(self, tokenizer, eos_ids: Collection[int], stop: Sequence[str], max_new_tokens: int) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    def __init__(self, tokenizer, eos_ids: Collection[int], stop: Sequence[str], max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.stop = stop
-        self.max_new_tokens = max_new_tokens
+        self.max_tokens = max_tokens
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None  # "stop" (EOS or stop string) or "length" once finished
         self._emitted = ""
@@ -40,7 +40,7 @@ class TextStream:
         cut = first_stop(text, self.stop)
         if cut is not None:
             text, self.finish_reason = text[:cut], "stop"
-        elif len(self.token_ids) >= self.max_new_tokens:
+        elif len(self.token_ids) >= self.max_tokens:
             self.finish_reason = "length"
         piece = None
         if cut is not None or not text.endswith("\ufffd"):

@@ -208,7 +208,7 @@ def setup_run(
             engine.store,
             context,
         ),
-        sampling=SamplingParams(max_new_tokens=max_new),
+        sampling=SamplingParams(max_tokens=max_new),
         config=run_config,
     )
 

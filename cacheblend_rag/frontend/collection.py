@@ -178,7 +178,7 @@ class DocumentCollection:
     def check(self, questions: Sequence[str] | None = None, **options: Any) -> CheckReport:
         """:meth:`CacheBlendRAG.check <cacheblend_rag.rag.CacheBlendRAG.check>` on this corpus, through
         the process's shared engine over it (``options``: ratios, method, target_agreement,
-        max_new_tokens, sample, top_k)."""
+        max_tokens, sample, top_k)."""
         rag = self.frontend.rag
         assert rag is not None  # a collection's frontend always reads its corpus
         return rag.check(questions, **options)

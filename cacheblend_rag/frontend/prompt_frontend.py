@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,11 +37,12 @@ from ..blend.spec import MethodSpec
 from ..config import DEFAULT_MAX_TOKENS, DEFAULT_METHOD, DEFAULTS, Config
 from ..corpus.corpus import Corpus, RetrievedChunk
 from ..engine import (
-    BatchRequest,
     BatchScheduler,
     ChunkRef,
+    EdgeTimings,
     EngineClosedError,
     EngineProtocol,
+    GenerationRequest,
     GenerationResult,
     JsonConstraint,
     PromptPart,
@@ -78,6 +80,8 @@ class TextRequest:
     method: MethodSpec = field(default_factory=lambda: MethodSpec.parse(DEFAULT_METHOD))
     sampling: SamplingParams = field(default_factory=SamplingParams)
     parts: tuple[PromptPart, ...] = ()
+    # when the caller's call began (``time.perf_counter()``): the answer's ``ttft_s`` counts from here
+    arrived_at: float = field(default_factory=time.perf_counter)
 
 
 def text_request(
@@ -92,25 +96,28 @@ def text_request(
     seed: int | None = None,
     stop: Sequence[str] | None = None,
     constraint: JsonConstraint | None = None,
-    strict_max_tokens: bool = False,
+    strict: bool = False,
     parts: Sequence[PromptPart] = (),
+    arrived_at: float | None = None,
 ) -> TextRequest:
     """A :class:`TextRequest` from the usual generation options. ``method`` (a name or spec such as
     ``cacheblend@0.3``) defaults to the settings'; ``ratio`` sets the recompute ratio of a method that has
     one, and without it the loading controller chooses; ``constraint`` makes the answer JSON (structured
     output, :func:`~.structured.constraint_of`); ``parts``: the prompt laid out already, used instead of
-    ``text``. A bad method or option is refused here."""
+    ``text``; ``arrived_at``: when the caller's call began (default: now). A bad method or option is refused
+    here."""
     spec = check_request(method or DEFAULT_METHOD, ratio=ratio)
     sampling = SamplingParams(
-        max_new_tokens=max_tokens,
+        max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         seed=seed,
         stop=tuple(stop or ()),
         constraint=constraint,
-        strict_max_tokens=strict_max_tokens,
+        strict=strict,
     )
-    return TextRequest(text, tuple(documents), spec, sampling, tuple(parts))
+    arrived = time.perf_counter() if arrived_at is None else arrived_at
+    return TextRequest(text, tuple(documents), spec, sampling, tuple(parts), arrived)
 
 
 class PromptFrontend:
@@ -348,8 +355,7 @@ class PromptFrontend:
         ``submit`` batches them (the PyTorch engine's :class:`BatchScheduler`, which also shares their
         chunks' reads, or vLLM itself)."""
         self._check_open()
-        segments = self._request_segments(request, recognise, remember, unrecognised)
-        return self.engine.submit(segments, request.method, request.sampling)
+        return self.engine.submit(self._generation_request(request, recognise, remember, unrecognised))
 
     def generate(
         self, request: TextRequest, recognise: bool = True, remember: bool = True
@@ -365,11 +371,22 @@ class PromptFrontend:
     ) -> list[GenerationResult]:
         """Answer every request in one submission (the engine's ``generate_batch``); results in order."""
         self._check_open()
-        batch = [
-            BatchRequest(self._request_segments(r, recognise, remember, unrecognised), r.method, r.sampling)
-            for r in requests
-        ]
+        batch = [self._generation_request(r, recognise, remember, unrecognised) for r in requests]
         return self.engine.generate_batch(batch)
+
+    def _generation_request(
+        self,
+        request: TextRequest,
+        recognise: bool,
+        remember: bool,
+        unrecognised: Callable[[], None] | None,
+    ) -> GenerationRequest:
+        """The engine's request for ``request``: its prompt laid out (chunks recognised, their KV read or
+        computed), that time kept as a part of its ``ttft_s``, which counts from its arrival."""
+        started = time.perf_counter()
+        segments = self._request_segments(request, recognise, remember, unrecognised)
+        edge = EdgeTimings(prompt_s=time.perf_counter() - started)
+        return GenerationRequest(segments, request.method, request.sampling, request.arrived_at, edge)
 
     def _request_segments(
         self,

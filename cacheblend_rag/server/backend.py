@@ -58,7 +58,6 @@ class RunningRequest:
         self, handle: StreamHandle[GenerationResult], engine_kind: str, received: float, param: str
     ) -> None:
         self.received = received
-        self.submitted = handle.submitted_at
         self.engine_kind = engine_kind
         self._handle = handle
         self._events = iter(handle)
@@ -102,9 +101,13 @@ class RunningRequest:
             "controller": result.controller,
             # what the method chose for this request's chunks (or null)
             "budget": result.budget.to_dict() if result.budget is not None else None,
-            # from the server's receipt of the request: recognition, KV lookups, queueing, fusion
-            "ttft_s": self.submitted - self.received + result.ttft_s,
-            "engine_ttft_s": result.ttft_s,  # from the engine's receipt of the segments
+            # from the server's receipt of the request, and its parts (docs/accounting.md): laying the
+            # prompt out (recognition, KV lookups, chunk KV computed for it), queueing, the fusion
+            "ttft_s": result.ttft_s,
+            "prompt_s": result.prompt_s,
+            "queue_s": result.queue_s,
+            "fusion_s": result.fusion_s,
+            "fusion_path": result.fusion_path,
             "total_s": done - self.received,
             "recompute_ratio": result.recompute_ratio,
             "reused_tokens": result.reused_tokens,
@@ -154,6 +157,10 @@ class EngineBackend:
         # the engine's batch scheduler (PyTorch), started now; None where vLLM batches its own requests
         self.scheduler: BatchScheduler | None = self.engine.scheduler
         self.kind = "torch" if self.scheduler is not None else "vllm"
+        if self.scheduler is not None:
+            # the template's opening, computed here if no request computed it yet (a corpus just
+            # ingested): else the first request would, and count it (docs/accounting.md)
+            self.engine.warm_opening()
         self.model_id = served_name or self.frontend.model_name
         self.fingerprint = self.engine.model.fingerprint
         self.created = int(time.time())
@@ -167,14 +174,14 @@ class EngineBackend:
         if self._closed:
             raise draining_error()
         param = "messages" if spec.messages is not None else "prompt"
-        request = self._text_request(spec, param)
+        request = self._text_request(spec, param, received)
         with _client_errors(param):
             running = RunningRequest(self.frontend.stream(request), self.kind, received, param)
             # the scheduler checks a request at submit; an engine batching its own (vLLM) when it first
             # steps it
             return running if self.scheduler is not None else running.prefetch()
 
-    def _text_request(self, spec: GenerationSpec, param: str) -> TextRequest:
+    def _text_request(self, spec: GenerationSpec, param: str, received: float) -> TextRequest:
         documents = [DocumentRef(text, chunk_id) for text, chunk_id in spec.documents]
         with _client_errors("chunk_ids"):
             documents += self.frontend.chunk_documents(spec.chunk_ids) if spec.chunk_ids else []
@@ -196,9 +203,10 @@ class EngineBackend:
                 top_p=spec.top_p,
                 seed=spec.seed,
                 stop=spec.stop,
-                strict_max_tokens=spec.max_tokens_given,
+                strict=spec.strict,
                 constraint=constraint,
                 parts=parts,
+                arrived_at=received,
             )
 
     def _chat_parts(self, messages: list[dict[str, Any]]) -> list[PromptPart]:

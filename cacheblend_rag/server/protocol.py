@@ -110,7 +110,7 @@ class _GenerationBody(_Body):
             method=self.method,
             ratio=self.ratio,
             max_tokens=max_tokens or default_max_tokens,
-            max_tokens_given=max_tokens is not None,
+            strict=max_tokens is not None,
             temperature=OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             seed=self.seed,
@@ -192,6 +192,11 @@ def _chat_message(index: int, message: ChatMessage) -> dict[str, Any]:
     where = f"messages[{index}]"
     if message.role in ("tool", "function") or message.tool_calls:
         raise APIError.unsupported(where, "tool calling (tool messages and tool calls)")
+    if message.content is None:  # OpenAI refuses it too: only an assistant's tool call goes without one
+        raise APIError.bad_request(
+            f"{where}.content is missing or null: give the message's text (a string or a list of parts)",
+            f"{where}.content",
+        )
     content: Any = message.content
     if isinstance(content, list):
         pieces: list[str | ChunkPart] = []
@@ -227,7 +232,7 @@ class GenerationSpec:
     method: str | None = None
     ratio: float | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
-    max_tokens_given: bool = False  # asked for outright: more than fits is a 400, not cut short
+    strict: bool = False  # asked for outright: more than fits is a 400, not cut short
     temperature: float = OPENAI_DEFAULT_TEMPERATURE
     top_p: float = 1.0
     seed: int | None = None

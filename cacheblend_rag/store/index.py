@@ -75,6 +75,34 @@ class KVIndex:
         with self._lock:
             self._db.close()
 
+    def usage(self, fingerprint: str) -> dict[str, Any]:
+        """The disk tier's entries and bytes (all models'), ``fingerprint``'s entries, and by codec that
+        model's files: entries, bytes, tokens, file bytes per token."""
+        (entries, size, models) = self.sql(
+            "SELECT count(*), COALESCE(SUM(size_bytes), 0), count(DISTINCT model_fingerprint) FROM chunks"
+        )[0]
+        (mine,) = self.sql("SELECT count(*) FROM chunks WHERE model_fingerprint = ?", (fingerprint,))[0]
+        by_codec = {
+            codec: {
+                "entries": n,
+                "bytes": nbytes,
+                "tokens": tokens,
+                "bytes_per_token": nbytes / max(tokens, 1),
+            }
+            for codec, n, nbytes, tokens in self.sql(
+                "SELECT kv_dtype, count(*), SUM(size_bytes), SUM(num_tokens) FROM chunks "
+                "WHERE model_fingerprint = ? GROUP BY kv_dtype",
+                (fingerprint,),
+            )
+        }
+        return {
+            "entries": entries,
+            "entries_this_model": mine,
+            "models": models,
+            "bytes": size,
+            "by_codec": by_codec,
+        }
+
     def sql(self, query: str, params: Sequence[Any] = ()) -> list[tuple]:
         try:
             with self._lock:

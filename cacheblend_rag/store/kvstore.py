@@ -368,25 +368,6 @@ class KVStore:
     def stats(self) -> dict[str, Any]:
         """Entries and bytes per tier, budgets, and this process's counters; ``remote``: the remote tier's
         facts and counters (:meth:`RedisKVTier.describe`; no server call), or None."""
-        (entries, size, models) = self.index.sql(
-            "SELECT count(*), COALESCE(SUM(size_bytes), 0), count(DISTINCT model_fingerprint) FROM chunks"
-        )[0]
-        (mine,) = self.index.sql(
-            "SELECT count(*) FROM chunks WHERE model_fingerprint = ?", (self.fingerprint,)
-        )[0]
-        by_codec = {
-            codec: {
-                "entries": n,
-                "bytes": nbytes,
-                "tokens": tokens,
-                "bytes_per_token": nbytes / max(tokens, 1),
-            }
-            for codec, n, nbytes, tokens in self.index.sql(
-                "SELECT kv_dtype, count(*), SUM(size_bytes), SUM(num_tokens) FROM chunks "
-                "WHERE model_fingerprint = ? GROUP BY kv_dtype",
-                (self.fingerprint,),
-            )
-        }
         return {
             "root": str(self.root),
             "model_fingerprint": self.fingerprint,
@@ -395,14 +376,7 @@ class KVStore:
             "layout_version": self.codec.layout_version,
             "read_only": self.read_only,
             "ram": {"entries": len(self.ram), "bytes": self.ram.bytes, "budget_bytes": self.ram.budget},
-            "disk": {
-                "entries": entries,
-                "entries_this_model": mine,
-                "models": models,
-                "bytes": size,
-                "budget_bytes": self.disk_budget_bytes,
-                "by_codec": by_codec,  # this model's files: entries, bytes, tokens, file bytes per token
-            },
+            "disk": {**self.index.usage(self.fingerprint), "budget_bytes": self.disk_budget_bytes},
             "counters": self.counters.as_dict(),
             "remote": self.remote.describe() if self.remote is not None else None,
         }

@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from cacheblend_rag.blend.controller import (
     LoadingController,
@@ -13,6 +14,8 @@ from cacheblend_rag.blend.controller import (
     measure_prefill_per_layer,
     profile_path,
 )
+from cacheblend_rag.blend.segments import ChunkKV, Segment
+from cacheblend_rag.blend.spec import choose_ratio
 from cacheblend_rag.config import DEFAULT_KV_DTYPE
 from cacheblend_rag.store.codec import get_codec
 from cacheblend_rag.store.keys import kv_bytes_per_token_per_layer
@@ -75,6 +78,38 @@ def test_ratio_is_never_below_the_floor_nor_above_one():
 def test_without_a_profile_the_floor_is_used():
     decision = LoadingController(None, r_floor=0.2).choose(100, 120, "disk")
     assert decision.ratio == 0.2 and not decision.profiled and "cacheblend-rag profile" in decision.reason
+
+
+class _Source:
+    """Chunk KV as a store serves it: from the tier named (nothing is read here)."""
+
+    fingerprint, num_tokens, num_layers = "f" * 64, 96, 30
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+
+
+def test_a_request_gets_one_ratio_whichever_store_tier_its_chunks_are_read_from():
+    # the RAM tier holds what ran lately: matched to the tier a read hits, the first request after a
+    # start (read from disk) would get another ratio than the same request later (read from RAM)
+    controller = LoadingController(make_profile(disk=0.002e9), r_floor=0.15)
+    question = Segment.fresh(range(16))
+
+    def prompt(*chunks) -> list[Segment]:
+        return [*(Segment.cached(range(96), kv) for kv in chunks), question]
+
+    on_disk = choose_ratio(controller, prompt(_Source("disk"), _Source("disk")))
+    assert on_disk.tier == "disk" and on_disk.ratio > 0.15
+    for tiers in [("ram", "ram"), ("ram", "disk"), ("remote", "ram")]:
+        assert choose_ratio(controller, prompt(*map(_Source, tiers))) == on_disk
+    computed = [Segment.cached(range(96), _in_memory(), computed=True) for _ in range(2)]
+    assert choose_ratio(controller, [*computed, question]) == on_disk  # stored once computed
+    held = choose_ratio(controller, prompt(_in_memory(), _in_memory()))  # a caller's own, in memory
+    assert held.tier == "ram" and held.ratio == 0.15
+
+
+def _in_memory() -> ChunkKV:
+    return ChunkKV([torch.zeros(1, 96, 2)] * 30, [torch.zeros(1, 96, 2)] * 30, "f" * 64)
 
 
 def test_decisions_serialise():

@@ -15,7 +15,7 @@ import torch
 from cacheblend_rag.blend import Fusor, Segment, get_method
 from cacheblend_rag.blend import round as round_module
 from cacheblend_rag.blend.fusor import FusionRequest
-from cacheblend_rag.blend.round import fuse_round, plan_rounds
+from cacheblend_rag.blend.round import plan_rounds
 from cacheblend_rag.blend.round_members import MembersPass
 from cacheblend_rag.blend.segments import ChunkContext, prefill_chunk_kv
 from cacheblend_rag.models.tokenizer import chunk_context_ids
@@ -24,6 +24,11 @@ DATA_DIR = Path(__file__).parent.parent / "data"
 CHUNK_TOKENS = 120
 QUESTIONS = ["Who founded it?", "When did it happen?", "Where is it located?"]
 ROLES = ["You are a careful historian.", "You are a terse fact checker who answers in one line."]
+
+
+def fuse_round(fusor, requests, *provider):
+    """:func:`~cacheblend_rag.blend.round.fuse_round` of ``requests`` routed as the engine routes them."""
+    return round_module.fuse_round(fusor, [fusor.route(r) for r in requests], *provider)
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,11 @@ def test_an_int8_corpus_keys_and_reads_its_chunks_in_int8_whatever_the_setting(
                 assert corpus.kv_store.contains(key, remote=False)  # precomputed at ingest, under this key
             puts = corpus.kv_store.counters.puts
             answer = rag.query(
-                "Who wrote Emilia Galotti?", 2, "cacheblend", 0.15, sampling=SamplingParams(max_new_tokens=4)
+                "Who wrote Emilia Galotti?",
+                top_k=2,
+                method="cacheblend",
+                ratio=0.15,
+                sampling=SamplingParams(max_tokens=4),
             )
             assert answer.reused_tokens > 0
             assert corpus.kv_store.counters.puts == puts  # every chunk read, none computed again

@@ -23,7 +23,7 @@ def _prompt(engine: Engine, text: str):
 def test_chunk_kv_computed_for_the_request_is_not_reported_as_read(engine):
     question, chunks = _prompt(engine, "The town library stands on Elm Street, beside the old mill.")
     chunk_tokens = len(chunks[0].token_ids)
-    params = SamplingParams(max_new_tokens=4)
+    params = SamplingParams(max_tokens=4)
 
     first = engine.generate(
         engine.rag_segments(question, chunks, "cacheblend"), "cacheblend", params, ratio=0.2

@@ -40,7 +40,7 @@ def test_a_ratio_the_method_does_not_take_is_refused_by_name():
         GenerationOptions(method="full_reuse", ratio=0.3)
     with pytest.raises(ValueError, match="the question is empty"):
         check_request("cacheblend", question="  ")
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
         check_request("cacheblend", max_tokens=0)
 
 

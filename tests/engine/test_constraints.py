@@ -14,10 +14,10 @@ import torch
 from pydantic import BaseModel, Field
 
 from cacheblend_rag.engine import (
-    BatchRequest,
     BatchScheduler,
     ChunkRef,
     Engine,
+    GenerationRequest,
     JsonConstraint,
     SamplingParams,
 )
@@ -85,7 +85,7 @@ def segments_for(engine: Engine, question: str, refs: list[ChunkRef], hint: str 
 
 
 def test_twenty_questions_give_valid_json_single_decode(engine, questions):
-    sampling = SamplingParams(max_new_tokens=40, constraint=JsonConstraint(Answer))
+    sampling = SamplingParams(max_tokens=40, constraint=JsonConstraint(Answer))
     for question, refs in questions:
         result = engine.generate(
             segments_for(engine, question, refs, ANSWER_HINT), "cacheblend", sampling, ratio=RATIO
@@ -99,16 +99,21 @@ def test_twenty_questions_give_valid_json_single_decode(engine, questions):
 def test_twenty_questions_give_valid_json_batched_with_an_unconstrained_neighbour(engine, questions):
     """The enum/list schema through the batch scheduler, with one unconstrained request in the batch: its
     answer is exactly what it is alone (greedy)."""
-    constrained = SamplingParams(max_new_tokens=56, constraint=JsonConstraint(Finding))
-    plain = SamplingParams(max_new_tokens=24)
+    constrained = SamplingParams(max_tokens=56, constraint=JsonConstraint(Finding))
+    plain = SamplingParams(max_tokens=24)
     free_question, free_refs = questions[0]
     alone = engine.generate(segments_for(engine, free_question, free_refs), "cacheblend", plain, ratio=RATIO)
     requests = [
-        BatchRequest(segments_for(engine, q, refs, FINDING_HINT), "cacheblend", constrained, {"ratio": RATIO})
+        GenerationRequest.of(
+            segments_for(engine, q, refs, FINDING_HINT), "cacheblend", constrained, {"ratio": RATIO}
+        )
         for q, refs in questions
     ]
     requests.insert(
-        3, BatchRequest(segments_for(engine, free_question, free_refs), "cacheblend", plain, {"ratio": RATIO})
+        3,
+        GenerationRequest.of(
+            segments_for(engine, free_question, free_refs), "cacheblend", plain, {"ratio": RATIO}
+        ),
     )
     with BatchScheduler(engine, max_batch=8) as scheduler:
         results = scheduler.generate_batch(requests)
@@ -125,26 +130,28 @@ def test_twenty_questions_give_valid_json_batched_with_an_unconstrained_neighbou
 
 def test_constrained_single_and_batched_decodes_agree(engine, questions):
     """Greedy with the same constraint: the batch scheduler's answer is Engine.generate's."""
-    sampling = SamplingParams(max_new_tokens=40, constraint=JsonConstraint(Answer))
+    sampling = SamplingParams(max_tokens=40, constraint=JsonConstraint(Answer))
     segments = segments_for(engine, *questions[1], ANSWER_HINT)
     alone = engine.generate(segments, "cacheblend", sampling, ratio=RATIO)
     with BatchScheduler(engine) as scheduler:
         batched = scheduler.submit(
-            segments_for(engine, *questions[1], ANSWER_HINT), "cacheblend", sampling, ratio=RATIO
+            GenerationRequest.of(
+                segments_for(engine, *questions[1], ANSWER_HINT), "cacheblend", sampling, {"ratio": RATIO}
+            )
         )
         assert batched.result().text == alone.text
 
 
 def test_json_mode_and_sampling(engine, questions):
     question, refs = questions[2]
-    sampling = SamplingParams(max_new_tokens=48, constraint=JsonConstraint.json_mode())
+    sampling = SamplingParams(max_tokens=48, constraint=JsonConstraint.json_mode())
     result = engine.generate(
         segments_for(engine, question, refs, "Reply in JSON."), "cacheblend", sampling, ratio=RATIO
     )
     assert isinstance(json.loads(result.text), dict) and result.finish_reason == "stop"
     for seed in (1, 2):
         sampled = SamplingParams(
-            max_new_tokens=40, temperature=0.9, top_p=0.95, seed=seed, constraint=JsonConstraint(Answer)
+            max_tokens=40, temperature=0.9, top_p=0.95, seed=seed, constraint=JsonConstraint(Answer)
         )
         text = engine.generate(
             segments_for(engine, question, refs, ANSWER_HINT), "cacheblend", sampled, ratio=RATIO
@@ -155,7 +162,7 @@ def test_json_mode_and_sampling(engine, questions):
 def test_a_tight_budget_still_closes_the_json(engine, questions):
     """With a budget that only just fits, the matcher steers to the shortest end instead of running out."""
     question, refs = questions[5]
-    sampling = SamplingParams(max_new_tokens=20, constraint=JsonConstraint(Finding))
+    sampling = SamplingParams(max_tokens=20, constraint=JsonConstraint(Finding))
     result = engine.generate(
         segments_for(engine, question, refs, FINDING_HINT), "cacheblend", sampling, ratio=RATIO
     )

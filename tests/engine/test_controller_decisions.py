@@ -18,7 +18,7 @@ from cacheblend_rag.rag import CacheBlendRAG
 from cacheblend_rag.store.keys import kv_bytes_per_token_per_layer
 
 QUESTIONS = ["Who wrote The Unwinding?", "Which organisation did the author volunteer for?"]
-SAMPLING = SamplingParams(max_new_tokens=3)
+SAMPLING = SamplingParams(max_tokens=3)
 
 
 @pytest.fixture(scope="module")

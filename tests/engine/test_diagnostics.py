@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cacheblend_rag.engine import BatchRequest, ChunkRef, Engine, SamplingParams
+from cacheblend_rag.engine import ChunkRef, Engine, GenerationRequest, SamplingParams
 from cacheblend_rag.engine.metrics import continuation_nll, kl_divergence
 from cacheblend_rag.store.kvstore import KVStore
 
@@ -38,7 +38,7 @@ def test_diagnostics_match_the_fusion(engine, prompt):
     question, chunks = prompt
     segments = engine.rag_segments(question, chunks, "cacheblend")
     fusion = engine.fuse(segments, engine_method("cacheblend"))
-    result = engine.generate(segments, "cacheblend", SamplingParams(max_new_tokens=8, diagnostics=True))
+    result = engine.generate(segments, "cacheblend", SamplingParams(max_tokens=8, diagnostics=True))
     diagnostics = result.diagnostics
     assert diagnostics is not None
     logprobs = diagnostics.first_token_logprobs
@@ -63,7 +63,7 @@ def test_continuations_are_scored_under_the_methods_cache(engine, prompt):
     tok = engine.model.tokenizer
     gold = tuple(tok("Paris, France", add_special_tokens=False)["input_ids"])
     other = tuple(tok("the moon", add_special_tokens=False)["input_ids"])
-    sampling = SamplingParams(max_new_tokens=6, diagnostics=True, score_continuations=(gold, other))
+    sampling = SamplingParams(max_tokens=6, diagnostics=True, score_continuations=(gold, other))
     result = engine.generate(segments, "full_reuse", sampling)
     scores = result.diagnostics.continuation_nll
     fusion = engine.fuse(segments, engine_method("full_reuse"), extra_capacity=16)
@@ -84,7 +84,7 @@ def test_continuations_are_scored_under_the_methods_cache(engine, prompt):
 def test_no_diagnostics_unless_asked(engine, prompt):
     question, chunks = prompt
     segments = engine.rag_segments(question, chunks, "cacheblend")
-    result = engine.generate(segments, "cacheblend", SamplingParams(max_new_tokens=2))
+    result = engine.generate(segments, "cacheblend", SamplingParams(max_tokens=2))
     assert result.diagnostics is None
     assert "diagnostics" not in result.to_dict()
     with pytest.raises(ValueError, match="score_continuations needs diagnostics"):
@@ -95,7 +95,7 @@ def test_batched_rows_report_the_first_token_distribution(engine, prompt):
     question, chunks = prompt
     segments = engine.rag_segments(question, chunks, "cacheblend")
     batched = engine.generate_batch(
-        [BatchRequest(segments, "cacheblend", SamplingParams(max_new_tokens=3, diagnostics=True))] * 2
+        [GenerationRequest.of(segments, "cacheblend", SamplingParams(max_tokens=3, diagnostics=True))] * 2
     )
     for result in batched:
         assert result.diagnostics is not None

@@ -41,7 +41,7 @@ def test_greedy_matches_transformers_generate(model, engine):
     messages = [{"role": "user", "content": "List three facts about the Moon, one per line."}]
     segments = engine.chat_segments(messages)
     ids = [t for s in segments for t in s.token_ids]
-    result = engine.generate(segments, "full_recompute", SamplingParams(max_new_tokens=32))
+    result = engine.generate(segments, "full_recompute", SamplingParams(max_tokens=32))
     with torch.inference_mode():
         expected = model.hf_model.generate(
             torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2
@@ -54,7 +54,7 @@ def test_greedy_matches_transformers_generate(model, engine):
 
 def test_sampling_is_reproducible_with_a_seed(engine):
     segments = engine.chat_segments([{"role": "user", "content": "Write a short poem about rain."}])
-    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
     first = engine.generate(segments, "full_recompute", params)
     second = engine.generate(segments, "full_recompute", params)
     other = engine.generate(segments, "full_recompute", SamplingParams(12, 0.9, 0.9, seed=8))
@@ -64,7 +64,7 @@ def test_sampling_is_reproducible_with_a_seed(engine):
 
 def test_streaming_yields_the_answer_piece_by_piece(engine):
     segments = engine.chat_segments([{"role": "user", "content": "Count from one to ten in words."}])
-    handle = engine.stream(segments, "full_recompute", SamplingParams(max_new_tokens=24))
+    handle = engine.stream(segments, "full_recompute", SamplingParams(max_tokens=24))
     pieces = [e.text for e in handle]
     results = [handle.result()]
     assert len(pieces) > 3
@@ -74,9 +74,9 @@ def test_streaming_yields_the_answer_piece_by_piece(engine):
 
 def test_stop_strings_end_generation(engine):
     segments = engine.chat_segments([{"role": "user", "content": "Count from one to ten in words."}])
-    full = engine.generate(segments, "full_recompute", SamplingParams(max_new_tokens=40))
+    full = engine.generate(segments, "full_recompute", SamplingParams(max_tokens=40))
     word = full.text.split()[2]
-    stopped = engine.generate(segments, "full_recompute", SamplingParams(max_new_tokens=40, stop=(word,)))
+    stopped = engine.generate(segments, "full_recompute", SamplingParams(max_tokens=40, stop=(word,)))
     assert stopped.finish_reason == "stop"
     assert word not in stopped.text
     assert full.text.startswith(stopped.text)
@@ -84,7 +84,7 @@ def test_stop_strings_end_generation(engine):
 
 def test_cacheblend_at_full_ratio_answers_like_full_prefill(engine, rag_chunks):
     question, chunks = rag_chunks
-    params = SamplingParams(max_new_tokens=24)
+    params = SamplingParams(max_tokens=24)
     full = engine.generate(engine.rag_segments(question, chunks, "full_recompute"), "full_recompute", params)
     blended = engine.generate(
         engine.rag_segments(question, chunks, "cacheblend"), "cacheblend", params, ratio=1.0
@@ -121,7 +121,7 @@ def test_controller_picks_the_ratio_when_none_is_given(engine, rag_chunks):
 
 def test_prefix_cache_answers_like_full_prefill(engine, rag_chunks):
     question, chunks = rag_chunks
-    params = SamplingParams(max_new_tokens=16)
+    params = SamplingParams(max_tokens=16)
     full = engine.generate(engine.rag_segments(question, chunks, "full_recompute"), "full_recompute", params)
     cached = engine.generate(engine.rag_segments(question, chunks, "prefix_cache"), "prefix_cache", params)
     assert cached.reused_tokens > len(chunks[0].token_ids)

@@ -10,7 +10,7 @@ from cacheblend_rag.engine import ChunkRef, Engine, SamplingParams
 
 TEXT = "The bakery on Mill Road opens at seven every morning except Sunday, when it stays closed."
 QUESTION = "When does the bakery open?"
-PARAMS = SamplingParams(max_new_tokens=8, diagnostics=True)
+PARAMS = SamplingParams(max_tokens=8, diagnostics=True)
 
 
 def _answer(engine: Engine, chunk: ChunkRef):

@@ -14,15 +14,15 @@ import pytest
 CHILD = """
 import sys
 from cacheblend_rag import CacheBlendRAG
-from cacheblend_rag.engine import BatchScheduler, ChunkRef, SamplingParams
+from cacheblend_rag.engine import BatchScheduler, ChunkRef, GenerationRequest, SamplingParams
 
 rag = CacheBlendRAG(sys.argv[1])
 question = "The Unwinding author volunteered for which organisation?"
 refs = [ChunkRef(c.token_ids, c.chunk_id) for c in rag.retrieve(question, 2)]
 segments = rag.engine.rag_segments(question, refs, "cacheblend")
 scheduler = BatchScheduler(rag.engine)
-sampling = SamplingParams(max_new_tokens=400, temperature=1.5, seed=0)
-handles = [scheduler.submit(segments, "cacheblend", sampling) for _ in range(3)]
+sampling = SamplingParams(max_tokens=400, temperature=1.5, seed=0)
+handles = [scheduler.submit(GenerationRequest.of(segments, "cacheblend", sampling)) for _ in range(3)]
 next(iter(handles[0]))
 print("leaving while the worker decodes", flush=True)
 """
@@ -42,15 +42,15 @@ def test_a_script_exits_cleanly_while_the_scheduler_decodes(shared_rag_store):
 def test_a_scheduler_stopped_at_exit_ends_its_requests(model):
     """What the exit hook does to a scheduler: every request ends (cancelled), the worker is joined."""
     from cacheblend_rag.blend.segments import Segment
-    from cacheblend_rag.engine import Engine, SamplingParams
+    from cacheblend_rag.engine import Engine, GenerationRequest, SamplingParams
     from cacheblend_rag.engine.scheduler import BatchScheduler
     from cacheblend_rag.errors import RequestCancelledError
 
     engine = Engine(model)
     scheduler = BatchScheduler(engine)
     prompt = [Segment.fresh(model.tokenizer.encode("Count from one to a thousand: one, two, three,"))]
-    sampling = SamplingParams(max_new_tokens=300, temperature=1.5, seed=0)
-    handles = [scheduler.submit(prompt, "full_recompute", sampling) for _ in range(3)]
+    sampling = SamplingParams(max_tokens=300, temperature=1.5, seed=0)
+    handles = [scheduler.submit(GenerationRequest.of(prompt, "full_recompute", sampling)) for _ in range(3)]
     next(iter(handles[0]))
     scheduler.stop_at_exit()
     assert not scheduler._thread.is_alive()

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from cacheblend_rag.blend.methods import get_method
+from cacheblend_rag.blend.fusor import FusionRequest
 from cacheblend_rag.config import DEFAULT_METHOD, DEFAULT_RATIO
 from cacheblend_rag.engine import Engine, SamplingParams
 from cacheblend_rag.engine.prompt import ChunkRef
-from cacheblend_rag.engine.scheduler import BatchRequest, BatchScheduler
+from cacheblend_rag.engine.scheduler import BatchScheduler, GenerationRequest
 from cacheblend_rag.store.kvstore import KVStore
 
 DATA_DIR = Path(__file__).parent.parent / "data"
-SAMPLING = SamplingParams(max_new_tokens=8)
+SAMPLING = SamplingParams(max_tokens=8)
 QUESTIONS = ["Who founded it?", "When did it happen?", "Where is it located?"]
 
 
@@ -42,7 +42,7 @@ def refs(model):
 
 
 def requests(engine, refs, method, questions=QUESTIONS, sampling=SAMPLING):
-    return [BatchRequest(engine.rag_segments(q, refs, method), method, sampling) for q in questions]
+    return [GenerationRequest.of(engine.rag_segments(q, refs, method), method, sampling) for q in questions]
 
 
 def test_generate_round_at_r1_answers_each_agent_as_alone(engine, refs):
@@ -101,7 +101,7 @@ def test_a_round_reads_its_chunks_through_one_loader(engine, refs, monkeypatch):
 
     monkeypatch.setattr(engine, "_loader", counting)
     batch = requests(engine, refs, "cacheblend")
-    results = engine.fuse_round([(r.segments, get_method(r.method)) for r in batch])
+    results = engine.fuse_group([FusionRequest(r.segments, r.method.build()) for r in batch], rounds=True)
     assert all(result.round.requests == 3 for result in results)
     # the round's blend reads the chunks once; its members, whose chunks come from the blend, start no
     # loader of their own (each would prefetch layers nobody asks for)
@@ -120,12 +120,12 @@ def _greedy_over_own_cache(model, fusion, count):
 
 
 def test_round_agents_decode_over_the_rounds_cache_held_once(engine, refs):
-    sampling = SamplingParams(max_new_tokens=12)
+    sampling = SamplingParams(max_tokens=12)
     batch = requests(engine, refs, "cacheblend", sampling=sampling)
     with BatchScheduler(engine, max_batch=3, rounds=True) as scheduler:
         shared = [h.result(timeout=600) for h in scheduler.submit_many(batch)]
         peak_shared, kv_bytes = scheduler.stats.peak_kv_bytes, scheduler.kv_bytes_per_token
-    fusions = engine.fuse_round([(r.segments, get_method(r.method)) for r in batch])
+    fusions = engine.fuse_group([FusionRequest(r.segments, r.method.build()) for r in batch], rounds=True)
     assert all(f.context is not None for f in fusions)  # every agent joined the round's pass
     for result, fusion in zip(shared, fusions, strict=True):
         assert result.round_requests == 3
@@ -138,7 +138,7 @@ def test_round_agents_decode_over_the_rounds_cache_held_once(engine, refs):
 
 
 def test_cancelling_one_agent_leaves_the_others_unchanged(engine, refs):
-    long = SamplingParams(max_new_tokens=40)
+    long = SamplingParams(max_tokens=40)
     expected = [
         r.token_ids for r in engine.generate_round(requests(engine, refs, "cacheblend", sampling=long))
     ]

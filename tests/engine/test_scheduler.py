@@ -15,14 +15,14 @@ from typer.testing import CliRunner
 
 from cacheblend_rag.cli import app
 from cacheblend_rag.engine import Engine, SamplingParams
-from cacheblend_rag.engine.scheduler import BatchRequest, BatchScheduler
+from cacheblend_rag.engine.scheduler import BatchScheduler, GenerationRequest
 from cacheblend_rag.errors import AdmissionError, FusionInputError, SchedulerClosedError
 from cacheblend_rag.eval.bench.prompts import overlapping_musique_requests
 from cacheblend_rag.store.keys import kv_bytes_per_token
 from cacheblend_rag.store.kvstore import KVStore
 
 DATA_DIR = Path(__file__).parent.parent / "data"
-SAMPLING = SamplingParams(max_new_tokens=16)
+SAMPLING = SamplingParams(max_tokens=16)
 # mixed methods in one batch; cacheblend, the one that shares chunks, most of all
 METHODS = ["cacheblend", "full_recompute", "cacheblend", "prefix_cache", "cacheblend", "cacheblend"]
 
@@ -66,7 +66,7 @@ def batched_run(disk_engine, model):
 
     with BatchScheduler(engine, max_batch=8) as scheduler:
         handles = scheduler.submit_many(
-            [BatchRequest(s, m, SAMPLING) for s, m in zip(segments, METHODS, strict=True)]
+            [GenerationRequest.of(s, m, SAMPLING) for s, m in zip(segments, METHODS, strict=True)]
         )
         threads = [
             threading.Thread(target=consume, args=(h, out)) for h, out in zip(handles, streams, strict=True)
@@ -101,7 +101,7 @@ def test_batched_greedy_answers_equal_one_at_a_time(batched_run):
     assert stats.groups == 1 and stats.max_rows == len(METHODS)
     assert stats.fusion_passes == 1  # the group's prompts were fused together
     # one forward per step for all rows, not one per row
-    assert stats.decode_steps < SAMPLING.max_new_tokens
+    assert stats.decode_steps < SAMPLING.max_tokens
     assert stats.decode_rows > 3 * stats.decode_steps
     assert all(len(r.token_ids) > 1 for r in batched_run.results)
 
@@ -144,18 +144,18 @@ def _chat(engine: Engine, text: str):
 
 def test_admission_keeps_to_the_budget_in_fifo_order(disk_engine, musique_case):
     engine = disk_engine
-    params = SamplingParams(max_new_tokens=4)
+    params = SamplingParams(max_tokens=4)
     small = [_chat(engine, q) for q in ("Say hi.", "Name a colour.", "Name a fruit.")]
     big = _chat(engine, "Summarise: " + musique_case["paragraphs"][0][:900])
-    caps = [sum(len(s) for s in segs) + params.max_new_tokens for segs in (*small, big)]
+    caps = [sum(len(s) for s in segs) + params.max_tokens for segs in (*small, big)]
     assert 2 * max(caps[:3]) <= caps[3]  # two small rows fit where one big one does
     budget = caps[3] * kv_bytes_per_token(engine.model.shape, engine.model.dtype)  # big alone, or 2 small
     with BatchScheduler(engine, max_batch=8, kv_budget_bytes=budget) as scheduler:
         order = [small[0], big, small[1], small[2]]
-        handles = scheduler.submit_many([BatchRequest(s, "full_recompute", params) for s in order])
+        handles = scheduler.submit_many([GenerationRequest.of(s, "full_recompute", params) for s in order])
         results = [h.result(timeout=600) for h in handles]
         with pytest.raises(AdmissionError, match="budget"):
-            scheduler.submit(big, "full_recompute", SamplingParams(max_new_tokens=64))
+            scheduler.submit(GenerationRequest.of(big, "full_recompute", SamplingParams(max_tokens=64)))
     # the big request cannot join the first small one, and the small ones behind it do not overtake it
     assert [h.group for h in handles] == [1, 2, 3, 3]
     assert scheduler.stats.max_rows == 2
@@ -163,18 +163,22 @@ def test_admission_keeps_to_the_budget_in_fifo_order(disk_engine, musique_case):
     for segments, result in zip(order, results, strict=True):
         assert result.token_ids == engine.generate(segments, "full_recompute", params).token_ids
     with pytest.raises(SchedulerClosedError, match="closed"):  # typed: a server answers it as draining
-        scheduler.submit(small[0], "full_recompute", params)
+        scheduler.submit(GenerationRequest.of(small[0], "full_recompute", params))
 
 
 def test_submit_from_many_threads(disk_engine):
     engine = disk_engine
-    params = SamplingParams(max_new_tokens=5)
+    params = SamplingParams(max_tokens=5)
     prompts = [_chat(engine, f"Give a word that rhymes with {w}.") for w in ("cat", "tree", "light", "rain")]
     results: dict[int, list[int]] = {}
     with BatchScheduler(engine) as scheduler:
 
         def client(i: int) -> None:
-            results[i] = scheduler.submit(prompts[i], "full_recompute", params).result(timeout=600).token_ids
+            results[i] = (
+                scheduler.submit(GenerationRequest.of(prompts[i], "full_recompute", params))
+                .result(timeout=600)
+                .token_ids
+            )
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
         for thread in threads:
@@ -190,9 +194,9 @@ def test_bad_requests_are_refused_at_submit(disk_engine):
     with BatchScheduler(disk_engine) as scheduler:
         segments = _chat(disk_engine, "Say hi.")
         with pytest.raises(ValueError, match="unknown method"):
-            scheduler.submit(segments, "no_such_method")
+            scheduler.submit(GenerationRequest.of(segments, "no_such_method"))
         with pytest.raises(FusionInputError, match="no tokens"):
-            scheduler.submit([], "full_recompute")
+            scheduler.submit(GenerationRequest.of([], "full_recompute"))
         assert scheduler.stats.submitted == 0
     with pytest.raises(ValueError, match="max_batch"):
         BatchScheduler(disk_engine, max_batch=0)

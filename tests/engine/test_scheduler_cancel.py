@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from cacheblend_rag.blend.segments import Segment
-from cacheblend_rag.engine import Engine, SamplingParams
+from cacheblend_rag.engine import Engine, GenerationRequest, SamplingParams
 from cacheblend_rag.engine.scheduler import BatchScheduler
 from cacheblend_rag.errors import RequestCancelledError
 from cacheblend_rag.store.kvstore import KVStore
 
-LONG = SamplingParams(max_new_tokens=400)  # counting on: far more tokens than the test waits for
-SHORT = SamplingParams(max_new_tokens=6)
+LONG = SamplingParams(max_tokens=400)  # counting on: far more tokens than the test waits for
+SHORT = SamplingParams(max_tokens=6)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,10 @@ def test_cancelling_an_active_request_frees_its_slot(engine):
     question = segments(engine, "The capital of France is")
     alone = engine.generate(question, "full_recompute", SHORT)
     with BatchScheduler(engine, max_batch=1) as scheduler:
-        long = scheduler.submit(counting(engine), "full_recompute", LONG)
-        short = scheduler.submit(question, "full_recompute", SHORT)  # waits: the only slot is taken
+        long = scheduler.submit(GenerationRequest.of(counting(engine), "full_recompute", LONG))
+        short = scheduler.submit(
+            GenerationRequest.of(question, "full_recompute", SHORT)
+        )  # waits: the only slot is taken
         events = iter(long)
         for _ in range(3):
             next(events)
@@ -51,14 +53,14 @@ def test_cancelling_an_active_request_frees_its_slot(engine):
         assert scheduler.cancel(short) is False  # already finished: nothing to cancel
         stats = scheduler.stats
         assert (stats.cancelled, stats.completed, stats.failed) == (1, 1, 0)
-        assert stats.decode_rows < LONG.max_new_tokens  # the long request stopped early
+        assert stats.decode_rows < LONG.max_tokens  # the long request stopped early
         assert scheduler.active == scheduler.waiting == 0
 
 
 def test_cancelling_a_waiting_request_removes_it_from_the_queue(engine):
     with BatchScheduler(engine, max_batch=1) as scheduler:
-        running = scheduler.submit(counting(engine), "full_recompute", LONG)
-        waiting = scheduler.submit(counting(engine), "full_recompute", LONG)
+        running = scheduler.submit(GenerationRequest.of(counting(engine), "full_recompute", LONG))
+        waiting = scheduler.submit(GenerationRequest.of(counting(engine), "full_recompute", LONG))
         events = iter(running)
         for _ in range(2):  # from its second token on, the request holds the slot
             next(events)
@@ -81,10 +83,12 @@ def test_a_cancelled_stream_handle_stops_its_row(engine):
     question = segments(engine, "The capital of France is")
     alone = engine.generate(question, "full_recompute", SHORT)
     with BatchScheduler(engine, max_batch=2) as scheduler:
-        long = scheduler.submit(counting(engine), "full_recompute", LONG)
+        long = scheduler.submit(GenerationRequest.of(counting(engine), "full_recompute", LONG))
         events = iter(long)
         next(events)
-        short = scheduler.submit(question, "full_recompute", SHORT)  # decoded beside the long one
+        short = scheduler.submit(
+            GenerationRequest.of(question, "full_recompute", SHORT)
+        )  # decoded beside the long one
         assert short.result(timeout=120).token_ids == alone.token_ids
         assert scheduler.stats.max_rows == 2  # they did share the batch
         assert long.cancel()
@@ -92,24 +96,28 @@ def test_a_cancelled_stream_handle_stops_its_row(engine):
             list(events)
         assert not long.cancel()  # it has ended: nothing left to stop
         assert long.cancelled and scheduler.active == 0 and scheduler.waiting == 0
-        assert scheduler.stats.decode_rows < LONG.max_new_tokens
+        assert scheduler.stats.decode_rows < LONG.max_tokens
         assert (scheduler.stats.cancelled, scheduler.stats.completed) == (1, 1)
 
 
 def test_a_cancelled_engine_stream_stops_decoding(engine):
-    """``Engine.stream``'s handle decodes one row on the iterating thread; cancelling it closes the row:
-    iteration ends with RequestCancelledError and no further token is generated. The engine's next answer
-    is unaffected."""
+    """``Engine.stream`` submits to the engine's scheduler like every answer; cancelling its handle ends
+    its row: iteration ends with RequestCancelledError and the row stops decoding. The engine's next
+    answer is unaffected."""
     question = segments(engine, "The capital of France is")
     alone = engine.generate(question, "full_recompute", SHORT)
+    rows_before = engine.scheduler.stats.decode_rows
     stream = engine.stream(counting(engine), "full_recompute", LONG)
-    seen = [next(stream) for _ in range(3)]
+    events = iter(stream)
+    seen = [next(events) for _ in range(3)]
     assert len(seen) == 3
-    assert stream.cancel() and not stream.cancel()  # the second call finds it cancelled already
+    assert stream.cancel()
     with pytest.raises(RequestCancelledError):
-        next(stream)
+        list(events)
     with pytest.raises(RequestCancelledError):
         stream.result()
+    assert stream.cancel() is False  # it has ended: nothing left to stop
+    assert engine.scheduler.stats.decode_rows - rows_before < LONG.max_tokens  # stopped early
     assert engine.generate(question, "full_recompute", SHORT).token_ids == alone.token_ids
     finished = engine.stream(question, "full_recompute", SHORT)
     assert finished.result().token_ids == alone.token_ids

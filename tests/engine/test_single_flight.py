@@ -120,7 +120,7 @@ def chunk(model) -> ChunkRef:
 
 
 def test_concurrent_requests_compute_a_chunk_once(model, tmp_path, chunk):
-    params = SamplingParams(max_new_tokens=6, diagnostics=True)
+    params = SamplingParams(max_tokens=6, diagnostics=True)
     lone = Engine(model, store=KVStore(tmp_path / "lone", model.fingerprint, model.shape, "int8"))
     alone = lone.generate(lone.rag_segments(QUESTION, [chunk], "cacheblend"), "cacheblend", params, ratio=0.2)
 
@@ -136,7 +136,9 @@ def test_concurrent_requests_compute_a_chunk_once(model, tmp_path, chunk):
     assert calls == [chunk.token_ids]  # computed once, for all of them
     assert all(r.token_ids == alone.token_ids and r.text == alone.text for r in results)
     logprobs = alone.diagnostics.first_token_logprobs
-    assert all(torch.allclose(r.diagnostics.first_token_logprobs, logprobs) for r in results)
+    # concurrent calls are fused in one batch by the engine's scheduler: its projections over several
+    # rows sum in another order than over one, so the distribution agrees within float error
+    assert all(torch.allclose(r.diagnostics.first_token_logprobs, logprobs, atol=1e-4) for r in results)
     # one request computed the chunk (and the template's opening); the others read what it computed
     head = len(engine.prompts.rag_frame(QUESTION)[0])
     assert sorted(r.kv_computed_tokens for r in results) == [0] * (THREADS - 1) + [

@@ -71,7 +71,7 @@ def rag(corpus_dir, model):
 
 
 def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
-    report = rag.check(QUESTIONS[:2], ratios=(0.15,), max_new_tokens=MAX_TOKENS, top_k=TOP_K)
+    report = rag.check(QUESTIONS[:2], ratios=(0.15,), max_tokens=MAX_TOKENS, top_k=TOP_K)
     default = parse_method(DEFAULT_METHOD).with_ratio(0.15).label  # the method setting at that ratio
     assert [r.label for r in report.rows] == ["full_recompute", default]
     assert report.questions == QUESTIONS[:2] and not report.sampled
@@ -125,8 +125,17 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
         assert row.near_tie_agreeing == entry.near_tie_agreeing
         assert entry.decisive_cases + entry.near_tie_cases == row.questions
         assert row.decisive_agreeing + row.near_tie_agreeing == row.agreeing
+    for row in report.rows:  # the whole answer: the same as full prefill's, counted from the cases
+        same = sum(
+            c["methods"][row.label]["answer"] == c["methods"]["full_recompute"]["answer"]
+            for c in report.cases
+        )
+        assert row.answers_equal == same and row.answer_match == same / row.questions
+        assert (row.answer_match_low, row.answer_match_high) == wilson_interval(same, row.questions)
+        assert row.agreement_f1_low <= row.agreement_f1 <= row.agreement_f1_high
     reference = report.row("full_recompute")
     assert reference.first_token_agreement == 1.0 and reference.kl_first_token == 0.0
+    assert reference.answers_equal == reference.questions and reference.agreement_f1_low > 0.3
     assert reference.speedup_median == 1.0
     blend = report.row(default)
     assert sum(blend.budgets.values()) == 2  # the default's choice for each question's chunks
@@ -138,7 +147,7 @@ def test_check_equals_eval_on_the_same_cases(rag, model, tmp_path):
 def test_one_question_gives_no_verdict_but_how_many_more_are_needed(rag):
     with pytest.raises(KeyError, match="no row"):
         CheckReport([], [], False, None, None, "", 1).row("cacheblend@0.15")
-    report = rag.check(QUESTIONS[:1], ratios=(1.0, 0.0), target_agreement=0.9, max_new_tokens=2, top_k=TOP_K)
+    report = rag.check(QUESTIONS[:1], ratios=(1.0, 0.0), target_agreement=0.9, max_tokens=2, top_k=TOP_K)
     assert [r.ratio for r in report.rows] == [None, 1.0, 0.0]
     # the method setting at ratio 1 recomputes every token: agrees with full prefill
     full_ratio = report.row(parse_method(DEFAULT_METHOD).with_ratio(1.0).label)
@@ -151,16 +160,26 @@ def test_one_question_gives_no_verdict_but_how_many_more_are_needed(rag):
 
 
 def _row(
-    ratio: float, agreeing: int, questions: int, near_ties: int = 0, near_tie_agreeing: int = 0
+    ratio: float,
+    agreeing: int,
+    questions: int,
+    near_ties: int = 0,
+    near_tie_agreeing: int = 0,
+    f1: float = 1.0,
+    equal: int | None = None,
 ) -> CheckRow:
-    """A row of ``questions`` decisive ones (``agreeing`` agree) and ``near_ties`` more."""
+    """A row of ``questions`` decisive ones (``agreeing`` agree) and ``near_ties`` more, whose answers
+    have a mean F1 of ``f1`` with full prefill's and ``equal`` of them are its very answer (default: all,
+    when ``f1`` is 1)."""
     total, total_agreeing = questions + near_ties, agreeing + near_tie_agreeing
     low, high = wilson_interval(total_agreeing, total)
     decisive_low, decisive_high = wilson_interval(agreeing, questions)
+    equal = total if equal is None and f1 == 1.0 else equal or 0
     return CheckRow(
-        f"cacheblend@{ratio:g}", ratio, total_agreeing / total, 0.0, 1.0, 1.0, 2.0, ratio, ratio,
+        f"cacheblend@{ratio:g}", ratio, total_agreeing / total, 0.0, f1, 1.0, 2.0, ratio, ratio,
         total, total_agreeing, low, high, questions, agreeing, decisive_low, decisive_high,
-        near_ties, near_tie_agreeing,
+        near_ties, near_tie_agreeing, equal, equal / total, *wilson_interval(equal, total),
+        *wilson_interval(f1 * total, total),
     )  # fmt: skip
 
 
@@ -195,6 +214,30 @@ def test_the_verdict_reads_decisive_questions_and_leaves_near_ties_out():
     # only near-ties so far: no verdict, and no count of questions it cannot estimate
     lowest, note, needed = verdict([_row(0.15, 0, 0, near_ties=5, near_tie_agreeing=5)], 0.9)
     assert lowest is None and needed is None and "no decisive question yet" in note
+
+
+def test_agreeing_first_tokens_with_other_answers_get_no_verdict():
+    # measured on 10 questions over 118-token chunks: every first token agreed (all decisive), but only 4
+    # whole answers equalled full prefill's and their mean F1 was 0.701; the first tokens alone clear 0.7
+    row = _row(0.15, 10, 10, f1=0.701, equal=4)
+    assert row.decisive_low >= 0.7 > row.agreement_f1_low
+    lowest, note, _ = verdict([row], 0.7)
+    assert lowest is None and "not enough questions" in note
+    assert "answer F1 0.70, 95% CI 0.40-0.89" in note and "4/10 answers the same" in note
+    # so many questions that the first tokens surely clear 0.95: the answers still hold the verdict back
+    row = _row(0.15, 400, 400, f1=0.701, equal=160)
+    assert row.decisive_low >= 0.95 > row.agreement_f1_high
+    lowest, note, _ = verdict([row], 0.95)
+    assert lowest is None and "try higher ratios" in note and "400/400 decisive" in note
+    # the same first tokens with the answers full prefill's: the verdict names the ratio
+    lowest, note, _ = verdict([_row(0.15, 400, 400)], 0.95)
+    assert lowest == 0.15 and "both whole intervals" in note and "400/400 answers the same" in note
+    # answers whose interval straddles the target: more questions would tell, counted for the answers
+    row = _row(0.15, 400, 400, f1=0.97, equal=380)
+    assert row.agreement_f1_low < 0.95 <= row.agreement_f1_high
+    lowest, note, needed = verdict([row], 0.95)
+    assert lowest is None and "not enough questions" in note
+    assert needed == more_questions_needed(0.97 * 400, 400, 0.95)
 
 
 def test_more_questions_are_counted_over_all_questions_not_just_decisive_ones():
@@ -269,13 +312,45 @@ def test_cli_table_reads_at_80_columns(corpus_dir, tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80
-    agreement, fidelity = (line for line in lines if line.split()[:1] == ["method"])
+    agreement, answers, fidelity = (line for line in lines if line.split()[:1] == ["method"])
     for column in ("agree", "95% CI", "decisive", "near-tie"):
         assert column in agreement  # whole, on one line
-    for column in ("KL", "F1", "TTFT ms", "speed-up", "recomp."):
+    for column in ("same answer", "95% CI", "F1"):
+        assert column in answers
+    for column in ("KL", "TTFT ms", "speed-up", "recomp."):
         assert column in fidelity
     assert any("cacheblend@0.15" in line and "/2" in line for line in lines)
     assert "more needed to tell" in " ".join(result.stdout.split())
+
+
+def test_cli_on_the_sample_corpus_prints_answer_agreement_with_counts_and_intervals(rag_store):
+    command = ["check", "--corpus", str(rag_store), "--sample", "2", "--max-tokens", "6", "--top-k", "2"]
+    command += ["--ratios", "0.15", "--target-agreement", "0.9"]
+    result = CliRunner().invoke(app, command, env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if "same answer" in line)
+    rows = {}
+    for line in lines[header + 1 :]:
+        cells = line.split()
+        if len(cells) == 5 and "/" in cells[1]:  # method, k/n, interval, F1, interval
+            rows[cells[0]] = cells[1:]
+        elif rows:
+            break
+    default = parse_method(DEFAULT_METHOD).with_ratio(0.15).label
+    assert set(rows) == {"full_recompute", default}, result.stdout
+    for label, (count, count_ci, f1, f1_ci) in rows.items():
+        equal, questions = map(int, count.split("/"))
+        assert questions == 2 and 0 <= equal <= 2
+        assert count_ci == "{:.2f}-{:.2f}".format(*wilson_interval(equal, questions)), label
+        assert f1_ci == "{:.2f}-{:.2f}".format(*wilson_interval(float(f1) * questions, questions)), label
+        if equal == questions:  # every answer full prefill's very tokens: F1 1 with it
+            assert float(f1) == 1.0, label
+    assert rows["full_recompute"][:1] == ["2/2"]
+    words = " ".join(result.stdout.split())
+    assert "same answer: questions whose whole answer is full prefill's" in words
+    # two questions are too few to clear 0.9: no verdict names a ratio, and the note reads the answers
+    assert "no verdict" in words and "answers the same" in words
 
 
 def test_cli_json_with_sampled_questions(corpus_dir):

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from typer.testing import CliRunner
 
 from cacheblend_rag.cli import app
@@ -93,8 +95,6 @@ def test_bad_arguments_are_named():
 def test_a_path_that_raises_is_named_and_the_rest_still_runs(tmp_path, monkeypatch):
     """One broken method costs neither the table nor the other methods' numbers: its cell says FAILED,
     the JSON names it under ``failures`` and the script exits non-zero."""
-    import torch
-
     from cacheblend_rag.blend import CacheBlend, methods, register_method
 
     # registered in a copy of the registry, gone after the test
@@ -149,4 +149,16 @@ def test_benchmarks_gpu_tables_are_the_saved_runs_rendered():
 def test_the_command_line_passes_help_to_the_check():
     result = CliRunner().invoke(app, ["gpu-check", "--help"])
     assert result.exit_code == 0
-    assert "python -m cacheblend_rag.eval.gpu" in result.output and "--workloads" in result.output
+    # its own usage line; the description still says how to run it where only torch is installed
+    assert result.output.startswith("usage: cacheblend-rag gpu-check [-h]") and "--workloads" in result.output
+    assert "python -m cacheblend_rag.eval.gpu" in result.output
+    assert run("--help").stdout.startswith("usage: python -m cacheblend_rag.eval.gpu [-h]")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there: the check would run")
+def test_without_a_gpu_the_error_names_device_cpu():
+    result = CliRunner().invoke(app, ["gpu-check", "--config", "tiny"], env={"COLUMNS": "300"})
+    assert result.exit_code == 2
+    words = " ".join(result.output.split())
+    assert "cacheblend-rag gpu-check: error: --device cuda, but torch sees no CUDA device" in words
+    assert "give --device cpu to check every path on the CPU" in words

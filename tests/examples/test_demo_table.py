@@ -27,7 +27,7 @@ def load_demo():
 def test_demo_output_fits_80_columns(rag_store, sample_questions):
     demo = load_demo()
     rag = CacheBlendRAG(rag_store)
-    sampling = SamplingParams(max_new_tokens=12)
+    sampling = SamplingParams(max_tokens=12)
     results = [
         (item, *(rag.query(item["question"], top_k=2, method=m, sampling=sampling) for m in demo.METHODS))
         for item in sample_questions[:2]
@@ -72,7 +72,7 @@ def test_the_default_model_answers_most_demo_questions_right_with_full_prefill(r
     demo = load_demo()
     questions = json.loads((DEMO.parent / "data" / "demo_questions.json").read_text())
     rag = CacheBlendRAG(rag_store)
-    sampling = SamplingParams(max_new_tokens=32)
+    sampling = SamplingParams(max_tokens=32)
     answers = [rag.query(q["question"], method="full_recompute", sampling=sampling).answer for q in questions]
     rag.close()
     right = [demo.matches(a, q["answers"]) for a, q in zip(answers, questions, strict=True)]

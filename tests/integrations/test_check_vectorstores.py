@@ -29,7 +29,7 @@ def test_langchain_store_check(tmp_path):
     store = CacheBlendVectorStore(tmp_path / "corpus", DeterministicFakeEmbedding(size=16))
     try:
         store.add_texts(TEXTS)
-        report = store.check(QUESTIONS, ratios=(0.15,), max_new_tokens=3, top_k=2)
+        report = store.check(QUESTIONS, ratios=(0.15,), max_tokens=3, top_k=2)
     finally:
         store.close()
     assert report.questions == QUESTIONS and len(report.cases) == 2
@@ -42,7 +42,7 @@ def test_llamaindex_store_check(tmp_path):
     store = LlamaVectorStore(tmp_path / "corpus", MockEmbedding(embed_dim=16))
     try:
         store.add([TextNode(text=text, id_=f"n{i}") for i, text in enumerate(TEXTS)])
-        report = store.check(QUESTIONS[:1], ratios=(0.15,), max_new_tokens=3, top_k=2)
+        report = store.check(QUESTIONS[:1], ratios=(0.15,), max_tokens=3, top_k=2)
     finally:
         store.close()
     assert report.questions == QUESTIONS[:1]

@@ -1,7 +1,7 @@
-"""One API, one habit: ``max_tokens`` is accepted by every entry point (``sampling=`` and
-``max_new_tokens=`` still work), and the answer length when none is given is one setting with one default
-(``config.DEFAULT_MAX_TOKENS``, ``CACHEBLEND_MAX_TOKENS``) wherever the call comes from. Real engine over
-the shared sample store."""
+"""One API, one habit: ``max_tokens`` is accepted by every entry point (``sampling=`` still works),
+the answer length has that one name everywhere, and the answer length when none is given is one setting
+with one default (``config.DEFAULT_MAX_TOKENS``, ``CACHEBLEND_MAX_TOKENS``) wherever the call comes
+from. Real engine over the shared sample store."""
 
 from __future__ import annotations
 
@@ -43,21 +43,22 @@ def test_query_stream_batch_and_round_take_max_tokens(rag, question):
     ):
         assert [r.finish_reason for r in results] == ["length", "length"]
     # the older spelling still works, and max_tokens wins over it when both are given
-    assert rag.query(question, top_k=2, sampling=SamplingParams(max_new_tokens=2)).finish_reason == "length"
-    handle = rag.stream(question, top_k=2, sampling=SamplingParams(max_new_tokens=9), max_tokens=1)
+    assert rag.query(question, top_k=2, sampling=SamplingParams(max_tokens=2)).finish_reason == "length"
+    handle = rag.stream(question, top_k=2, sampling=SamplingParams(max_tokens=9), max_tokens=1)
     assert len(list(handle)) == 1
 
 
 def test_check_takes_max_tokens_too(rag, question):
     report = rag.check([question], ratios=(0.15,), max_tokens=1, top_k=2)
-    assert report.max_new_tokens == 1
-    assert rag.check([question], ratios=(0.15,), max_new_tokens=1, top_k=2).max_new_tokens == 1
+    assert report.max_tokens == 1
+    with pytest.raises(TypeError, match="max_new_tokens"):  # one name for the answer length
+        rag.check([question], ratios=(0.15,), max_new_tokens=1, top_k=2)
 
 
 def test_one_default_answer_length_everywhere(corpus_dir, monkeypatch):
     assert Config().max_tokens == DEFAULT_MAX_TOKENS
-    assert SamplingParams().max_new_tokens == DEFAULT_MAX_TOKENS
-    assert text_request("q").sampling.max_new_tokens == DEFAULT_MAX_TOKENS
+    assert SamplingParams().max_tokens == DEFAULT_MAX_TOKENS
+    assert text_request("q").sampling.max_tokens == DEFAULT_MAX_TOKENS
     assert GenerationSpec().max_tokens == DEFAULT_MAX_TOKENS
     assert inspect.signature(create_app).parameters["default_max_tokens"].default == DEFAULT_MAX_TOKENS
     for command in (query_command, serve_command):  # None: the setting's value

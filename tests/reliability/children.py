@@ -95,9 +95,7 @@ def main() -> None:
         else:
             _stall_before_index(args.sync)
         rag = CacheBlendRAG(args.store, engine=engine)
-        rag.query(
-            args.question, top_k=args.top_k, method=args.method, sampling=SamplingParams(max_new_tokens=8)
-        )
+        rag.query(args.question, top_k=args.top_k, method=args.method, sampling=SamplingParams(max_tokens=8))
         raise SystemExit("the query finished without writing any chunk KV back")
 
 

@@ -25,7 +25,7 @@ from cacheblend_rag.store.kvstore import KVStore
 EXAMPLES_DIR = Path(__file__).parents[2] / "examples" / "data"
 CHUNK_TOKENS = 128
 TOP_K = 2
-SAMPLING = SamplingParams(max_new_tokens=8)
+SAMPLING = SamplingParams(max_tokens=8)
 CHILD_SCRIPT = Path(__file__).with_name("children.py")
 # Child processes share the cores with this one: one torch thread each keeps them from thrashing. Their
 # KV must still give this process's answers, as KV from any ingest must for any query process.

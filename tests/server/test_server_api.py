@@ -97,7 +97,9 @@ def test_chat_reuses_stored_chunks_streamed_or_not(client, model_id, chunks):
     assert cached(response.usage) == extension["cached_tokens"] <= extension["reused_tokens"]
     assert extension["chunk_ids"] == [c.chunk_id for c in chunks[:2]]  # both recognised in the text
     assert extension["method"] == "cacheblend" and 0 < extension["recompute_ratio"] < 0.5
-    assert extension["ttft_s"] >= extension["engine_ttft_s"] > 0
+    # from the server's receipt; its parts (laying the prompt out, queueing, the fusion) within it
+    assert extension["ttft_s"] >= extension["prompt_s"] + extension["queue_s"] + extension["fusion_s"] > 0
+    assert extension["fusion_path"] == "layers"  # the CPU's default
     # the default's budget, chosen for these two chunks, as plain JSON (no empty cover options)
     budget = extension["budget"]
     assert list(budget) == ["kind", "ratio", "short", "chunks", "mean_chunk_tokens"]

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from cacheblend_rag.engine import GenerationRequest
 from cacheblend_rag.errors import RequestCancelledError, SchedulerClosedError
 from cacheblend_rag.rag import CacheBlendRAG
 from cacheblend_rag.server.backend import EngineBackend
@@ -57,7 +58,9 @@ def test_a_cancelled_request_leaves_the_batch(backend):
 def test_a_closed_scheduler_answers_draining(backend):
     backend.scheduler.close()
     with pytest.raises(SchedulerClosedError):  # the typed error the backend catches
-        backend.scheduler.submit(backend.engine.chat_segments(QUESTION), "full_recompute")
+        backend.scheduler.submit(
+            GenerationRequest.of(backend.engine.chat_segments(QUESTION), "full_recompute")
+        )
     with pytest.raises(APIError) as raised:
         backend.start(GenerationSpec(messages=QUESTION, max_tokens=4), time.perf_counter())
     assert raised.value.status == 503 and raised.value.code == "draining"

@@ -180,11 +180,11 @@ def test_fusion_runs_unchanged_on_a_quantized_store(tmp_path, model, real_chunks
         engine = Engine(model=model, store=KVStore(tmp_path / codec, model.fingerprint, model.shape, codec))
         refs = [ChunkRef(tuple(ids), f"c{i}") for i, ids in enumerate(refs_ids)]
         segments = engine.rag_segments("Who won Nobel Prizes?", refs, "cacheblend")
-        first = engine.generate(segments, "cacheblend", SamplingParams(max_new_tokens=4), ratio=0.15)
+        first = engine.generate(segments, "cacheblend", SamplingParams(max_tokens=4), ratio=0.15)
         again = engine.generate(
             engine.rag_segments("Who won Nobel Prizes?", refs, "cacheblend"),
             "cacheblend",
-            SamplingParams(max_new_tokens=4),
+            SamplingParams(max_tokens=4),
             ratio=0.15,
         )
         assert first.text == again.text  # computed then served from the store: the same answer

@@ -94,8 +94,9 @@ def test_recode_converts_in_place_and_stats_show_the_codec(corpus):
     before = rows(corpus)
     result = invoke("store", "recode", "--kv-dtype", "int8", "--corpus", corpus, "--json")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)  # progress lines go to stderr
     assert report["converted"] == len(before) and report["old_files_removed"] == len(before)
+    assert f"recode (chunks): {len(before)}/{len(before)} (100%)" in result.stderr
     assert report["new_bytes"] <= 0.55 * report["old_bytes"]  # 128-token chunks: a whole key group each
     manifest = CorpusManifest.load(corpus)
     assert (manifest.kv_dtype, manifest.format_version) == ("int8", 3)  # a build before codecs refuses it
@@ -112,7 +113,7 @@ def test_recode_converts_in_place_and_stats_show_the_codec(corpus):
         assert readable_in(store, new_key)
     store.close()
     assert invoke("store", "verify", "--corpus", corpus).exit_code == 0
-    again = json.loads(invoke("store", "recode", "--kv-dtype", "int8", "--corpus", corpus, "--json").output)
+    again = json.loads(invoke("store", "recode", "--kv-dtype", "int8", "--corpus", corpus, "--json").stdout)
     assert again["converted"] == 0
     back = invoke("store", "recode", "--kv-dtype", "float16", "--corpus", corpus)
     assert back.exit_code == 1 and "re-ingest" in back.output  # int8's values under float16's keys
@@ -131,7 +132,7 @@ def test_recode_to_a_finer_codec_is_refused_and_changes_nothing(corpus, redis_se
     assert invoke("store", "recode", "--kv-dtype", "int8", "--corpus", corpus).exit_code == 0
     coarser = invoke("store", "recode", "--kv-dtype", "int4", "--corpus", corpus, *remote, "--json")
     assert coarser.exit_code == 0, coarser.output
-    assert json.loads(coarser.output)["converted"] == len(rows(corpus))
+    assert json.loads(coarser.stdout)["converted"] == len(rows(corpus))
     before = snapshot(corpus, client)
     stored = [name for name in before["remote"] if client.type(name) == b"hash"]
     assert len(stored) == len(rows(corpus)), before["remote"].keys()  # the int4 KV is in both tiers
@@ -200,7 +201,7 @@ def test_recode_killed_mid_way_leaves_every_chunk_readable_and_a_rerun_finishes(
 
     result = invoke("store", "recode", "--kv-dtype", "int4", "--corpus", corpus, "--json")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     assert report["already_done"] == 3 and report["converted"] == len(before) - 3
     assert CorpusManifest.load(corpus).kv_dtype == "int4"
     verify = invoke("store", "verify", "--corpus", corpus, "--json")

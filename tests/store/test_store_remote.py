@@ -30,7 +30,7 @@ from cacheblend_rag.store.shared import KVStoreOptions
 
 DATA_DIR = Path(__file__).parents[1] / "data"
 REMOTE_LOGGER = "cacheblend_rag.store.remote"
-SAMPLING = SamplingParams(max_new_tokens=12)
+SAMPLING = SamplingParams(max_tokens=12)
 RATIO = 0.15  # fixed, so two nodes answer alike whatever tier the controller would see
 
 

@@ -59,5 +59,5 @@ def test_a_replica_re_pins_the_corpus_after_a_restart_without_persistence(
     while not any("re-pinned" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert any(f"re-pinned {summary.new_chunks} chunks" in r.getMessage() for r in caplog.records)
-    assert rag.query(case["question"], top_k=2, sampling=SamplingParams(max_new_tokens=4)).answer
+    assert rag.query(case["question"], top_k=2, sampling=SamplingParams(max_tokens=4)).answer
     engine.close()

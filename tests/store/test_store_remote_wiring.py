@@ -21,7 +21,7 @@ from cacheblend_rag.store.kvstore import KVStore
 
 DATA_DIR = Path(__file__).parents[1] / "data"
 CHUNK_TOKENS = 128
-SAMPLING = SamplingParams(max_new_tokens=8)
+SAMPLING = SamplingParams(max_tokens=8)
 runner = CliRunner()
 
 

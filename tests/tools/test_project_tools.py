@@ -83,7 +83,8 @@ def test_profile_fusion_profiles_and_times_each_method(tmp_path):
 
 def test_profile_round_times_the_round_through_the_scheduler():
     done = run("scripts/profile_round.py", "--agents", "2", "--chunks", "2", "--chunk-tokens", "32")
-    assert "Engine.fuse_round, 2 agents" in done.stdout and "all first tokens" in done.stdout, done.stdout
+    assert "Engine.fuse_group (rounds), 2 agents" in done.stdout, done.stdout
+    assert "all first tokens" in done.stdout, done.stdout
 
 
 def test_check_fusion_equal_saves_and_finds_a_run_equal_to_itself(tmp_path):

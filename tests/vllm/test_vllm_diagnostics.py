@@ -15,8 +15,8 @@ from cacheblend_rag.engine import SamplingParams
 pytestmark = pytest.mark.vllm
 
 # one continuation to score: vLLM scores none, so its entry is None
-DIAGNOSTICS = SamplingParams(max_new_tokens=4, diagnostics=True, score_continuations=((1, 2, 3),))
-PLAIN = SamplingParams(max_new_tokens=4)
+DIAGNOSTICS = SamplingParams(max_tokens=4, diagnostics=True, score_continuations=((1, 2, 3),))
+PLAIN = SamplingParams(max_tokens=4)
 CASES = (10, 11)  # MuSiQue cases no other vLLM test prompts with: vLLM's prefix cache holds none of them
 
 
@@ -59,7 +59,7 @@ def test_full_recompute_diagnostics_are_vllms_prefill(vllm_engine, torch_engine,
     # raw log-probabilities: sampling at a temperature does not temper them (tempered ones would be far)
     raw = expected.diagnostics.first_token_logprobs
     assert kl(raw, torch.log_softmax(raw / 2.0, dim=-1)) > 0.1
-    tempered = SamplingParams(max_new_tokens=1, temperature=2.0, seed=1, diagnostics=True)
+    tempered = SamplingParams(max_tokens=1, temperature=2.0, seed=1, diagnostics=True)
     sampled = vllm_engine.generate(segments, "full_recompute", tempered)
     assert kl(raw, sampled.diagnostics.first_token_logprobs) < 1e-3
 

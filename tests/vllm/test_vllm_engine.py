@@ -18,7 +18,7 @@ from cacheblend_rag.engine import SamplingParams
 
 pytestmark = pytest.mark.vllm
 
-GREEDY_32 = SamplingParams(max_new_tokens=32)
+GREEDY_32 = SamplingParams(max_tokens=32)
 VLLM_CPU_BLOCK = 128
 
 
@@ -34,7 +34,7 @@ def prompts(vllm_engine, musique_rag):
     first (a ratio no test uses) has the worker keep the template's exact head, so every test below finds
     it there (its accounting counts it read, not computed, whatever runs first)."""
     prompts = [vllm_engine.rag_segments(*musique_rag(case), "cacheblend") for case in (0, 1)]
-    vllm_engine.generate(prompts[0], "cacheblend", SamplingParams(max_new_tokens=1), ratio=0.05)
+    vllm_engine.generate(prompts[0], "cacheblend", SamplingParams(max_tokens=1), ratio=0.05)
     return prompts
 
 
@@ -161,12 +161,12 @@ def test_blended_kv_stays_apart_from_exact_kv_in_the_prefix_cache(vllm_engine, p
 
 
 def test_a_batch_mixes_blended_and_exact_requests(vllm_engine, prompts, reference):
-    from cacheblend_rag.engine.vllm import BatchRequest
+    from cacheblend_rag.engine.vllm import GenerationRequest
 
     results = vllm_engine.generate_batch(
         [
-            BatchRequest(prompts[0], "cacheblend", GREEDY_32, {"ratio": 0.15}),
-            BatchRequest(prompts[1], "full_recompute", GREEDY_32),
+            GenerationRequest.of(prompts[0], "cacheblend", GREEDY_32, {"ratio": 0.15}),
+            GenerationRequest.of(prompts[1], "full_recompute", GREEDY_32),
         ]
     )
     assert results[0].token_ids == reference(prompts[0], "cacheblend", 0.15).token_ids

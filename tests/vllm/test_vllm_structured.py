@@ -12,7 +12,7 @@ import json
 import pytest
 from pydantic import BaseModel, Field
 
-from cacheblend_rag.engine import BatchRequest, JsonConstraint, SamplingParams
+from cacheblend_rag.engine import GenerationRequest, JsonConstraint, SamplingParams
 from cacheblend_rag.frontend import PromptFrontend, constraint_of, text_request
 
 pytestmark = pytest.mark.vllm
@@ -28,15 +28,17 @@ class Answer(BaseModel):
 
 
 def test_constrained_answers_match_the_pytorch_engine(vllm_engine, torch_engine, musique_rag):
-    sampling = SamplingParams(max_new_tokens=BUDGET, constraint=JsonConstraint(Answer))
+    sampling = SamplingParams(max_tokens=BUDGET, constraint=JsonConstraint(Answer))
     prompts = []
     for case in CASES:
         question, chunks = musique_rag(case)
         prompts.append(vllm_engine.rag_segments(f"{question}\n{HINT}", chunks, "cacheblend"))
-    plain = SamplingParams(max_new_tokens=16)
+    plain = SamplingParams(max_tokens=16)
     results = vllm_engine.generate_batch(
-        [BatchRequest(s, "cacheblend", sampling, {"ratio": 0.15}) for s in prompts]
-        + [BatchRequest(prompts[0], "cacheblend", plain, {"ratio": 0.15})]  # an unconstrained neighbour
+        [GenerationRequest.of(s, "cacheblend", sampling, {"ratio": 0.15}) for s in prompts]
+        + [
+            GenerationRequest.of(prompts[0], "cacheblend", plain, {"ratio": 0.15})
+        ]  # an unconstrained neighbour
     )
     free = results.pop()
     assert free.token_ids == torch_engine.generate(prompts[0], "cacheblend", plain, ratio=0.15).token_ids

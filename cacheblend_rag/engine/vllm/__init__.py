@@ -4,8 +4,8 @@ Importing this package does not import vLLM; constructing a :class:`VLLMEngine` 
 :class:`~cacheblend_rag.errors.CacheBlendError` naming the ``[vllm]`` extra when it is missing.
 """
 
-from ..base import BatchRequest
+from ..request import GenerationRequest
 from .engine import VLLMEngine, import_vllm
 from .requests import VLLMGenerationResult
 
-__all__ = ["BatchRequest", "VLLMEngine", "VLLMGenerationResult", "import_vllm"]
+__all__ = ["GenerationRequest", "VLLMEngine", "VLLMGenerationResult", "import_vllm"]

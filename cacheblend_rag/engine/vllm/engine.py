@@ -29,7 +29,6 @@ import atexit
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
@@ -39,7 +38,7 @@ from ...blend.controller import LoadingController
 from ...blend.methods import Reuse
 from ...blend.segments import ChunkContext, ChunkKVSource, Segment
 from ...blend.spec import reuse_of
-from ...config import DEFAULT_METHOD, DEFAULTS, Config
+from ...config import DEFAULTS, Config
 from ...errors import CacheBlendError, StoreError
 from ...models.loader import check_supported, pick_device, pick_dtype
 from ...models.provision import resolve_model_path
@@ -49,9 +48,9 @@ from ...store.index import folder_codec
 from ...store.keys import dtype_name
 from ...store.kvstore import KVStore
 from ...store.shared import KVStoreOptions, acquire_store, release_store
-from ..base import BatchRequest, Method, PromptSegments, TokenEvent, TokenStream, eos_token_ids
+from ..base import Method, PromptSegments, Submitting, TokenEvent, TokenStream, eos_token_ids
 from ..prompt import ChunkRef, PromptBuilder, PromptPart, layout_segments
-from ..sampling import SamplingParams
+from ..request import GenerationRequest
 from .driver import EngineDriver, Submission
 from .requests import PreparedRequest, VLLMGenerationResult, blend_keys, build_result, prepare_request
 
@@ -122,7 +121,7 @@ def diagnostics_refusal(logprobs_mode: str, max_logprobs: int, vocab_size: int) 
     return ""
 
 
-class VLLMEngine(PromptSegments):
+class VLLMEngine(PromptSegments, Submitting):
     """Serves RAG requests with vLLM, blending cached chunk KV through the CacheBlend KV connector;
     implements :class:`~cacheblend_rag.engine.base.EngineProtocol`.
 
@@ -362,23 +361,11 @@ class VLLMEngine(PromptSegments):
 
     # -- generation ----------------------------------------------------------------------------------
 
-    def _prepare(
-        self,
-        segments: list[Segment],
-        method: Method,
-        sampling: SamplingParams | None,
-        options: dict[str, Any],
-    ) -> PreparedRequest:
-        if sampling is not None and sampling.diagnostics and self._diagnostics_refusal:
+    def _prepare(self, request: GenerationRequest) -> PreparedRequest:
+        if request.sampling.diagnostics and self._diagnostics_refusal:
             raise CacheBlendError(f"diagnostics need {self._diagnostics_refusal}")
         return prepare_request(
-            segments,
-            method,
-            sampling,
-            options,
-            controller=self.controller,
-            eos_ids=self.eos_ids,
-            max_model_len=self.max_model_len,
+            request, controller=self.controller, eos_ids=self.eos_ids, max_model_len=self.max_model_len
         )
 
     def _drive(self, requests: list[PreparedRequest]) -> Iterator[PreparedRequest]:
@@ -386,8 +373,6 @@ class VLLMEngine(PromptSegments):
         finish. Requests still running when the caller stops iterating are aborted."""
         by_key = {r.key: r for r in requests}
         unfinished = set(by_key)
-        for request in requests:
-            request.started = time.perf_counter()
         outputs = self._driver.submit(Submission(r.key, r.prompt, r.params) for r in requests)
         try:
             while unfinished:
@@ -411,28 +396,12 @@ class VLLMEngine(PromptSegments):
         stats = self._rpc("cacheblend_take_stats", keys) if keys else {}
         return [build_result(r, stats.get(r.key), self.eos_ids, self.vocab_size) for r in requests]
 
-    def stream(
-        self,
-        segments: list[Segment],
-        method: Method = DEFAULT_METHOD,
-        sampling: SamplingParams | None = None,
-        **method_options: Any,
-    ) -> TokenStream[VLLMGenerationResult]:
-        """Iterate the handle for tokens as vLLM generates them, then ``.result()`` for the final
-        :class:`VLLMGenerationResult`. Bad input raises here."""
-        request = self._prepare(segments, method, sampling, method_options)
-        return TokenStream(self._stream(request))
-
-    def submit(
-        self,
-        segments: list[Segment],
-        method: Method = DEFAULT_METHOD,
-        sampling: SamplingParams | None = None,
-        **method_options: Any,
-    ) -> TokenStream[VLLMGenerationResult]:
-        """A request served with others: :meth:`stream`, since vLLM batches concurrent streams itself
-        (vLLM checks the request when it first steps it, i.e. when the handle is first iterated)."""
-        return self.stream(segments, method, sampling, **method_options)
+    def submit(self, request: GenerationRequest) -> TokenStream[VLLMGenerationResult]:
+        """Serve ``request`` (vLLM batches concurrent streams itself); iterate the handle for tokens as
+        vLLM generates them, then ``.result()`` for the final :class:`VLLMGenerationResult`. Bad input
+        raises here (vLLM checks the request when it first steps it, i.e. when the handle is first
+        iterated)."""
+        return TokenStream(self._stream(self._prepare(request)))
 
     def _stream(self, request: PreparedRequest) -> Generator[TokenEvent, None, VLLMGenerationResult]:
         emitted = ""
@@ -444,25 +413,15 @@ class VLLMEngine(PromptSegments):
                 emitted = completion.text
         return self._collect([request])[0]
 
-    def generate(
-        self,
-        segments: list[Segment],
-        method: Method = DEFAULT_METHOD,
-        sampling: SamplingParams | None = None,
-        **method_options: Any,
-    ) -> VLLMGenerationResult:
-        """Blend ``segments`` with ``method`` (through vLLM) and generate an answer."""
-        return self.generate_batch([BatchRequest(segments, method, sampling, method_options)])[0]
-
-    def generate_batch(self, requests: Sequence[BatchRequest]) -> list[VLLMGenerationResult]:
+    def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[VLLMGenerationResult]:
         """Submit every request at once, so vLLM schedules and batches them together; results in order.
-        Each request's ``ttft_s`` counts from the submission of the batch."""
-        prepared = [self._prepare(r.segments, r.method, r.sampling, r.method_options) for r in requests]
+        Each request's ``ttft_s`` counts from its arrival (the caller's call)."""
+        prepared = [self._prepare(r) for r in requests]
         for _ in self._drive(prepared):
             pass
         return self._collect(prepared)
 
-    def generate_round(self, requests: Sequence[BatchRequest]) -> list[VLLMGenerationResult]:
+    def generate_round(self, requests: Sequence[GenerationRequest]) -> list[VLLMGenerationResult]:
         """As :meth:`generate_batch`: the connector blends each request's chunks in vLLM's worker, one
         request at a time, so requests here never share a round (their ``round_requests`` stay 0)."""
         return self.generate_batch(requests)

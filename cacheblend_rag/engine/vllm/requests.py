@@ -14,14 +14,16 @@ import torch
 
 from ...blend.controller import LoadingController
 from ...blend.methods import Reuse
-from ...blend.segments import Segment
-from ...blend.spec import ResolvedMethod, resolve_method
 from ...errors import CacheBlendError
-from ..base import FusionDiagnostics, FusionStats, GenerationResult, Method, generation_budget
+from ..base import FusionDiagnostics, FusionStats, GenerationResult
+from ..request import AdmittedRequest, GenerationRequest
 from ..sampling import SamplingParams
 from .protocol import BlendRequest
 
 log = logging.getLogger(__name__)
+
+# how every answer of the vLLM engine was fused (results' ``fusion_path``): by vLLM, with our connector
+VLLM_PATH = "vllm"
 
 
 @dataclass
@@ -30,7 +32,6 @@ class VLLMGenerationResult(GenerationResult):
 
     claimed_tokens: int = 0  # prompt tokens the connector provided as externally computed KV
     vllm_cached_tokens: int = 0  # vLLM's own count: prefix-cache hits plus external tokens
-    fusion_s: float = 0.0  # the worker's fusion (store reads included), part of ttft_s
     kv_write_s: float = 0.0  # writing the fused K/V into vLLM's paged cache, part of ttft_s
     # layers whose fused K/V the fusion wrote into vLLM's paged cache in place (engine/vllm/paged.py; 0: the
     # fusor's own attention, K/V written after the fusion), and how many layers each kernel attended
@@ -48,34 +49,22 @@ class PreparedRequest:
     key: str
     prompt: dict[str, Any]
     params: Any  # vllm.SamplingParams
-    resolved: ResolvedMethod
-    segments: list[Segment]
+    admitted: AdmittedRequest
     blend: BlendRequest | None
-    sampling: SamplingParams
-    started: float = 0.0
     first_token_at: float | None = None
     output: Any = None  # the last vllm RequestOutput
 
 
 def prepare_request(
-    segments: list[Segment],
-    method: Method,
-    sampling: SamplingParams | None,
-    method_options: dict[str, Any],
-    *,
-    controller: LoadingController,
-    eos_ids: set[int],
-    max_model_len: int,
+    request: GenerationRequest, *, controller: LoadingController, eos_ids: set[int], max_model_len: int
 ) -> PreparedRequest:
-    """``segments`` answered with ``method`` as a vLLM request: prompt token ids, sampling parameters, and
-    for a method that blends cached chunks the blend message (and a prefix-cache salt). Bad input raises."""
+    """``request`` as a vLLM request: prompt token ids, sampling parameters, and for a method that blends
+    cached chunks the blend message (and a prefix-cache salt). Bad input raises."""
     from vllm import SamplingParams as VSamplingParams
 
-    sampling = sampling or SamplingParams()
-    resolved = resolve_method(method, segments, controller, method_options)
-    recompute = resolved.method
+    admitted = AdmittedRequest.of(request, controller, max_model_len, "vLLM's max_model_len")
+    segments, sampling, recompute = request.segments, request.sampling, admitted.resolved.method
     ids = [t for s in segments for t in s.token_ids]
-    max_new = generation_budget(len(ids), sampling, max_model_len, "vLLM's max_model_len")
     key = uuid.uuid4().hex
     blend = None
     if recompute.reuses is Reuse.CHUNKS and any(s.is_cached for s in segments):
@@ -95,7 +84,7 @@ def prepare_request(
         prompt["cache_salt"] = blend.cache_salt(ids)
         extra_args = {"kv_transfer_params": blend.to_params()}
     params = VSamplingParams(
-        max_tokens=max_new,
+        max_tokens=admitted.max_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         seed=sampling.seed,
@@ -109,7 +98,7 @@ def prepare_request(
         # alone, so such a request gets them at every step, and only it: other requests ask for none
         **({"logprobs": -1, "flat_logprobs": True} if sampling.diagnostics else {}),
     )
-    return PreparedRequest(key, prompt, params, resolved, list(segments), blend, sampling)
+    return PreparedRequest(key, prompt, params, admitted, blend)
 
 
 def structured_outputs(sampling: SamplingParams) -> Any:
@@ -140,12 +129,13 @@ def build_result(
     if completion.finish_reason == "stop" and token_ids and token_ids[-1] in eos_ids:
         token_ids.pop()  # like the PyTorch engine, report the answer without its end-of-sequence token
     cached = int(output.num_cached_tokens or 0)
-    prompt_tokens = sum(len(s) for s in request.segments)
+    asked = request.admitted.request
+    prompt_tokens = asked.prompt_tokens
     stats = stats or {}
     if "error" in stats:
         # the worker could not blend it and vLLM prefilled it instead: the answer is exact
         log.warning("request %s was prefilled in full: %s", request.key, stats["error"])
-        fusion, claimed = FusionStats(0, prompt_tokens, 1.0, blended=False), 0
+        fusion, claimed = FusionStats(0, prompt_tokens, 1.0, blended=False, path=VLLM_PATH), 0
     elif stats:
         fusion = FusionStats(
             int(stats["reused_tokens"]),
@@ -153,32 +143,30 @@ def build_result(
             float(stats["recompute_ratio"]),
             float(stats.get("load_wait_s", 0.0)),
             tuple(int(n) for n in stats.get("kept_per_segment", ())),
+            path=VLLM_PATH,
+            seconds=float(stats.get("fusion_s", 0.0)),
         )
         claimed = int(stats["claimed_tokens"])
     else:
         # nothing was claimed: whatever vLLM's prefix cache served (exact KV, or for a repeated blend
         # request the blocks it blended before) is reused, the rest prefilled
-        fusion, claimed = FusionStats(cached, prompt_tokens - cached, 1.0, blended=False), 0
+        fusion, claimed = FusionStats(cached, prompt_tokens - cached, 1.0, blended=False, path=VLLM_PATH), 0
     finished = time.perf_counter()
     result = VLLMGenerationResult.build(
         text=completion.text,
         token_ids=token_ids,
         finish_reason=completion.finish_reason,
-        resolved=request.resolved,
-        segments=request.segments,
+        admitted=request.admitted,
         fusion=fusion,
-        ttft_s=(request.first_token_at or finished) - request.started,
-        total_s=finished - request.started,
+        first_token_at=request.first_token_at,
+        finished_at=finished,
         claimed_tokens=claimed,
         vllm_cached_tokens=cached,
-        fusion_s=float(stats.get("fusion_s", 0.0)),
         kv_write_s=float(stats.get("write_s", 0.0)),
         paged_layers=int(stats.get("paged_layers", 0)),
         attention_kernels=dict(stats.get("attention_kernels") or {}),
         attention_choice=dict(stats.get("attention_choice") or {}),
-        diagnostics=(
-            diagnostics(request, stats, cached, vocab_size) if request.sampling.diagnostics else None
-        ),
+        diagnostics=(diagnostics(request, stats, cached, vocab_size) if asked.sampling.diagnostics else None),
     )
     # the worker reused the template's opening exactly (its own segments had it as an exact head, these
     # have it fresh): counted as the PyTorch engine counts its exact head (docs/accounting.md)
@@ -201,7 +189,7 @@ def diagnostics(
     its prefix cache did not serve (``cached``), with no fusion time; where vLLM's prefix cache served
     blocks blended for an earlier request, they are None. vLLM scores no continuation here: each
     ``continuation_nll`` is None."""
-    prompt_tokens = sum(len(s) for s in request.segments)
+    prompt_tokens = request.admitted.request.prompt_tokens
     fused = stats.get("diagnostics")
     positions: tuple[int, ...] | None
     fraction: float | None
@@ -223,7 +211,7 @@ def diagnostics(
         recomputed_positions=positions,
         compute_fraction=fraction,
         fusion_s=fusion_s,
-        continuation_nll=tuple(None for _ in request.sampling.score_continuations),
+        continuation_nll=tuple(None for _ in request.admitted.request.sampling.score_continuations),
     )
 
 

@@ -53,13 +53,15 @@ def section_ingest(ctx: BenchContext) -> IngestResult:
             [sources], corpus_dir, chunk_tokens=config.chunk_tokens, engine=engine, config=get_settings()
         )
         rag = CacheBlendRAG(corpus_dir, engine=engine)
-        sampling = SamplingParams(max_new_tokens=config.query_max_new_tokens)
+        sampling = SamplingParams(max_tokens=config.query_max_new_tokens)
         queries: dict[str, list[dict[str, Any]]] = {m: [] for m in QUERY_METHODS}
         for question in questions:
             for method in QUERY_METHODS:
                 # the bench's ratio for the methods that take one; the others run as they are
                 spec = parse_method(method).with_ratio(config.ratio, where_taken=True)
-                result = rag.query(question["question"], config.top_k, spec.label, sampling=sampling)
+                result = rag.query(
+                    question["question"], top_k=config.top_k, method=spec.label, sampling=sampling
+                )
                 queries[method].append(
                     {
                         "question": question["question"],

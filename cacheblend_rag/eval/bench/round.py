@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ...blend.round import PROBE_QUESTIONS
 from ...blend.spec import parse_method
-from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
+from ...engine import BatchScheduler, Engine, GenerationRequest, GenerationResult, SamplingParams
 from ...engine.fidelity import store_in_ram
 from ...engine.prompt import ChunkRef, PromptBuilder
 from ...records import OpenRecord
@@ -113,7 +115,7 @@ class RoundResult(OpenRecord):
 
 def agent_requests(
     engine: Engine, refs: Sequence[ChunkRef], questions: Sequence[str], method, sampling, own_order: bool
-) -> list[BatchRequest]:
+) -> list[GenerationRequest]:
     """One request per question: role i, the chunks (in a per-agent order when ``own_order``)."""
     requests = []
     for i, question in enumerate(questions):
@@ -122,12 +124,14 @@ def agent_requests(
             random.Random(i).shuffle(order)
         builder = PromptBuilder(engine.model.tokenizer, ROLES[i % len(ROLES)], QA_TEMPLATE)
         requests.append(
-            BatchRequest(engine.segments(builder.rag_parts(question, order), method), method, sampling)
+            GenerationRequest.of(
+                engine.segments(builder.rag_parts(question, order), method), method, sampling
+            )
         )
     return requests
 
 
-def timed_round(engine: Engine, requests: list[BatchRequest], rounds: bool) -> dict[str, float]:
+def timed_round(engine: Engine, requests: list[GenerationRequest], rounds: bool) -> dict[str, float]:
     """All ``requests`` submitted at once to a scheduler admitting all of them."""
     capacity = max(sum(len(s) for s in r.segments) for r in requests) + 64
     budget = 2 * len(requests) * capacity * kv_bytes_per_token(engine.model.shape, engine.model.dtype)
@@ -166,7 +170,7 @@ def _median(samples: list[dict[str, Any]]) -> RoundTiming:
 def section_round(ctx: BenchContext) -> RoundResult:
     config = ctx.config
     engine = eval_engine(ctx)
-    sampling = SamplingParams(max_new_tokens=config.throughput_max_new_tokens)
+    sampling = SamplingParams(max_tokens=config.throughput_max_new_tokens)
     blend = parse_method("cacheblend").with_ratio(config.ratio)
     # the default's chunk-shift correction is right for one chunk order only, so it shares a round only
     # between agents whose chunks come in the same order; agents that each keep their own order share one
@@ -233,22 +237,36 @@ def _fidelity(engine: Engine, config, blend) -> RoundFidelity:
             retrieved, _ = corpus.retrieve(case, config.top_k, "qa")
             refs = [ChunkRef(r.token_ids) for r in retrieved]
             questions = [case.question] * FIDELITY_AGENTS
-            requests = agent_requests(engine, refs, questions, method, None, own_order=False)
-            fresh = agent_requests(engine, refs, questions, full, None, own_order=False)
-            references = [engine.fuse(r.segments, full).logits for r in fresh]
-            jobs = [(r.segments, method) for r in requests]
-            per_request, rounded = engine.fuse_many(jobs), engine.fuse_round(jobs)
+            # each through the scheduler users are served by: the first token's distribution of every
+            # agent by full prefill, fused per request (no rounds) and as one round
+            requests = agent_requests(engine, refs, questions, method, FIRST_TOKEN, own_order=False)
+            fresh = agent_requests(engine, refs, questions, full, FIRST_TOKEN, own_order=False)
+            agents = len(requests)
+            references = engine.generate_batch(fresh, max_batch=agents, rounds=False)
+            per_request = engine.generate_batch(requests, max_batch=agents, rounds=False)
+            rounded = engine.generate_round(requests)
             for reference, alone, shared in zip(references, per_request, rounded, strict=True):
-                top = int(reference.argmax())
-                rows["kl_per_request"].append(kl_divergence(reference, alone.logits))
-                rows["kl_round"].append(kl_divergence(reference, shared.logits))
-                rows["agree_per_request"].append(float(int(alone.logits.argmax()) == top))
-                rows["agree_round"].append(float(int(shared.logits.argmax()) == top))
+                expected, own, blended = (first_token(r) for r in (reference, alone, shared))
+                top = int(expected.argmax())
+                rows["kl_per_request"].append(kl_divergence(expected, own))
+                rows["kl_round"].append(kl_divergence(expected, blended))
+                rows["agree_per_request"].append(float(int(own.argmax()) == top))
+                rows["agree_round"].append(float(int(blended.argmax()) == top))
     return RoundFidelity(
         cases=config.round_fidelity_cases,
         agents=FIDELITY_AGENTS,
         **{k: statistics.fmean(v) if v else None for k, v in rows.items()},
     )
+
+
+# one token with its distribution: what the round's fidelity compares
+FIRST_TOKEN = SamplingParams(max_tokens=1, diagnostics=True)
+
+
+def first_token(result: GenerationResult) -> torch.Tensor:
+    """The first token's log-probabilities an answer's diagnostics carry."""
+    assert result.diagnostics is not None
+    return result.diagnostics.first_token_logprobs
 
 
 def round_checks(timing: dict[str, dict[str, RoundTiming]], fidelity: RoundFidelity) -> list[Check]:

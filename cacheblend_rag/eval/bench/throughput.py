@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ...blend.spec import parse_method
-from ...engine import BatchRequest, BatchScheduler, Engine, SamplingParams
+from ...engine import BatchScheduler, Engine, GenerationRequest, SamplingParams
 from ...engine.fidelity import store_in_ram
 from ...records import OpenRecord
 from ...settings import get_settings
@@ -108,7 +108,8 @@ def bench_runner(
     ) as scheduler:
         started = time.perf_counter()
         requests = [
-            BatchRequest(engine.rag_segments(p.question, p.refs, spec), spec, sampling) for p in prompts
+            GenerationRequest.of(engine.rag_segments(p.question, p.refs, spec), spec, sampling)
+            for p in prompts
         ]
         handles = scheduler.submit_many(requests)
         results = [handle.result() for handle in handles]
@@ -175,7 +176,7 @@ def section_throughput(ctx: BenchContext) -> ThroughputResult:
     scheduler's must equal)."""
     config = ctx.config
     engine = eval_engine(ctx)
-    sampling = SamplingParams(max_new_tokens=config.throughput_max_new_tokens)
+    sampling = SamplingParams(max_tokens=config.throughput_max_new_tokens)
     levels = sorted({*config.throughput_levels, config.throughput_requests})
     runners = Runners(sequential={}, scheduler={})
     try:

@@ -133,7 +133,7 @@ def worker_memory(
     started = time.perf_counter()
     segments = engine.rag_segments(question, chunks, spec)  # the worker precomputes and stores chunk KV
     precompute_s = time.perf_counter() - started
-    engine.generate(segments, spec, SamplingParams(max_new_tokens=1))
+    engine.generate(segments, spec, SamplingParams(max_tokens=1))
     memory = {
         "weights": engine.fusion_weights,
         "at_start": at_start,
@@ -146,7 +146,7 @@ def worker_memory(
 def ttft_pair(engine, question: str, chunks: list[ChunkRef], config: BenchConfig) -> VllmPair:
     """TTFT of vLLM's full prefill and of vLLM + CacheBlend on one prompt: the median of ``repeats``
     interleaved runs after a warm-up round, and what the last CacheBlend request reported."""
-    first_token = SamplingParams(max_new_tokens=1)
+    first_token = SamplingParams(max_tokens=1)
     samples: dict[str, list[float]] = {FULL: [], BLEND: []}
     blends, first_tokens = [], {}
     for repeat in range(config.repeats + 1):  # the first round warms both paths up and is not counted
@@ -188,7 +188,7 @@ def ttft_pair(engine, question: str, chunks: list[ChunkRef], config: BenchConfig
 def first_token_agreement(engine, config: BenchConfig, prompts: int) -> dict[str, Any]:
     """On ``prompts`` MuSiQue prompts (case i's question over ``num_chunks`` chunks cut from its
     paragraphs and the next cases'), whether vLLM + CacheBlend's first token is vLLM full prefill's."""
-    first_token = SamplingParams(max_new_tokens=1)
+    first_token = SamplingParams(max_tokens=1)
     same = []
     for index in range(prompts):
         question, chunks = joined_prompt(config, engine.model.tokenizer, index)

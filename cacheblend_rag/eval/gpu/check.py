@@ -15,17 +15,16 @@ from pathlib import Path
 
 import torch
 
-from ...blend import DirectLayerKV, Fusor, Segment, get_method
+from ...blend import DirectLayerKV, Fusor, get_method
 from ...blend.fusor import FusionRequest
-from ...blend.segments import ChunkContext, ChunkKV, kv_sources, prefill_chunk_kv, prefill_context
+from ...blend.segments import kv_sources
 from ...models.fused import fused_weights
 from ...models.fused import prefill as fused_prefill
 from ...models.runtime import LayerwiseModel
-from ...store.codec import CODECS
-from ...store.fileformat import EncodedChunk
 from ...store.joined import JoinedLayerKV
 from . import __doc__ as CHECK_DOC
 from .models import CONFIGS, Config, build_model
+from .prompts import prompt_segments, tier_segments
 from .report import print_row, render_markdown, time_cell
 
 # Modules this path must never need: the GPU machine has none of them.
@@ -79,67 +78,6 @@ def parse_workloads(text: str) -> list[tuple[int, int]]:
             raise SystemExit(f"bad workload {item!r}: N and L must be positive")
         workloads.append((chunks, tokens))
     return workloads
-
-
-def prompt_segments(
-    model: LayerwiseModel, chunks: int, tokens: int, kv_dtype: torch.dtype, generator: torch.Generator
-) -> tuple[list[Segment], list[int]]:
-    """A RAG prompt: 24 fresh head tokens, ``chunks`` cached chunks of ``tokens`` random ids (KV precomputed
-    behind a 16-token chunk context, stored in ``kv_dtype``), 32 fresh question tokens."""
-    vocab = model.shape.vocab_size
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(0, vocab, (n,), generator=generator).tolist()
-
-    context = ChunkContext(tuple(ids(16)))
-    context_cache = prefill_context(model, context)
-    head, question = ids(24), ids(32)
-    segments = [Segment.fresh(head)]
-    for _ in range(chunks):
-        chunk = ids(tokens)
-        kv = prefill_chunk_kv(model, chunk, context, context_cache).to(kv_dtype)
-        segments.append(Segment.cached(chunk, kv))
-    segments.append(Segment.fresh(question))
-    return segments, [t for s in segments for t in s.token_ids]
-
-
-def on_host(kv: ChunkKV) -> ChunkKV:
-    """The same chunk KV in pinned host RAM (what a GPU reads from the RAM tier)."""
-    return ChunkKV(
-        [k.cpu().pin_memory() for k in kv.keys], [v.cpu().pin_memory() for v in kv.values], kv.fingerprint
-    )
-
-
-def int8_chunk(kv: ChunkKV, device: torch.device, on_device: bool) -> EncodedChunk:
-    """The same chunk KV in the default codec (int8), as the RAM tier keeps it: its parts in device memory
-    (``on_device``) or in pinned host RAM, decoded on the device one joined layer at a time."""
-    codec = CODECS["int8"].for_head_dim(kv.keys[0].shape[-1])
-
-    def placed(t: torch.Tensor) -> torch.Tensor:
-        if on_device:
-            return t.to(device)
-        return t.pin_memory() if device.type == "cuda" else t
-
-    layers = [
-        {n: placed(t) for n, t in codec.encode(k, v).items()} for k, v in zip(kv.keys, kv.values, strict=True)
-    ]
-    return EncodedChunk(codec, layers, kv.fingerprint, kv.num_tokens, {})
-
-
-def tier_segments(segments: list[Segment], tier: str, device: torch.device) -> list[Segment]:
-    """``segments`` with their chunk KV where ``tier`` keeps it: ``hbm`` (device memory, as computed),
-    ``host`` (pinned RAM), ``int8_hbm`` / ``int8_host`` / ``int8_ram`` (int8 parts there)."""
-    if tier in ("hbm", "ram"):
-        return segments
-    moved = []
-    for s in segments:
-        if s.kv is None:
-            moved.append(s)
-        elif tier == "host":
-            moved.append(Segment.cached(s.token_ids, on_host(s.kv)))
-        else:
-            moved.append(Segment.cached(s.token_ids, int8_chunk(s.kv, device, tier == "int8_hbm")))
-    return moved
 
 
 def host_cpu() -> str:
@@ -373,10 +311,11 @@ def where_time_goes(label: str, fn: Callable[[], object], device: torch.device) 
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the check with ``argv`` (default: the command line's); 0 when every path ran and r = 1 held."""
+def main(argv: list[str] | None = None, prog: str = "python -m cacheblend_rag.eval.gpu") -> int:
+    """Run the check with ``argv`` (default: the command line's); 0 when every path ran and r = 1 held.
+    ``prog``: the command its usage and errors name (``cacheblend-rag gpu-check`` from the CLI)."""
     parser = argparse.ArgumentParser(
-        prog="python -m cacheblend_rag.eval.gpu",
+        prog=prog,
         description=CHECK_DOC,
         formatter_class=argparse.RawTextHelpFormatter,
     )
@@ -419,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 5 (medians of fewer runs are not reported)")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but torch sees no CUDA device")
+        parser.error(
+            f"--device {args.device}, but torch sees no CUDA device: run it where one is, or give "
+            "--device cpu to check every path on the CPU (its times say nothing of a GPU's)"
+        )
     unknown = [name for name in args.config.split(",") if name not in CONFIGS]
     if unknown:
         parser.error(f"unknown config {', '.join(unknown)}: use {', '.join(CONFIGS)}")

@@ -165,7 +165,7 @@ class CacheBlendVectorStore(BasePydanticVectorStore):
 
     def check(self, questions: Sequence[str] | None = None, **options: Any) -> CheckReport:
         """Full prefill against KV reuse on this store's documents: see ``CacheBlendRAG.check`` (the
-        options: ratios, method, target_agreement, max_new_tokens, sample, top_k)."""
+        options: ratios, method, target_agreement, max_tokens, sample, top_k)."""
         return self._documents.check(questions, **options)
 
     def get_nodes(
