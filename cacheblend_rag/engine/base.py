@@ -216,8 +216,8 @@ class EngineProtocol(Protocol):
     prompts: PromptBuilder
     controller: LoadingController
     eos_ids: set[int]
-    # whether concurrent ``stream`` calls are batched by the engine itself (vLLM); the PyTorch engine's
-    # ``stream`` decodes one request alone. Either way ``submit`` batches: callers need not ask.
+    # whether concurrent requests are batched by the engine itself (vLLM) rather than by our scheduler
+    # (the PyTorch engine's). Either way ``submit`` batches: callers need not ask.
     batches_requests: bool
     # the engine's BatchScheduler (PyTorch: started on first use), None where the engine batches itself;
     # typed Any because the scheduler's module imports this one

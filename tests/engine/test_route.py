@@ -108,7 +108,7 @@ def test_check_eval_and_bench_reach_the_fusion_through_submit(shared_rag_store, 
     from cacheblend_rag.engine import ChunkRef, Engine, SamplingParams
     from cacheblend_rag.engine.fidelity import MethodRun, compare_methods
     from cacheblend_rag.engine.scheduler import BatchScheduler
-    from cacheblend_rag.eval.bench.ttft import _engine_ttft
+    from cacheblend_rag.eval.bench.ttft import engine_ttft
 
     submitted = []
     submit_many = BatchScheduler.submit_many
@@ -134,7 +134,7 @@ def test_check_eval_and_bench_reach_the_fusion_through_submit(shared_rag_store, 
         ]
         compare_methods(runs, QUESTIONS[1], refs, SamplingParams(max_tokens=2))
         assert len(submitted) == before + 2
-        _engine_ttft(rag.engine, QUESTIONS[1], refs, "cacheblend_ram", 0.15)
+        engine_ttft(rag.engine, QUESTIONS[1], refs, "cacheblend_ram", 0.15)
         assert len(submitted) == before + 3
     finally:
         rag.close()

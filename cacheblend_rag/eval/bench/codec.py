@@ -24,7 +24,7 @@ from ..engines import settings_store
 from ..markdown import fmt, table
 from .config import BenchContext
 from .page import Page
-from .ttft import _engine_ttft
+from .ttft import engine_ttft
 
 CODECS = ("float16", "int8", "int4")
 SAMPLE_CORPUS = Path(__file__).parents[3] / "examples" / "data" / "corpus"
@@ -176,11 +176,11 @@ def _ttft(ctx: BenchContext, stores: dict[str, KVStore], chunks: list[tuple[int,
     samples: dict[str, dict[str, list[float]]] = {c: {"ram": [], "disk": []} for c in CODECS}
     for engine in engines.values():
         store_in_ram(engine, ctx.question, refs)
-        _engine_ttft(engine, ctx.question, refs, "cacheblend_ram", config.ratio)  # warm-up
+        engine_ttft(engine, ctx.question, refs, "cacheblend_ram", config.ratio)  # warm-up
     for _ in range(config.repeats):
         for codec, engine in engines.items():
             for tier in ("ram", "disk"):
-                measured = _engine_ttft(engine, ctx.question, refs, f"cacheblend_{tier}", config.ratio)
+                measured = engine_ttft(engine, ctx.question, refs, f"cacheblend_{tier}", config.ratio)
                 samples[codec][tier].append(measured["ttft_s"])
     medians = {c: {t: statistics.median(v) for t, v in tiers.items()} for c, tiers in samples.items()}
     return CodecTtft(

@@ -82,9 +82,11 @@ class TtftResult(OpenRecord):
     checks: list[Check]
 
 
-def _engine_ttft(
+def engine_ttft(
     engine: Engine, question: str, refs: list[ChunkRef], label: str, ratio: float
 ) -> dict[str, float]:
+    """One TTFT column's run of ``question`` over ``refs`` (``label``: a column of :data:`TTFT_COLUMNS`),
+    submitted through the engine as a user's request is."""
     method, tier = TTFT_COLUMNS[label]
     spec = parse_method(method).with_ratio(ratio, where_taken=True)
     if tier == "disk":
@@ -141,7 +143,7 @@ def measure_ttft_point(
             if label == "transformers":
                 samples[label].append(hf_ttft(engine.model, prompt_ids))
                 continue
-            measured = _engine_ttft(engine, question, refs, label, ratio)
+            measured = engine_ttft(engine, question, refs, label, ratio)
             samples[label].append(measured.pop("ttft_s"))
             extra[label] = measured
     medians = {label: statistics.median(values) for label, values in samples.items()}
