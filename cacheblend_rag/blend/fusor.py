@@ -42,7 +42,7 @@ from .plan import FusionPlan, LayerState
 from .probe import ProbePass, ProbeResult
 from .segments import DirectLayerKV, LayerKVProvider, Segment, kv_sources
 from .shift import ChunkShift
-from .static import EAGER_STEPS, LayerHook, StaticFusion, compiled_steps
+from .static import EAGER_STEPS, LayerHook, compiled_steps, static_fusion
 from .static_graph import GRAPHS, FusionGraphs
 
 __all__ = [
@@ -191,21 +191,19 @@ class Fusor:
     def _fuse_static(self, route: FusionRoute) -> FusionResult:
         """``route`` by the static steps (its plan and selection as routed)."""
         started = time.perf_counter()
-        request, plan, weights = route.request, route.plan, self.weights
-        assert route.selection is not None and weights is not None
+        request, plan = route.request, route.plan
         provider = request.kv_provider or DirectLayerKV(kv_sources(request.segments))
-        shifts = request.method.shifts_chunks() and bool(plan.chunk_spans())
-        fusion = StaticFusion(
+        fusion = static_fusion(
             self.model,
-            weights,
             plan,
-            route.selection,
+            request.method,
             provider,
             request.extra_capacity,
-            shifts,
             self.layer_hook,
             self.steps,
+            route.selection,
         )
+        assert fusion is not None  # routed here only with packed weights and a static selection
         try:
             logits, selected, cache = fusion.run() if self.graphs is None else self.graphs.run(fusion)
         finally:

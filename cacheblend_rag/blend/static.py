@@ -412,13 +412,16 @@ def static_fusion(
     extra_capacity: int = 0,
     hook: LayerHook | None = None,
     steps: Steps = EAGER_STEPS,
+    selection: StaticSelection | None = None,
 ) -> StaticFusion | None:
-    """A static fusion of ``plan`` with ``method``, or None where the model's layers or the method's
-    selection need the module-by-module path."""
+    """A static fusion of ``plan`` with ``method`` (``selection``: the method's static selection, when
+    the caller built it already), or None where the model's layers or the method's selection need the
+    module-by-module path."""
     weights = fused_weights(model)
     if weights is None:
         return None
-    selection = method.static_selection(plan, model.num_layers)
+    if selection is None:
+        selection = method.static_selection(plan, model.num_layers)
     if selection is None:
         return None
     shifts = method.shifts_chunks() and bool(plan.chunk_spans())

@@ -51,7 +51,6 @@ class DecodeRow:
         emit: Callable[[TokenEvent], None] | None = None,
     ) -> None:
         self.admitted = admitted
-        self.segments = admitted.request.segments
         self.sampling = sampling = admitted.request.sampling
         self.max_tokens = max_tokens = admitted.max_tokens
         self.prompt_tokens = admitted.request.prompt_tokens

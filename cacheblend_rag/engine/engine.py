@@ -312,7 +312,7 @@ class Engine(PromptSegments, Submitting):
         alone. If fusing them together fails (bad input, corrupt KV), they are fused one at a time, so
         one request's problem stays its own: each request's result or exception, in order."""
         try:
-            return list(self._fuse_retrying(requests, rounds))
+            return self._fuse_retrying(requests, rounds)
         except Exception as exc:  # each request is retried alone below and fails on its own
             if len(requests) == 1:
                 return [exc]
@@ -336,19 +336,20 @@ class Engine(PromptSegments, Submitting):
 
     def _fuse_routes(self, requests: Sequence[FusionRequest], rounds: bool) -> list[FusionResult]:
         routes = [self.fusor.route(request) for request in requests]
+        # rounds are a layer-pass feature: the requests on the layer passes, when two or more
+        rounded = [i for i, route in enumerate(routes) if rounds and not route.static]
+        rounded = rounded if len(rounded) > 1 else []
+        own = [i for i in range(len(routes)) if i not in rounded]
         results: dict[int, FusionResult] = {}
-        alone = list(range(len(routes)))
         with self.forward_lock:
-            layered = [i for i in alone if not routes[i].static]
-            if rounds and len(layered) > 1:
+            if rounded:
                 # no loader per request here: fuse_round makes one for each blend it runs and for each
                 # request fused on its own (a round's members read nothing of their own)
-                rounded = fuse_round(self.fusor, [routes[i] for i in layered], self._loader)
-                results.update(zip(layered, rounded, strict=True))
-                alone = [i for i in alone if routes[i].static]
-            if alone:
-                fused = self.fusor.fuse_routes([self._with_loader(routes[i]) for i in alone])
-                results.update(zip(alone, fused, strict=True))
+                fused = fuse_round(self.fusor, [routes[i] for i in rounded], self._loader)
+                results.update(zip(rounded, fused, strict=True))
+            if own:
+                fused = self.fusor.fuse_routes([self._with_loader(routes[i]) for i in own])
+                results.update(zip(own, fused, strict=True))
         return [results[i] for i in range(len(routes))]
 
     def _with_loader(self, route: FusionRoute) -> FusionRoute:
